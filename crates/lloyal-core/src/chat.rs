@@ -1,0 +1,254 @@
+//! Chat templates: real Jinja rendering (minijinja) of the template stored
+//! in the GGUF, or of a named built-in one. Hugging Face templates call
+//! Python string methods (`.strip()`, `.startswith()` ...), which minijinja's
+//! Python-compatibility layer provides.
+
+use minijinja::{Environment, Error as JinjaError, ErrorKind, Value};
+
+use crate::error::{Error, Result};
+use crate::model::Model;
+
+/// Built-in templates for models whose GGUF carries none (base models such
+/// as Gemma 3 270M), by name.
+pub const BUILTIN_TEMPLATES: &[(&str, &str)] = &[
+    (
+        "chatml",
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+         {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    ),
+    (
+        "gemma",
+        "{{ bos_token }}{% set ns = namespace(system='') %}{% for m in messages %}\
+         {% if m.role == 'system' %}{% set ns.system = ns.system + m.content + '\n\n' %}\
+         {% else %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n\
+         {{ (ns.system + m.content) if m.role == 'user' else m.content }}<end_of_turn>\n\
+         {% if m.role == 'user' %}{% set ns.system = '' %}{% endif %}{% endif %}{% endfor %}\
+         {% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
+    ),
+    (
+        "llama3",
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n\
+         {{ m.content | trim }}<|eot_id|>{% endfor %}\
+         {% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}",
+    ),
+    (
+        "phi3",
+        "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|end|>\n{% endfor %}\
+         {% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+    ),
+];
+
+/// Markers that end a turn in common templates; those that are single
+/// tokens of the model and appear in the template become stop tokens.
+const END_OF_TURN_MARKERS: &[&str] = &[
+    "<|im_end|>",
+    "<end_of_turn>",
+    "<|eot_id|>",
+    "<|end|>",
+    "<|endoftext|>",
+    "</s>",
+];
+
+/// A rendered prompt and the tokens that end the assistant's turn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatPrompt {
+    pub prompt: String,
+    pub stop_tokens: Vec<i32>,
+    /// Where the template came from: `"model"`, a built-in name, or `"custom"`.
+    pub template_source: String,
+}
+
+/// Resolve `template`: `None` means the model's own; a built-in name; or
+/// Jinja source. Returns (source text, where it came from).
+pub fn resolve_template<'a>(model: &'a Model, template: Option<&'a str>) -> Result<(&'a str, String)> {
+    match template {
+        None => model
+            .chat_template()
+            .map(|t| (t, "model".to_owned()))
+            .ok_or_else(|| {
+                let names: Vec<&str> = BUILTIN_TEMPLATES.iter().map(|(n, _)| *n).collect();
+                Error::Template(format!(
+                    "this model's GGUF has no chat template (it may be a base model); pass \
+                     template= with Jinja source or one of the built-in names {names:?}"
+                ))
+            }),
+        Some(name_or_source) => Ok(BUILTIN_TEMPLATES
+            .iter()
+            .find(|(n, _)| *n == name_or_source)
+            .map(|(n, src)| (*src, (*n).to_owned()))
+            .unwrap_or((name_or_source, "custom".to_owned()))),
+    }
+}
+
+fn environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    // Hugging Face renders chat templates with these two flags on.
+    if let Ok(syntax) = minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .build()
+    {
+        env.set_syntax(syntax);
+    }
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |msg: String| -> std::result::Result<Value, JinjaError> {
+        Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+    });
+    env.add_function("strftime_now", |fmt: String| -> String {
+        strftime_now(&fmt)
+    });
+    env
+}
+
+/// Enough of `strftime` for the date lines that templates print.
+fn strftime_now(fmt: &str) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let days = (secs / 86_400) as i64;
+    // Civil-from-days (Howard Hinnant), proleptic Gregorian calendar.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    const MONTHS: [&str; 12] = [
+        "January", "February", "March", "April", "May", "June", "July", "August", "September",
+        "October", "November", "December",
+    ];
+    let month_name = MONTHS[(month - 1) as usize];
+    fmt.replace("%Y", &year.to_string())
+        .replace("%m", &format!("{month:02}"))
+        .replace("%d", &format!("{day:02}"))
+        .replace("%B", month_name)
+        .replace("%b", &month_name[..3])
+}
+
+/// Whether `source` parses as a Jinja template.
+pub fn validate_template(source: &str) -> bool {
+    environment().template_from_str(source).is_ok()
+}
+
+/// Render `source` with `messages` (JSON array of message objects) and any
+/// extra variables (JSON object, may be `null`).
+pub fn render(
+    model: &Model,
+    source: &str,
+    messages_json: &str,
+    add_generation_prompt: bool,
+    extra_json: Option<&str>,
+) -> Result<String> {
+    let messages: serde_json::Value = serde_json::from_str(messages_json)
+        .map_err(|e| Error::InvalidArgument(format!("messages are not valid JSON: {e}")))?;
+    if !messages.is_array() {
+        return Err(Error::InvalidArgument("messages must be a list of dicts".into()));
+    }
+    let mut vars = match extra_json {
+        Some(extra) => match serde_json::from_str(extra) {
+            Ok(serde_json::Value::Object(map)) => map,
+            Ok(serde_json::Value::Null) => serde_json::Map::new(),
+            _ => {
+                return Err(Error::InvalidArgument(
+                    "template variables must be a JSON object".into(),
+                ))
+            }
+        },
+        None => serde_json::Map::new(),
+    };
+    let special_text = |t: Option<i32>| {
+        t.and_then(|t| model.token_bytes(t, true).ok())
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    };
+    vars.entry("bos_token")
+        .or_insert_with(|| special_text(model.bos_token()).into());
+    vars.entry("eos_token")
+        .or_insert_with(|| special_text(Some(model.eog_token())).into());
+    vars.insert("messages".into(), messages);
+    vars.insert("add_generation_prompt".into(), add_generation_prompt.into());
+    let env = environment();
+    let template = env
+        .template_from_str(source)
+        .map_err(|e| Error::Template(format!("template does not parse: {e:#}")))?;
+    template
+        .render(Value::from(minijinja::value::Serde(&vars)))
+        .map_err(|e| Error::Template(format!("template failed to render: {e:#}")))
+}
+
+/// Render a conversation and collect the tokens that end the turn.
+pub fn format_chat(
+    model: &Model,
+    template: Option<&str>,
+    messages_json: &str,
+    add_generation_prompt: bool,
+    extra_json: Option<&str>,
+) -> Result<ChatPrompt> {
+    let (source, origin) = resolve_template(model, template)?;
+    let prompt = render(model, source, messages_json, add_generation_prompt, extra_json)?;
+    let mut stop_tokens = vec![model.eog_token()];
+    for marker in END_OF_TURN_MARKERS {
+        if source.contains(marker) {
+            if let Some(t) = model.single_token(marker) {
+                if !stop_tokens.contains(&t) {
+                    stop_tokens.push(t);
+                }
+            }
+        }
+    }
+    stop_tokens.retain(|&t| t >= 0);
+    Ok(ChatPrompt {
+        prompt,
+        stop_tokens,
+        template_source: origin,
+    })
+}
+
+/// The tokens a template writes after an assistant message (e.g. ChatML's
+/// `<|im_end|>\n`): what to append to close a generated turn before adding
+/// the next user message to a live sequence. Falls back to the EOG token.
+pub fn turn_separator(model: &Model, template: Option<&str>) -> Result<Vec<i32>> {
+    const SENTINEL: &str = "LLOYALSENTINEL";
+    let fallback = vec![model.eog_token()];
+    let Ok((source, _)) = resolve_template(model, template) else {
+        return Ok(fallback);
+    };
+    let messages = serde_json::json!([
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": SENTINEL},
+    ])
+    .to_string();
+    let Ok(rendered) = render(model, source, &messages, false, None) else {
+        return Ok(fallback);
+    };
+    let Some(at) = rendered.rfind(SENTINEL) else {
+        return Ok(fallback);
+    };
+    let tail = &rendered[at + SENTINEL.len()..];
+    let tokens = model.tokenize(tail, Some(false), true)?;
+    Ok(if tokens.is_empty() { fallback } else { tokens })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtin_templates_parse() {
+        for (name, src) in BUILTIN_TEMPLATES {
+            assert!(validate_template(src), "{name} does not parse");
+        }
+        assert!(!validate_template("{% for %}"));
+    }
+
+    #[test]
+    fn strftime_formats_a_date() {
+        let s = strftime_now("%d %B %Y");
+        assert_eq!(s.len() >= 10, true, "{s}");
+        assert!(s.chars().last().unwrap().is_ascii_digit());
+    }
+}

@@ -1,0 +1,592 @@
+//! A llama.cpp context driven by one worker thread.
+//!
+//! llama.cpp contexts are not thread-safe, so the worker thread owns the
+//! context and its batch; everything else sends it [`Job`]s over a channel
+//! and gets the result through a reply callback. The worker drains whatever
+//! is pending before it runs, so bursts of requests are handled together.
+//! Cheap reads (the last logits, positions, statistics) are mirrored into
+//! [`Shared`] so callers never wait behind a running decode to read them.
+
+use std::num::NonZeroU32;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender};
+use llama_cpp_2::context::params::LlamaContextParams;
+use llama_cpp_2::context::LlamaContext;
+use llama_cpp_2::llama_batch::LlamaBatch;
+use llama_cpp_2::token::LlamaToken;
+use llama_cpp_2::DecodeError;
+
+use crate::backend::{backend, CONTEXT_CREATION};
+use crate::error::{invalid, Error, Result};
+use crate::metrics::{self, Base};
+use crate::model::Model;
+use crate::params::ContextParams;
+use crate::sampling::{Sampler, SamplingParams};
+
+/// How a job's result is handed back. Called exactly once, on the worker
+/// thread; it must not block for long (it only completes a future).
+pub type Reply<T> = Box<dyn FnOnce(Result<T>) + Send + 'static>;
+
+enum Job {
+    Decode {
+        tokens: Vec<i32>,
+        pos: i32,
+        seq: i32,
+        reply: Reply<()>,
+    },
+    Close {
+        reply: Reply<()>,
+    },
+}
+
+impl Job {
+    fn fail(self, error: Error) {
+        match self {
+            Job::Decode { reply, .. } | Job::Close { reply } => reply(Err(error)),
+        }
+    }
+}
+
+/// Counters a user can reason with; tests use them to prove batching.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Stats {
+    /// Calls to `llama_decode`.
+    pub decode_calls: u64,
+    /// Tokens submitted to `llama_decode`.
+    pub tokens_decoded: u64,
+    /// Wall time spent inside `llama_decode`, in seconds.
+    pub decode_seconds: f64,
+}
+
+#[derive(Default)]
+struct StatCounters {
+    decode_calls: AtomicU64,
+    tokens_decoded: AtomicU64,
+    decode_micros: AtomicU64,
+}
+
+/// State the worker publishes for callers on other threads.
+struct Shared {
+    closed: AtomicBool,
+    stats: StatCounters,
+    /// Largest position per sequence, mirrored after every KV change.
+    pos_max: Vec<AtomicI32>,
+    /// Logits of the last decoded token (the context's "current" logits).
+    logits: Mutex<Option<Arc<[f32]>>>,
+    /// The flat loop's sampler: its penalty history persists across calls.
+    sampler: Mutex<Option<Sampler>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding these locks cannot leave their plain data
+    // half-written, so a poisoned lock is still safe to use.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A handle to a context. Dropping it closes the context (without waiting).
+pub struct Context {
+    model: Arc<Model>,
+    params: ContextParams,
+    sender: Mutex<Option<Sender<Job>>>,
+    shared: Arc<Shared>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("model", &self.model.info().name)
+            .field("params", &self.params)
+            .field("closed", &self.is_closed())
+            .finish()
+    }
+}
+
+impl Context {
+    /// Load the model and create the context on a new worker thread.
+    /// `on_ready` is called from that thread with the handle or the error.
+    pub fn open(model_path: PathBuf, params: ContextParams, on_ready: Reply<Context>) {
+        if let Err(e) = params.validate() {
+            on_ready(Err(e));
+            return;
+        }
+        let spawned = std::thread::Builder::new()
+            .name("lloyal-worker".into())
+            .spawn(move || {
+                let mut on_ready = Some(on_ready);
+                let outcome = catch_unwind(AssertUnwindSafe(|| {
+                    worker_main(model_path, params, &mut on_ready)
+                }));
+                if let Err(panic) = outcome {
+                    if let Some(ready) = on_ready.take() {
+                        ready(Err(Error::from_panic(panic)));
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            // `on_ready` moved into the closure that failed to spawn; the
+            // OS refused a thread, which only happens under exhaustion.
+            eprintln!("lloyal: could not start a worker thread: {e}");
+        }
+    }
+
+    /// Blocking [`Context::open`], for Rust callers and tests.
+    pub fn open_blocking(model_path: impl Into<PathBuf>, params: ContextParams) -> Result<Context> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        Context::open(
+            model_path.into(),
+            params,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        rx.recv()
+            .map_err(|_| Error::Internal("worker exited before reporting".into()))?
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    pub fn params(&self) -> &ContextParams {
+        &self.params
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.shared.closed.load(Ordering::Acquire)
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.is_closed() {
+            Err(Error::ContextClosed)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn submit(&self, job: Job) {
+        let sender = lock(&self.sender).clone();
+        match sender {
+            Some(tx) if !self.is_closed() => {
+                if let Err(crossbeam_channel::SendError(job)) = tx.send(job) {
+                    job.fail(Error::ContextClosed);
+                }
+            }
+            _ => job.fail(Error::ContextClosed),
+        }
+    }
+
+    /// Decode `tokens` into sequence `seq` starting at `pos`, which must
+    /// continue the sequence (`kv_seq_pos_max(seq) + 1`). Inputs longer than
+    /// `n_batch` are split across several `llama_decode` calls; if any of
+    /// them fails, what this call added to the KV cache is removed again.
+    pub fn decode(&self, tokens: Vec<i32>, pos: i32, seq: i32, reply: Reply<()>) {
+        self.submit(Job::Decode {
+            tokens,
+            pos,
+            seq,
+            reply,
+        });
+    }
+
+    /// Blocking [`Context::decode`].
+    pub fn decode_blocking(&self, tokens: Vec<i32>, pos: i32, seq: i32) -> Result<()> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.decode(
+            tokens,
+            pos,
+            seq,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        rx.recv().map_err(|_| Error::ContextClosed)?
+    }
+
+    /// Close: queued jobs fail with [`Error::ContextClosed`], the llama.cpp
+    /// context is freed, then `reply` is called. Closing twice is a no-op.
+    pub fn close(&self, reply: Reply<()>) {
+        let was_closed = self.shared.closed.swap(true, Ordering::AcqRel);
+        let sender = lock(&self.sender).take();
+        match sender {
+            Some(tx) if !was_closed => {
+                if let Err(crossbeam_channel::SendError(job)) = tx.send(Job::Close { reply }) {
+                    // The worker is gone already (it panicked): nothing to free.
+                    if let Job::Close { reply } = job {
+                        reply(Ok(()));
+                    }
+                }
+            }
+            _ => reply(Ok(())),
+        }
+    }
+
+    /// Blocking [`Context::close`]: also waits for the worker thread to exit.
+    /// Do not call this from a thread the worker's reply callbacks need.
+    pub fn close_blocking(&self) {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.close(Box::new(move |r| {
+            let _ = tx.send(r);
+        }));
+        let _ = rx.recv();
+        if let Some(handle) = lock(&self.worker).take() {
+            let _ = handle.join();
+        }
+    }
+
+    /// Largest position held for `seq` (`-1` when empty).
+    pub fn kv_seq_pos_max(&self, seq: i32) -> Result<i32> {
+        self.check_open()?;
+        let slot = self.seq_slot(seq)?;
+        Ok(self.shared.pos_max[slot].load(Ordering::Acquire))
+    }
+
+    fn seq_slot(&self, seq: i32) -> Result<usize> {
+        usize::try_from(seq)
+            .ok()
+            .filter(|&s| s < self.shared.pos_max.len())
+            .ok_or_else(|| {
+                invalid(format!(
+                    "seq_id {seq} is out of range [0, {}) (n_seq_max)",
+                    self.shared.pos_max.len()
+                ))
+            })
+    }
+
+    /// A copy of the last decoded token's logits.
+    pub fn logits(&self) -> Result<Arc<[f32]>> {
+        self.check_open()?;
+        lock(&self.shared.logits).clone().ok_or_else(|| {
+            invalid("no logits yet: decode at least one token first")
+        })
+    }
+
+    /// Sample from `logits` (or the context's last logits) with the flat
+    /// loop's persistent sampler, reconfigured to `params` when they differ.
+    /// The sampled token enters the sampler's penalty history.
+    pub fn sample(&self, params: &SamplingParams, logits: Option<&[f32]>) -> Result<i32> {
+        self.check_open()?;
+        let current;
+        let logits = match logits {
+            Some(l) => {
+                self.check_logits_len(l)?;
+                l
+            }
+            None => {
+                current = self.logits()?;
+                &current
+            }
+        };
+        let mut guard = lock(&self.shared.sampler);
+        let sampler = match guard.as_mut() {
+            Some(s) => {
+                if s.params() != params {
+                    s.set_params(params.clone())?;
+                }
+                s
+            }
+            None => guard.insert(Sampler::new(params.clone())?),
+        };
+        sampler.sample(logits)
+    }
+
+    /// Forget the flat sampler's penalty history (and its RNG state).
+    pub fn reset_sampler(&self) {
+        *lock(&self.shared.sampler) = None;
+    }
+
+    pub fn check_logits_len(&self, logits: &[f32]) -> Result<()> {
+        let n = self.model.vocab_size() as usize;
+        if logits.len() != n {
+            return Err(invalid(format!(
+                "logits must have shape ({n},), got ({},)",
+                logits.len()
+            )));
+        }
+        Ok(())
+    }
+
+    fn logits_or_current(&self, logits: Option<&[f32]>) -> Result<Arc<[f32]>> {
+        match logits {
+            Some(l) => {
+                self.check_logits_len(l)?;
+                Ok(Arc::from(l))
+            }
+            None => self.logits(),
+        }
+    }
+
+    pub fn model_entropy(&self, base: Base, logits: Option<&[f32]>) -> Result<f64> {
+        metrics::entropy(&self.logits_or_current(logits)?, base)
+    }
+
+    pub fn model_surprisal(&self, token: i32, base: Base, logits: Option<&[f32]>) -> Result<f64> {
+        self.model.check_token(token)?;
+        metrics::surprisal(&self.logits_or_current(logits)?, token, base)
+    }
+
+    pub fn stats(&self) -> Stats {
+        let s = &self.shared.stats;
+        Stats {
+            decode_calls: s.decode_calls.load(Ordering::Relaxed),
+            tokens_decoded: s.tokens_decoded.load(Ordering::Relaxed),
+            decode_seconds: s.decode_micros.load(Ordering::Relaxed) as f64 / 1e6,
+        }
+    }
+
+    /// Model weights plus the KV cache at full size, in bytes. The KV part
+    /// is computed from the GGUF hyper-parameters (an estimate: llama.cpp
+    /// adds small compute buffers on top).
+    pub fn memory_size(&self) -> u64 {
+        self.model.info().size_bytes + self.kv_cache_bytes()
+    }
+
+    fn kv_cache_bytes(&self) -> u64 {
+        let m = &self.model.llama;
+        let arch = self.model.info().architecture.clone();
+        let meta_u64 = |key: &str| {
+            self.model
+                .meta(&format!("{arch}.{key}"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        };
+        let n_head = u64::from(m.n_head().max(1));
+        let head_dim = u64::from(self.model.info().n_embd) / n_head;
+        let k_len = meta_u64("attention.key_length").unwrap_or(head_dim);
+        let v_len = meta_u64("attention.value_length").unwrap_or(head_dim);
+        let n_head_kv = u64::from(m.n_head_kv());
+        let per_cell = u64::from(m.n_layer())
+            * n_head_kv
+            * (k_len as f64 * self.params.type_k.bytes_per_element()
+                + v_len as f64 * self.params.type_v.bytes_per_element()) as u64;
+        per_cell * u64::from(self.params.n_ctx)
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // Never join here: the worker may be waiting for the thread that
+        // drops us (e.g. for Python's GIL) to deliver a reply.
+        self.close(Box::new(|_| {}));
+    }
+}
+
+/// Everything the worker thread owns.
+struct Worker<'m> {
+    model: Arc<Model>,
+    ctx: LlamaContext<'m>,
+    batch: LlamaBatch<'static>,
+    n_batch: usize,
+    shared: Arc<Shared>,
+}
+
+fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option<Reply<Context>>) {
+    let model = match Model::load(&model_path, params.n_gpu_layers) {
+        Ok(m) => m,
+        Err(e) => {
+            if let Some(ready) = on_ready.take() {
+                ready(Err(e));
+            }
+            return;
+        }
+    };
+    let ctx = match create_llama_context(&model, &params) {
+        Ok(c) => c,
+        Err(e) => {
+            if let Some(ready) = on_ready.take() {
+                ready(Err(e));
+            }
+            return;
+        }
+    };
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let shared = Arc::new(Shared {
+        closed: AtomicBool::new(false),
+        stats: StatCounters::default(),
+        pos_max: (0..params.n_seq_max).map(|_| AtomicI32::new(-1)).collect(),
+        logits: Mutex::new(None),
+        sampler: Mutex::new(None),
+    });
+    let n_batch = params.n_batch as usize;
+    let handle = Context {
+        model: Arc::clone(&model),
+        params,
+        sender: Mutex::new(Some(tx)),
+        shared: Arc::clone(&shared),
+        worker: Mutex::new(None),
+    };
+    let mut worker = Worker {
+        model: Arc::clone(&model),
+        ctx,
+        batch: LlamaBatch::new(n_batch, 1),
+        n_batch,
+        shared,
+    };
+    if let Some(ready) = on_ready.take() {
+        ready(Ok(handle));
+    }
+    worker.run(&rx);
+}
+
+fn create_llama_context<'m>(model: &'m Model, params: &ContextParams) -> Result<LlamaContext<'m>> {
+    let threads = i32::try_from(params.effective_threads()).unwrap_or(1);
+    let cparams = LlamaContextParams::default()
+        .with_n_ctx(NonZeroU32::new(params.n_ctx))
+        .with_n_batch(params.n_batch)
+        .with_n_ubatch(params.n_batch)
+        .with_n_seq_max(params.n_seq_max)
+        .with_n_threads(threads)
+        .with_n_threads_batch(threads)
+        .with_embeddings(params.embeddings)
+        .with_pooling_type(params.pooling.to_llama())
+        .with_type_k(params.type_k.to_llama())
+        .with_type_v(params.type_v.to_llama())
+        // One KV pool for every sequence, so forks share their prefix cells.
+        .with_kv_unified(true)
+        // Sliding-window layers keep every cell, so sequences can be copied
+        // and trimmed at any position (Gemma 3 and other SWA models).
+        .with_swa_full(true);
+    let backend = backend()?;
+    let _guard = lock(&CONTEXT_CREATION);
+    model
+        .llama
+        .new_context(backend, cparams)
+        .map_err(|e| Error::ContextCreate(format!("{e} (n_ctx={}, n_batch={})", params.n_ctx, params.n_batch)))
+}
+
+impl Worker<'_> {
+    fn run(&mut self, rx: &Receiver<Job>) {
+        let mut pending = Vec::new();
+        while let Ok(first) = rx.recv() {
+            pending.push(first);
+            pending.extend(rx.try_iter());
+            for job in pending.drain(..) {
+                if let Job::Close { reply } = job {
+                    for rest in rx.try_iter() {
+                        rest.fail(Error::ContextClosed);
+                    }
+                    reply(Ok(()));
+                    return;
+                }
+                if self.shared.closed.load(Ordering::Acquire) {
+                    job.fail(Error::ContextClosed);
+                    continue;
+                }
+                self.execute(job);
+            }
+        }
+    }
+
+    fn execute(&mut self, job: Job) {
+        match job {
+            Job::Decode {
+                tokens,
+                pos,
+                seq,
+                reply,
+            } => {
+                let result = catch_unwind(AssertUnwindSafe(|| self.decode(&tokens, pos, seq)))
+                    .unwrap_or_else(|p| Err(Error::from_panic(p)));
+                reply(result);
+            }
+            Job::Close { .. } => unreachable!("handled by run"),
+        }
+    }
+
+    fn check_decode(&self, tokens: &[i32], pos: i32, seq: i32) -> Result<usize> {
+        if tokens.is_empty() {
+            return Err(invalid("cannot decode an empty token list"));
+        }
+        self.model.check_tokens(tokens)?;
+        let slot = usize::try_from(seq)
+            .ok()
+            .filter(|&s| s < self.shared.pos_max.len())
+            .ok_or_else(|| {
+                invalid(format!(
+                    "seq_id {seq} is out of range [0, {}) (n_seq_max)",
+                    self.shared.pos_max.len()
+                ))
+            })?;
+        if pos < 0 {
+            return Err(invalid(format!("position must be >= 0, got {pos}")));
+        }
+        let expected = self.ctx.kv_cache_seq_pos_max(seq) + 1;
+        if pos != expected {
+            return Err(invalid(format!(
+                "positions must continue sequence {seq}: next position is {expected}, got {pos} \
+                 (remove KV cells first to rewrite a range)"
+            )));
+        }
+        if i32::try_from(tokens.len())
+            .ok()
+            .and_then(|n| pos.checked_add(n))
+            .is_none()
+        {
+            return Err(invalid("positions overflow i32"));
+        }
+        Ok(slot)
+    }
+
+    fn decode(&mut self, tokens: &[i32], pos: i32, seq: i32) -> Result<()> {
+        let slot = self.check_decode(tokens, pos, seq)?;
+        let mut next = pos;
+        for (i, chunk) in tokens.chunks(self.n_batch).enumerate() {
+            let last_chunk = (i + 1) * self.n_batch >= tokens.len();
+            self.batch.clear();
+            for (j, &t) in chunk.iter().enumerate() {
+                let want_logits = last_chunk && j + 1 == chunk.len();
+                self.batch
+                    .add(LlamaToken(t), next, &[seq], want_logits)
+                    .map_err(|e| Error::Internal(format!("batch add: {e}")))?;
+                next += 1;
+            }
+            if let Err(e) = self.llama_decode(chunk.len()) {
+                // Leave the sequence exactly as it was before this call.
+                let _ = self
+                    .ctx
+                    .kv_cache_seq_rm(seq, u32::try_from(pos).ok(), None);
+                self.refresh_pos(slot, seq);
+                return Err(e);
+            }
+        }
+        let last = self.batch.n_tokens() - 1;
+        let logits: Arc<[f32]> = Arc::from(self.ctx.get_logits_ith(last));
+        *lock(&self.shared.logits) = Some(logits);
+        self.refresh_pos(slot, seq);
+        Ok(())
+    }
+
+    /// One `llama_decode` of the current batch, counted in the stats.
+    fn llama_decode(&mut self, n_tokens: usize) -> Result<()> {
+        let started = Instant::now();
+        let result = self.ctx.decode(&mut self.batch);
+        let stats = &self.shared.stats;
+        stats.decode_calls.fetch_add(1, Ordering::Relaxed);
+        stats
+            .decode_micros
+            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+        match result {
+            Ok(()) => {
+                stats
+                    .tokens_decoded
+                    .fetch_add(n_tokens as u64, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(DecodeError::NoKvCacheSlot) => Err(Error::KvCacheFull(format!(
+                "no room for {n_tokens} more tokens in a KV cache of n_ctx={} cells; \
+                 free cells (kv_cache_remove / prune) or create the context with a larger n_ctx",
+                self.ctx.n_ctx()
+            ))),
+            Err(e) => Err(Error::Decode(e.to_string())),
+        }
+    }
+
+    fn refresh_pos(&self, slot: usize, seq: i32) {
+        self.shared.pos_max[slot].store(self.ctx.kv_cache_seq_pos_max(seq), Ordering::Release);
+    }
+}

@@ -1,0 +1,57 @@
+//! The one error type of the engine. The Python bindings map each variant to
+//! one exception class in a single place (`lloyal-py/src/errors.rs`).
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in the engine.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// The model path does not exist.
+    #[error("model file not found: {0}")]
+    ModelNotFound(PathBuf),
+    /// The file exists but llama.cpp could not load it (not a GGUF, unsupported
+    /// architecture, truncated file...).
+    #[error("could not load model {path}: {reason}")]
+    ModelLoad { path: PathBuf, reason: String },
+    /// llama.cpp refused to create a context with these parameters.
+    #[error("could not create context: {0}")]
+    ContextCreate(String),
+    /// The context was closed; nothing more can run on it.
+    #[error("the context is closed")]
+    ContextClosed,
+    /// A caller passed a value the API does not accept (maps to `ValueError`).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// `llama_decode` failed for a reason other than a full KV cache.
+    #[error("decode failed: {0}")]
+    Decode(String),
+    /// No free KV cell slot for the batch (llama_decode returned 1).
+    #[error("KV cache is full: {0}")]
+    KvCacheFull(String),
+    /// A chat template could not be found, parsed or rendered.
+    #[error("chat template error: {0}")]
+    Template(String),
+    /// A panic inside the engine, caught before it could cross into Python.
+    #[error("internal error (please report): {0}")]
+    Internal(String),
+}
+
+/// Result alias used across the engine.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// Build an [`Error::Internal`] from a caught panic payload.
+    pub fn from_panic(payload: Box<dyn std::any::Any + Send>) -> Self {
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_owned());
+        Error::Internal(message)
+    }
+}
+
+/// Shorthand for an [`Error::InvalidArgument`].
+pub(crate) fn invalid(message: impl Into<String>) -> Error {
+    Error::InvalidArgument(message.into())
+}

@@ -1,0 +1,35 @@
+//! # lloyal-core
+//!
+//! The engine behind the `lloyal` Python package: llama.cpp (through
+//! `llama-cpp-2`) driven by one worker thread per context, with sampling,
+//! entropy and perplexity computed in Rust on copies of the logits.
+//!
+//! ```no_run
+//! use lloyal_core::{Context, ContextParams, SamplingParams, Sampler};
+//!
+//! let ctx = Context::open_blocking("model.gguf", ContextParams::default())?;
+//! let prompt = ctx.model().tokenize("The capital of France is", None, false)?;
+//! ctx.decode_blocking(prompt.clone(), 0, 0)?;
+//! let mut sampler = Sampler::new(SamplingParams::greedy())?;
+//! let next = sampler.sample(&ctx.logits()?)?;
+//! println!("{}", ctx.model().detokenize(&[next], false)?);
+//! ctx.close_blocking();
+//! # Ok::<(), lloyal_core::Error>(())
+//! ```
+
+mod backend;
+pub mod chat;
+pub mod context;
+pub mod error;
+pub mod metrics;
+pub mod model;
+pub mod params;
+pub mod sampling;
+
+pub use backend::supports_gpu_offload;
+pub use context::{Context, Reply, Stats};
+pub use error::{Error, Result};
+pub use metrics::{Base, PerplexityTracker};
+pub use model::{Model, ModelInfo};
+pub use params::{ContextParams, KvType, Pooling};
+pub use sampling::{Sampler, SamplingParams};

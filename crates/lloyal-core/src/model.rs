@@ -1,0 +1,241 @@
+//! A loaded GGUF model: weights plus the vocabulary facts every other module
+//! needs (vocab size, stop tokens, BOS flag, chat template). A `Model` is
+//! shared (`Arc`) between the worker that decodes and the threads that
+//! tokenize, which llama.cpp allows: the model is read-only after load.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use llama_cpp_2::model::params::LlamaModelParams;
+use llama_cpp_2::model::LlamaModel;
+use llama_cpp_2::token::LlamaToken;
+
+use crate::backend::backend;
+use crate::error::{invalid, Error, Result};
+
+/// Facts about a model, read once at load time.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelInfo {
+    pub path: PathBuf,
+    pub name: String,
+    pub architecture: String,
+    pub n_params: u64,
+    pub size_bytes: u64,
+    pub n_ctx_train: u32,
+    pub n_embd: u32,
+    pub n_layer: u32,
+    pub vocab_size: u32,
+    pub has_chat_template: bool,
+}
+
+/// A loaded model. Cheap to share; see the module docs.
+pub struct Model {
+    pub(crate) llama: LlamaModel,
+    info: ModelInfo,
+    chat_template: Option<String>,
+    is_eog: Vec<bool>,
+    eog_token: i32,
+    bos_token: Option<i32>,
+    add_bos: bool,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("info", &self.info).finish()
+    }
+}
+
+const GGUF_MAGIC: &[u8; 4] = b"GGUF";
+
+impl Model {
+    /// Load a GGUF file. `n_gpu_layers < 0` offloads every layer that the
+    /// build can offload (none on a CPU-only build).
+    pub fn load(path: impl AsRef<Path>, n_gpu_layers: i32) -> Result<Arc<Model>> {
+        let path = path.as_ref().to_path_buf();
+        check_gguf_file(&path)?;
+        let backend = backend()?;
+        let layers = u32::try_from(n_gpu_layers).unwrap_or(u32::MAX >> 1);
+        let params = LlamaModelParams::default().with_n_gpu_layers(layers);
+        let llama =
+            LlamaModel::load_from_file(backend, &path, &params).map_err(|e| Error::ModelLoad {
+                path: path.clone(),
+                reason: format!(
+                    "llama.cpp rejected the file ({e}); it may be truncated or use an unsupported architecture"
+                ),
+            })?;
+        Ok(Arc::new(Self::from_llama(llama, path)))
+    }
+
+    fn from_llama(llama: LlamaModel, path: PathBuf) -> Self {
+        let vocab = llama.vocab();
+        let vocab_size = u32::try_from(vocab.n_tokens()).unwrap_or(0);
+        let is_eog: Vec<bool> = (0..vocab.n_tokens())
+            .map(|t| vocab.is_eog(LlamaToken(t)))
+            .collect();
+        let eot = vocab.eot().0;
+        let eos = vocab.eos().0;
+        let in_vocab = |t: i32| t >= 0 && (t as u32) < vocab_size;
+        let eog_token = if in_vocab(eot) && is_eog[eot as usize] {
+            eot
+        } else if in_vocab(eos) {
+            eos
+        } else {
+            is_eog.iter().position(|&e| e).map_or(-1, |i| i as i32)
+        };
+        let bos = vocab.bos().0;
+        let bos_token = in_vocab(bos).then_some(bos);
+        let add_bos = vocab.should_add_bos();
+        let chat_template = llama
+            .chat_template(None)
+            .ok()
+            .and_then(|t| t.to_string().ok())
+            .filter(|t| !t.trim().is_empty());
+        let meta = |key: &str| llama.meta_val_str(key).unwrap_or_default();
+        let architecture = meta("general.architecture");
+        let name = meta("general.name");
+        let info = ModelInfo {
+            path,
+            name,
+            architecture,
+            n_params: llama.n_params(),
+            size_bytes: llama.size(),
+            n_ctx_train: llama.n_ctx_train(),
+            n_embd: u32::try_from(llama.n_embd()).unwrap_or(0),
+            n_layer: llama.n_layer(),
+            vocab_size,
+            has_chat_template: chat_template.is_some(),
+        };
+        Model {
+            llama,
+            info,
+            chat_template,
+            is_eog,
+            eog_token,
+            bos_token,
+            add_bos,
+        }
+    }
+
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    pub fn vocab_size(&self) -> u32 {
+        self.info.vocab_size
+    }
+
+    /// The Jinja chat template stored in the GGUF, if any.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// The token that ends generation (EOT where the model has one, else EOS).
+    pub fn eog_token(&self) -> i32 {
+        self.eog_token
+    }
+
+    pub fn bos_token(&self) -> Option<i32> {
+        self.bos_token
+    }
+
+    /// Whether tokenizing with `add_special` prepends BOS for this model.
+    pub fn add_bos(&self) -> bool {
+        self.add_bos
+    }
+
+    /// Whether `token` ends generation (any end-of-generation token).
+    pub fn is_stop_token(&self, token: i32) -> Result<bool> {
+        self.check_token(token)?;
+        Ok(self.is_eog[token as usize])
+    }
+
+    /// A GGUF metadata value as a string, if the key exists.
+    pub fn meta(&self, key: &str) -> Option<String> {
+        self.llama.meta_val_str(key).ok()
+    }
+
+    /// Fail with `InvalidArgument` unless `token` is in `[0, vocab_size)`.
+    /// Every entry point that hands a token to llama.cpp calls this first:
+    /// llama.cpp indexes its tables unchecked (or throws across the FFI).
+    pub fn check_token(&self, token: i32) -> Result<()> {
+        if token < 0 || token as u32 >= self.info.vocab_size {
+            return Err(invalid(format!(
+                "token id {token} is out of range [0, {})",
+                self.info.vocab_size
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn check_tokens(&self, tokens: &[i32]) -> Result<()> {
+        tokens.iter().try_for_each(|&t| self.check_token(t))
+    }
+
+    /// Tokenize `text`. `add_special = None` follows the model's BOS flag.
+    pub fn tokenize(
+        &self,
+        text: &str,
+        add_special: Option<bool>,
+        parse_special: bool,
+    ) -> Result<Vec<i32>> {
+        if text.len() > (i32::MAX / 2) as usize {
+            return Err(invalid("text is too long to tokenize"));
+        }
+        let add_special = add_special.unwrap_or(self.add_bos);
+        let tokens = self
+            .llama
+            .vocab()
+            .tokenize(text.as_bytes(), add_special, parse_special);
+        Ok(tokens.into_iter().map(|t| t.0).collect())
+    }
+
+    /// Detokenize to a string. Invalid UTF-8 (a sequence cut inside a
+    /// character) is replaced with U+FFFD rather than raising.
+    pub fn detokenize(&self, tokens: &[i32], render_special: bool) -> Result<String> {
+        self.check_tokens(tokens)?;
+        if tokens.is_empty() {
+            return Ok(String::new());
+        }
+        let tokens: Vec<LlamaToken> = tokens.iter().map(|&t| LlamaToken(t)).collect();
+        let bytes = self
+            .llama
+            .vocab()
+            .detokenize(&tokens, false, render_special);
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// The raw bytes of one token's text (may be part of a UTF-8 sequence).
+    pub fn token_bytes(&self, token: i32, render_special: bool) -> Result<Vec<u8>> {
+        self.check_token(token)?;
+        Ok(self
+            .llama
+            .vocab()
+            .token_to_piece(LlamaToken(token), render_special, None))
+    }
+
+    /// The text of `text` when it is exactly one token, else `None`.
+    pub fn single_token(&self, text: &str) -> Option<i32> {
+        match self.tokenize(text, Some(false), true).ok()?.as_slice() {
+            [t] => Some(*t),
+            _ => None,
+        }
+    }
+}
+
+/// Check the path before llama.cpp sees it: a missing file or a non-GGUF file
+/// gets a precise error instead of llama.cpp's generic failure.
+fn check_gguf_file(path: &Path) -> Result<()> {
+    if !path.is_file() {
+        return Err(Error::ModelNotFound(path.to_path_buf()));
+    }
+    let mut magic = [0u8; 4];
+    let read = std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic));
+    if read.is_err() || &magic != GGUF_MAGIC {
+        return Err(Error::ModelLoad {
+            path: path.to_path_buf(),
+            reason: "not a GGUF file (missing GGUF magic bytes)".to_owned(),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,181 @@
+//! Context creation parameters, validated before llama.cpp sees them.
+
+use llama_cpp_2::context::params::{KvCacheType, LlamaPoolingType};
+
+use crate::error::{invalid, Result};
+
+/// The most sequences (KV leases) llama.cpp supports in one context.
+pub const MAX_SEQUENCES: u32 = 256;
+
+/// How an embedding context pools token embeddings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooling {
+    None,
+    Mean,
+    Cls,
+    Last,
+    Rank,
+}
+
+impl std::str::FromStr for Pooling {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "none" => Pooling::None,
+            "mean" => Pooling::Mean,
+            "cls" => Pooling::Cls,
+            "last" => Pooling::Last,
+            "rank" => Pooling::Rank,
+            other => {
+                return Err(invalid(format!(
+                    "pooling must be one of none, mean, cls, last, rank; got {other:?}"
+                )))
+            }
+        })
+    }
+}
+
+impl Pooling {
+    pub(crate) fn to_llama(self) -> LlamaPoolingType {
+        match self {
+            Pooling::None => LlamaPoolingType::None,
+            Pooling::Mean => LlamaPoolingType::Mean,
+            Pooling::Cls => LlamaPoolingType::Cls,
+            Pooling::Last => LlamaPoolingType::Last,
+            Pooling::Rank => LlamaPoolingType::Rank,
+        }
+    }
+}
+
+/// Element type of the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvType {
+    F32,
+    F16,
+    Bf16,
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Iq4Nl,
+    Q5_0,
+    Q5_1,
+}
+
+impl std::str::FromStr for KvType {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "f32" => KvType::F32,
+            "f16" => KvType::F16,
+            "bf16" => KvType::Bf16,
+            "q8_0" => KvType::Q8_0,
+            "q4_0" => KvType::Q4_0,
+            "q4_1" => KvType::Q4_1,
+            "iq4_nl" => KvType::Iq4Nl,
+            "q5_0" => KvType::Q5_0,
+            "q5_1" => KvType::Q5_1,
+            other => {
+                return Err(invalid(format!(
+                    "KV cache type must be one of f32 f16 bf16 q8_0 q4_0 q4_1 iq4_nl q5_0 q5_1; got {other:?}"
+                )))
+            }
+        })
+    }
+}
+
+impl KvType {
+    pub(crate) fn to_llama(self) -> KvCacheType {
+        match self {
+            KvType::F32 => KvCacheType::F32,
+            KvType::F16 => KvCacheType::F16,
+            KvType::Bf16 => KvCacheType::BF16,
+            KvType::Q8_0 => KvCacheType::Q8_0,
+            KvType::Q4_0 => KvCacheType::Q4_0,
+            KvType::Q4_1 => KvCacheType::Q4_1,
+            KvType::Iq4Nl => KvCacheType::IQ4_NL,
+            KvType::Q5_0 => KvCacheType::Q5_0,
+            KvType::Q5_1 => KvCacheType::Q5_1,
+        }
+    }
+
+    /// Bytes per element (block size amortised for quantised types).
+    pub(crate) fn bytes_per_element(self) -> f64 {
+        match self {
+            KvType::F32 => 4.0,
+            KvType::F16 | KvType::Bf16 => 2.0,
+            KvType::Q8_0 => 34.0 / 32.0,
+            KvType::Q4_0 | KvType::Iq4Nl => 18.0 / 32.0,
+            KvType::Q4_1 => 20.0 / 32.0,
+            KvType::Q5_0 => 22.0 / 32.0,
+            KvType::Q5_1 => 24.0 / 32.0,
+        }
+    }
+}
+
+/// Everything `create_context` accepts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ContextParams {
+    pub n_ctx: u32,
+    pub n_batch: u32,
+    pub n_seq_max: u32,
+    /// `None` uses every core the process may run on.
+    pub n_threads: Option<u32>,
+    pub embeddings: bool,
+    pub pooling: Pooling,
+    pub type_k: KvType,
+    pub type_v: KvType,
+    /// `-1` offloads all layers the build can, `0` none.
+    pub n_gpu_layers: i32,
+}
+
+impl Default for ContextParams {
+    fn default() -> Self {
+        Self {
+            n_ctx: 2048,
+            n_batch: 512,
+            n_seq_max: 1,
+            n_threads: None,
+            embeddings: false,
+            pooling: Pooling::Mean,
+            type_k: KvType::F16,
+            type_v: KvType::F16,
+            n_gpu_layers: -1,
+        }
+    }
+}
+
+impl ContextParams {
+    pub fn validate(&self) -> Result<()> {
+        if self.n_ctx < 8 {
+            return Err(invalid(format!("n_ctx must be >= 8, got {}", self.n_ctx)));
+        }
+        if self.n_batch == 0 {
+            return Err(invalid("n_batch must be >= 1"));
+        }
+        if self.n_seq_max == 0 || self.n_seq_max > MAX_SEQUENCES {
+            return Err(invalid(format!(
+                "n_seq_max must be in [1, {MAX_SEQUENCES}], got {}",
+                self.n_seq_max
+            )));
+        }
+        if self.n_threads == Some(0) {
+            return Err(invalid("n_threads must be >= 1 (or None for the default)"));
+        }
+        if self.n_gpu_layers < -1 {
+            return Err(invalid(format!(
+                "n_gpu_layers must be >= -1, got {}",
+                self.n_gpu_layers
+            )));
+        }
+        Ok(())
+    }
+
+    /// The thread count used when `n_threads` is `None`.
+    pub fn effective_threads(&self) -> u32 {
+        self.n_threads.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| u32::try_from(n.get()).unwrap_or(1))
+                .unwrap_or(1)
+        })
+    }
+}

@@ -1,0 +1,289 @@
+//! `lloyal._lloyal.NativeContext`: the context handle. Conversions and GIL
+//! handling only; the engine lives in `lloyal_core::Context`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use lloyal_core::{chat, Base, Context, ContextParams, KvType, Pooling};
+use numpy::{PyArray1, PyReadonlyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::errors::IntoPyResult;
+use crate::reply::{none, py_reply};
+use crate::sampling::params_from_py;
+
+#[pyclass(name = "NativeContext", module = "lloyal._lloyal", frozen)]
+pub struct PyContext {
+    inner: Arc<Context>,
+}
+
+fn parse<T: std::str::FromStr<Err = lloyal_core::Error>>(s: &str) -> PyResult<T> {
+    s.parse().py_err()
+}
+
+fn wrap_context(py: Python<'_>, ctx: Context) -> PyResult<Py<PyAny>> {
+    Ok(Py::new(py, PyContext { inner: Arc::new(ctx) })?.into_any())
+}
+
+impl PyContext {
+    fn logits_arg<'a>(logits: &'a Option<PyReadonlyArray1<'_, f32>>) -> PyResult<Option<&'a [f32]>> {
+        logits
+            .as_ref()
+            .map(|a| a.as_slice().map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string())))
+            .transpose()
+    }
+}
+
+#[pymethods]
+impl PyContext {
+    /// Load the model and create the context on a new worker thread, then
+    /// call ``done(error, context)`` from that thread.
+    #[staticmethod]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (model_path, done, *, n_ctx, n_batch, n_seq_max, n_threads, embeddings, pooling, type_k, type_v, n_gpu_layers))]
+    fn open(
+        model_path: PathBuf,
+        done: Py<PyAny>,
+        n_ctx: u32,
+        n_batch: u32,
+        n_seq_max: u32,
+        n_threads: Option<u32>,
+        embeddings: bool,
+        pooling: &str,
+        type_k: &str,
+        type_v: &str,
+        n_gpu_layers: i32,
+    ) -> PyResult<()> {
+        let params = ContextParams {
+            n_ctx,
+            n_batch,
+            n_seq_max,
+            n_threads,
+            embeddings,
+            pooling: parse::<Pooling>(pooling)?,
+            type_k: parse::<KvType>(type_k)?,
+            type_v: parse::<KvType>(type_v)?,
+            n_gpu_layers,
+        };
+        params.validate().py_err()?;
+        Context::open(model_path, params, py_reply(done, wrap_context));
+        Ok(())
+    }
+
+    fn decode(&self, tokens: Vec<i32>, pos: i32, seq_id: i32, done: Py<PyAny>) {
+        self.inner.decode(tokens, pos, seq_id, py_reply(done, none));
+    }
+
+    fn close(&self, done: Py<PyAny>) {
+        self.inner.close(py_reply(done, none));
+    }
+
+    /// Close and wait for the worker thread (GIL released meanwhile).
+    fn close_sync(&self, py: Python<'_>) {
+        let inner = Arc::clone(&self.inner);
+        py.detach(move || inner.close_blocking());
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+
+    #[getter]
+    fn vocab_size(&self) -> u32 {
+        self.inner.model().vocab_size()
+    }
+
+    #[getter]
+    fn n_ctx(&self) -> u32 {
+        self.inner.params().n_ctx
+    }
+
+    #[getter]
+    fn n_batch(&self) -> u32 {
+        self.inner.params().n_batch
+    }
+
+    #[getter]
+    fn n_seq_max(&self) -> u32 {
+        self.inner.params().n_seq_max
+    }
+
+    #[getter]
+    fn n_threads(&self) -> u32 {
+        self.inner.params().effective_threads()
+    }
+
+    #[getter]
+    fn embedding_dim(&self) -> u32 {
+        self.inner.model().info().n_embd
+    }
+
+    #[getter]
+    fn memory_size(&self) -> u64 {
+        self.inner.memory_size()
+    }
+
+    #[getter]
+    fn eog_token(&self) -> i32 {
+        self.inner.model().eog_token()
+    }
+
+    #[getter]
+    fn bos_token(&self) -> Option<i32> {
+        self.inner.model().bos_token()
+    }
+
+    #[getter]
+    fn chat_template(&self) -> Option<String> {
+        self.inner.model().chat_template().map(str::to_owned)
+    }
+
+    fn model_info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let info = self.inner.model().info();
+        let d = PyDict::new(py);
+        d.set_item("path", &info.path)?;
+        d.set_item("name", &info.name)?;
+        d.set_item("architecture", &info.architecture)?;
+        d.set_item("n_params", info.n_params)?;
+        d.set_item("size_bytes", info.size_bytes)?;
+        d.set_item("n_ctx_train", info.n_ctx_train)?;
+        d.set_item("n_embd", info.n_embd)?;
+        d.set_item("n_layer", info.n_layer)?;
+        d.set_item("vocab_size", info.vocab_size)?;
+        d.set_item("has_chat_template", info.has_chat_template)?;
+        Ok(d)
+    }
+
+    fn meta(&self, key: &str) -> Option<String> {
+        self.inner.model().meta(key)
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("decode_calls", s.decode_calls)?;
+        d.set_item("tokens_decoded", s.tokens_decoded)?;
+        d.set_item("decode_seconds", s.decode_seconds)?;
+        Ok(d)
+    }
+
+    #[pyo3(signature = (text, add_special, parse_special))]
+    fn tokenize(
+        &self,
+        py: Python<'_>,
+        text: &str,
+        add_special: Option<bool>,
+        parse_special: bool,
+    ) -> PyResult<Vec<i32>> {
+        let model = Arc::clone(self.inner.model());
+        let text = text.to_owned();
+        py.detach(move || model.tokenize(&text, add_special, parse_special))
+            .py_err()
+    }
+
+    #[pyo3(signature = (tokens, render_special))]
+    fn detokenize(&self, py: Python<'_>, tokens: Vec<i32>, render_special: bool) -> PyResult<String> {
+        let model = Arc::clone(self.inner.model());
+        py.detach(move || model.detokenize(&tokens, render_special))
+            .py_err()
+    }
+
+    fn token_bytes<'py>(&self, py: Python<'py>, token: i32, render_special: bool) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self.inner.model().token_bytes(token, render_special).py_err()?;
+        Ok(PyBytes::new(py, &bytes))
+    }
+
+    fn is_stop_token(&self, token: i32) -> PyResult<bool> {
+        self.inner.model().is_stop_token(token).py_err()
+    }
+
+    fn kv_seq_pos_max(&self, seq_id: i32) -> PyResult<i32> {
+        self.inner.kv_seq_pos_max(seq_id).py_err()
+    }
+
+    fn get_logits<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let logits = self.inner.logits().py_err()?;
+        Ok(PyArray1::from_slice(py, &logits))
+    }
+
+    #[pyo3(signature = (params, logits=None))]
+    fn sample(
+        &self,
+        params: &Bound<'_, PyAny>,
+        logits: Option<PyReadonlyArray1<'_, f32>>,
+    ) -> PyResult<i32> {
+        let params = params_from_py(params)?;
+        let logits = Self::logits_arg(&logits)?;
+        self.inner.sample(&params, logits).py_err()
+    }
+
+    fn reset_sampler(&self) {
+        self.inner.reset_sampler();
+    }
+
+    #[pyo3(signature = (base, logits=None))]
+    fn model_entropy(&self, base: &str, logits: Option<PyReadonlyArray1<'_, f32>>) -> PyResult<f64> {
+        let base = parse::<Base>(base)?;
+        self.inner
+            .model_entropy(base, Self::logits_arg(&logits)?)
+            .py_err()
+    }
+
+    #[pyo3(signature = (token, base, logits=None))]
+    fn model_surprisal(
+        &self,
+        token: i32,
+        base: &str,
+        logits: Option<PyReadonlyArray1<'_, f32>>,
+    ) -> PyResult<f64> {
+        let base = parse::<Base>(base)?;
+        self.inner
+            .model_surprisal(token, base, Self::logits_arg(&logits)?)
+            .py_err()
+    }
+
+    /// Render a conversation; returns ``(prompt, stop_tokens, template_source)``.
+    #[pyo3(signature = (messages_json, add_generation_prompt, template, extra_json))]
+    fn format_chat(
+        &self,
+        messages_json: &str,
+        add_generation_prompt: bool,
+        template: Option<&str>,
+        extra_json: Option<&str>,
+    ) -> PyResult<(String, Vec<i32>, String)> {
+        let p = chat::format_chat(
+            self.inner.model(),
+            template,
+            messages_json,
+            add_generation_prompt,
+            extra_json,
+        )
+        .py_err()?;
+        Ok((p.prompt, p.stop_tokens, p.template_source))
+    }
+
+    #[pyo3(signature = (template=None))]
+    fn turn_separator(&self, template: Option<&str>) -> PyResult<Vec<i32>> {
+        chat::turn_separator(self.inner.model(), template).py_err()
+    }
+}
+
+/// Whether ``source`` parses as a Jinja chat template.
+#[pyfunction]
+pub fn validate_chat_template(source: &str) -> bool {
+    chat::validate_template(source)
+}
+
+/// Names of the built-in chat templates.
+#[pyfunction]
+pub fn builtin_chat_templates() -> Vec<&'static str> {
+    chat::BUILTIN_TEMPLATES.iter().map(|(n, _)| *n).collect()
+}
+
+/// Whether this build can offload layers to a GPU.
+#[pyfunction]
+pub fn supports_gpu_offload() -> bool {
+    lloyal_core::supports_gpu_offload()
+}

@@ -1,0 +1,21 @@
+//! PyO3 bindings for lloyal: the `lloyal._lloyal` extension module.
+//! Users import `lloyal`; this module is its native half.
+
+mod context;
+mod errors;
+mod reply;
+mod sampling;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    m.add_class::<context::PyContext>()?;
+    m.add_class::<sampling::PyPerplexityTracker>()?;
+    m.add_function(wrap_pyfunction!(context::validate_chat_template, m)?)?;
+    m.add_function(wrap_pyfunction!(context::builtin_chat_templates, m)?)?;
+    m.add_function(wrap_pyfunction!(context::supports_gpu_offload, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,72 @@
+//! Sampling parameters and the perplexity tracker, as Python sees them.
+
+use lloyal_core::{PerplexityTracker, SamplingParams};
+use pyo3::prelude::*;
+
+use crate::errors::IntoPyResult;
+
+/// Read a `lloyal.SamplingParams` (or any object with the same attributes).
+pub fn params_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SamplingParams> {
+    let seed: Option<u64> = obj.getattr("seed")?.extract()?;
+    let params = SamplingParams {
+        temperature: obj.getattr("temperature")?.extract()?,
+        top_k: obj.getattr("top_k")?.extract()?,
+        top_p: obj.getattr("top_p")?.extract()?,
+        min_p: obj.getattr("min_p")?.extract()?,
+        typical_p: obj.getattr("typical_p")?.extract()?,
+        repeat_penalty: obj.getattr("repeat_penalty")?.extract()?,
+        frequency_penalty: obj.getattr("frequency_penalty")?.extract()?,
+        presence_penalty: obj.getattr("presence_penalty")?.extract()?,
+        penalty_last_n: obj.getattr("penalty_last_n")?.extract()?,
+        seed,
+    };
+    params.validate().py_err()?;
+    Ok(params)
+}
+
+/// Native half of `lloyal.PerplexityTracker`.
+#[pyclass(name = "PerplexityTracker", module = "lloyal")]
+#[derive(Clone, Default)]
+pub struct PyPerplexityTracker {
+    inner: PerplexityTracker,
+}
+
+#[pymethods]
+impl PyPerplexityTracker {
+    #[new]
+    fn new() -> Self {
+        Self::default()
+    }
+
+    /// Add one surprisal value, in nats.
+    fn add(&mut self, surprisal: f64) -> PyResult<()> {
+        self.inner.add(surprisal).py_err()
+    }
+
+    /// exp(mean surprisal); ``inf`` before the first ``add``.
+    #[getter]
+    fn perplexity(&self) -> f64 {
+        self.inner.perplexity()
+    }
+
+    #[getter]
+    fn count(&self) -> u64 {
+        self.inner.count()
+    }
+
+    fn clone(&self) -> Self {
+        Clone::clone(self)
+    }
+
+    fn reset(&mut self) {
+        self.inner.reset();
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "PerplexityTracker(perplexity={:.4}, count={})",
+            self.inner.perplexity(),
+            self.inner.count()
+        )
+    }
+}

@@ -1,0 +1,70 @@
+"""lloyal: forkable decode state for local LLMs.
+
+An asyncio-native Python library over llama.cpp with a Rust core. You write
+the decode loop; lloyal gives you the control surface -- tokens, positions,
+KV sequences, logits, sampling, entropy and perplexity -- without blocking
+the event loop. Works under asyncio, uvloop and trio (via anyio).
+
+>>> import asyncio, lloyal
+>>> async def main():
+...     async with await lloyal.create_context(MODEL) as ctx:
+...         tokens = await ctx.tokenize("Once upon a time")
+...         await ctx.decode(tokens, 0)
+...         return ctx.model_entropy("bits") > 0
+>>> asyncio.run(main())
+True
+"""
+
+from lloyal._lloyal import PerplexityTracker
+from lloyal._lloyal import __version__ as __version__
+from lloyal._lloyal import supports_gpu_offload
+from lloyal.context import (
+    BUILTIN_CHAT_TEMPLATES,
+    ChatPrompt,
+    Context,
+    ContextStats,
+    ModelInfo,
+    create_context,
+)
+from lloyal.errors import (
+    BranchBusyError,
+    BranchDisposedError,
+    ChatTemplateError,
+    ContextClosedError,
+    DecodeError,
+    GrammarError,
+    InternalError,
+    KVCacheFullError,
+    LloyalError,
+    ModelLoadError,
+    NoLeaseError,
+    StateError,
+)
+from lloyal.sampling import GREEDY, SamplingParams
+from lloyal.text import TextStream
+
+__all__ = [
+    "BUILTIN_CHAT_TEMPLATES",
+    "GREEDY",
+    "BranchBusyError",
+    "BranchDisposedError",
+    "ChatPrompt",
+    "ChatTemplateError",
+    "Context",
+    "ContextClosedError",
+    "ContextStats",
+    "DecodeError",
+    "GrammarError",
+    "InternalError",
+    "KVCacheFullError",
+    "LloyalError",
+    "ModelInfo",
+    "ModelLoadError",
+    "NoLeaseError",
+    "PerplexityTracker",
+    "SamplingParams",
+    "StateError",
+    "TextStream",
+    "create_context",
+    "supports_gpu_offload",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from lloyal.cli import main
+
+sys.exit(main())

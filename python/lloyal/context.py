@@ -1,0 +1,476 @@
+"""The context: a loaded model, one KV cache and the worker that drives it."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio
+import numpy as np
+import numpy.typing as npt
+
+from lloyal import _lloyal
+from lloyal._bridge import call_native
+from lloyal.errors import ContextClosedError
+from lloyal.sampling import GREEDY, SamplingParams
+
+Base = Literal["nats", "bits"]
+Pooling = Literal["none", "mean", "cls", "last", "rank"]
+KVType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]
+Logits = npt.NDArray[np.float32]
+
+# Texts longer than this are tokenized on a worker thread so the event loop
+# keeps running; shorter ones take microseconds and run inline.
+_INLINE_TOKENIZE_CHARS = 16_384
+
+_live_contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    # Worker threads call back into Python; stop them while the interpreter
+    # is still whole.
+    for ctx in list(_live_contexts):
+        ctx.close()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the loaded model, read from its GGUF file."""
+
+    path: Path
+    name: str
+    architecture: str
+    n_params: int
+    size_bytes: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    vocab_size: int
+    has_chat_template: bool
+
+
+@dataclass(frozen=True)
+class ContextStats:
+    """Counters since the context was created.
+
+    ``decode_calls`` counts ``llama_decode`` calls and ``tokens_decoded`` the
+    tokens they carried; tests use them to prove how work was batched.
+    """
+
+    decode_calls: int
+    tokens_decoded: int
+    decode_seconds: float
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered chat prompt.
+
+    ``stop_tokens`` are the tokens that end the assistant's turn (the
+    model's end-of-generation token plus the template's end-of-turn marker);
+    ``template_source`` says which template rendered it: ``"model"`` (the
+    GGUF's own), a built-in name, or ``"custom"``.
+    """
+
+    prompt: str
+    stop_tokens: tuple[int, ...]
+    template_source: str
+
+
+def _token_list(tokens: Iterable[int]) -> list[int]:
+    try:
+        return [int(t) for t in tokens]
+    except (TypeError, OverflowError) as e:
+        raise ValueError(f"tokens must be integers: {e}") from None
+
+
+def _logits_arg(logits: npt.ArrayLike | None) -> Logits | None:
+    if logits is None:
+        return None
+    arr = np.ascontiguousarray(logits, dtype=np.float32)
+    if arr.ndim != 1:
+        raise ValueError(f"logits must be one-dimensional, got shape {arr.shape}")
+    return arr
+
+
+class Context:
+    """A model, its KV cache and the worker thread that owns them.
+
+    Create one with :func:`create_context`. Methods that run the model are
+    coroutines; cheap reads are plain attributes. Every sequence shares one
+    unified KV pool of ``n_ctx`` cells.
+
+    >>> import asyncio, lloyal
+    >>> async def main():
+    ...     async with await lloyal.create_context(MODEL, n_ctx=512) as ctx:
+    ...         prompt = await ctx.tokenize("The capital of France is")
+    ...         await ctx.decode(prompt, 0)
+    ...         token = ctx.greedy_sample()
+    ...         return ctx.token_to_text(token)
+    >>> asyncio.run(main())
+    ' Paris'
+    """
+
+    def __init__(self, native: _lloyal.NativeContext) -> None:
+        self._native = native
+        self._turn_separator: tuple[int, ...] | None = None
+        _live_contexts.add(self)
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close the context. Queued operations fail with
+        :class:`ContextClosedError`; closing twice is a no-op."""
+        if self._native.closed:
+            return
+        await call_native(self._native.close)
+
+    def close(self) -> None:
+        """Close and wait for the worker thread (blocking; prefer ``aclose``)."""
+        self._native.close_sync()
+
+    async def __aenter__(self) -> Context:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._native.closed)
+
+    def _check_open(self) -> None:
+        if self._native.closed:
+            raise ContextClosedError("the context is closed")
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        info = self.model_info
+        return f"<lloyal.Context {info.name or info.path.name!r} n_ctx={self.n_ctx} {state}>"
+
+    # -- attributes ----------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._native.vocab_size)
+
+    @property
+    def n_ctx(self) -> int:
+        """KV cells in the pool every sequence shares."""
+        return int(self._native.n_ctx)
+
+    @property
+    def n_batch(self) -> int:
+        """Most tokens per ``llama_decode`` call."""
+        return int(self._native.n_batch)
+
+    @property
+    def n_seq_max(self) -> int:
+        """How many sequences can hold KV at once."""
+        return int(self._native.n_seq_max)
+
+    @property
+    def n_threads(self) -> int:
+        return int(self._native.n_threads)
+
+    @property
+    def embedding_dim(self) -> int:
+        return int(self._native.embedding_dim)
+
+    @property
+    def memory_size(self) -> int:
+        """Model weights plus the full-size KV cache, in bytes (the KV part is
+        computed from the model's hyper-parameters)."""
+        return int(self._native.memory_size)
+
+    @property
+    def model_info(self) -> ModelInfo:
+        d = self._native.model_info()
+        return ModelInfo(**{**d, "path": Path(d["path"])})
+
+    @property
+    def stats(self) -> ContextStats:
+        return ContextStats(**self._native.stats())
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template stored in the GGUF, if any."""
+        return self._native.chat_template  # type: ignore[no-any-return]
+
+    def metadata(self, key: str) -> str | None:
+        """A GGUF metadata value as a string, e.g. ``"general.architecture"``."""
+        return self._native.meta(key)  # type: ignore[no-any-return]
+
+    # -- text ----------------------------------------------------------------
+
+    def tokenize_sync(
+        self, text: str, add_special: bool | None = None, parse_special: bool = True
+    ) -> list[int]:
+        """Tokenize without awaiting. ``add_special=None`` follows the model's
+        BOS flag; ``parse_special`` turns ``<|im_start|>``-style text into
+        special tokens."""
+        self._check_open()
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, got {type(text).__name__}")
+        return list(self._native.tokenize(text, add_special, parse_special))
+
+    async def tokenize(
+        self, text: str, add_special: bool | None = None, parse_special: bool = True
+    ) -> list[int]:
+        """Tokenize ``text`` (long texts on a thread, so the loop keeps running).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         tokens = await ctx.tokenize("Hello world", add_special=False)
+        ...         return await ctx.detokenize(tokens)
+        >>> asyncio.run(main())
+        'Hello world'
+        """
+        if len(text) <= _INLINE_TOKENIZE_CHARS:
+            return self.tokenize_sync(text, add_special, parse_special)
+        return await anyio.to_thread.run_sync(self.tokenize_sync, text, add_special, parse_special)
+
+    async def detokenize(self, tokens: Sequence[int], *, render_special: bool = False) -> str:
+        """Text of ``tokens``. Special tokens are omitted unless
+        ``render_special``; a character cut off at the end becomes U+FFFD."""
+        self._check_open()
+        ids = _token_list(tokens)
+        if len(ids) <= _INLINE_TOKENIZE_CHARS // 4:
+            return str(self._native.detokenize(ids, render_special))
+        return str(
+            await anyio.to_thread.run_sync(self._native.detokenize, ids, render_special)
+        )
+
+    def token_bytes(self, token: int, *, render_special: bool = False) -> bytes:
+        """The raw bytes of one token (may be part of a UTF-8 character)."""
+        self._check_open()
+        return bytes(self._native.token_bytes(int(token), render_special))
+
+    def token_to_text(self, token: int, *, render_special: bool = False) -> str:
+        """Text of one token. Never raises on partial UTF-8 (bytes that are
+        not a whole character become U+FFFD); use :class:`TextStream` to
+        stream text exactly."""
+        return self.token_bytes(token, render_special=render_special).decode(
+            "utf-8", errors="replace"
+        )
+
+    def is_stop_token(self, token: int) -> bool:
+        """Whether ``token`` ends generation (any end-of-generation token)."""
+        self._check_open()
+        return bool(self._native.is_stop_token(int(token)))
+
+    @property
+    def eog_token(self) -> int:
+        """The model's end-of-generation token."""
+        return int(self._native.eog_token)
+
+    @property
+    def bos_token(self) -> int | None:
+        return self._native.bos_token  # type: ignore[no-any-return]
+
+    @property
+    def turn_separator(self) -> list[int]:
+        """Tokens the chat template writes after an assistant message (e.g.
+        ChatML's ``<|im_end|>\\n``): append them to close a generated turn
+        before adding the next user message to a live sequence. Models
+        without a template get ``[eog_token]``."""
+        if self._turn_separator is None:
+            self._check_open()
+            self._turn_separator = tuple(self._native.turn_separator(None))
+        return list(self._turn_separator)
+
+    def format_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> ChatPrompt:
+        """Render ``messages`` with a Jinja chat template.
+
+        ``template=None`` uses the template stored in the GGUF and raises
+        :class:`ChatTemplateError` when there is none (base models). Pass a
+        built-in name (:data:`BUILTIN_CHAT_TEMPLATES`: ``"chatml"``,
+        ``"gemma"``, ``"llama3"``, ``"phi3"``) or Jinja source instead.
+        Extra keyword arguments become template variables.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         chat = ctx.format_chat([{"role": "user", "content": "Hi"}])
+        ...         return chat.prompt
+        >>> print(asyncio.run(main()))
+        <|im_start|>system
+        You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
+        <|im_start|>user
+        Hi<|im_end|>
+        <|im_start|>assistant
+        <BLANKLINE>
+        """
+        self._check_open()
+        if isinstance(messages, (str, bytes)) or not all(
+            isinstance(m, Mapping) for m in messages
+        ):
+            raise TypeError("messages must be a sequence of dicts with 'role' and 'content'")
+        extra = dict(template_kwargs)
+        if tools is not None:
+            extra["tools"] = list(tools)
+        try:
+            messages_json = json.dumps(list(messages))
+            extra_json = json.dumps(extra) if extra else None
+        except TypeError as e:
+            raise TypeError(f"messages and template variables must be JSON-serialisable: {e}")
+        prompt, stop, source = self._native.format_chat(
+            messages_json, add_generation_prompt, template, extra_json
+        )
+        return ChatPrompt(prompt, tuple(stop), source)
+
+    @staticmethod
+    def validate_chat_template(template: str) -> bool:
+        """Whether ``template`` parses as a Jinja chat template."""
+        return bool(_lloyal.validate_chat_template(template))
+
+    # -- the flat decode loop ------------------------------------------------
+
+    async def decode(self, tokens: Sequence[int], pos: int, seq_id: int = 0) -> None:
+        """Run the model over ``tokens`` at positions ``pos, pos+1, ...`` of
+        sequence ``seq_id`` and keep the last token's logits.
+
+        ``pos`` must continue the sequence (``kv_seq_pos_max(seq_id) + 1``);
+        inputs longer than ``n_batch`` are split across several
+        ``llama_decode`` calls. If the KV cache fills up, what this call added
+        is removed again and :class:`KVCacheFullError` is raised.
+        """
+        self._check_open()
+        ids = _token_list(tokens)
+        await call_native(
+            lambda done: self._native.decode(ids, int(pos), int(seq_id), done)
+        )
+
+    def kv_seq_pos_max(self, seq_id: int = 0) -> int:
+        """Largest position held for ``seq_id``; ``-1`` when it is empty."""
+        return int(self._native.kv_seq_pos_max(int(seq_id)))
+
+    def get_logits(self) -> Logits:
+        """The last decoded token's logits: a read-only float32 copy of shape
+        ``(vocab_size,)`` that stays valid after later decodes."""
+        self._check_open()
+        arr: Logits = self._native.get_logits()
+        arr.flags.writeable = False
+        return arr
+
+    def sample(
+        self, params: SamplingParams | None = None, logits: npt.ArrayLike | None = None
+    ) -> int:
+        """Sample a token from the last logits, or from ``logits`` you edited.
+
+        The context keeps one sampler for this loop: its penalty history and
+        random stream persist across calls (changing ``params`` keeps the
+        history; a new ``seed`` restarts the stream). The sampled token is
+        recorded in that history.
+        """
+        self._check_open()
+        return int(self._native.sample(params or SamplingParams(), _logits_arg(logits)))
+
+    def greedy_sample(self) -> int:
+        """The most likely next token (no penalties, no history)."""
+        self._check_open()
+        logits = self._native.get_logits()
+        return int(np.argmax(logits))
+
+    def reset_sampler(self) -> None:
+        """Forget the flat loop's penalty history and random stream."""
+        self._native.reset_sampler()
+
+    def model_entropy(self, base: Base = "nats", logits: npt.ArrayLike | None = None) -> float:
+        """Entropy of the next-token distribution (last logits or ``logits``)."""
+        self._check_open()
+        return float(self._native.model_entropy(base, _logits_arg(logits)))
+
+    def model_surprisal(
+        self, token: int, base: Base = "nats", logits: npt.ArrayLike | None = None
+    ) -> float:
+        """``-log p(token)`` under the last logits (or ``logits``)."""
+        self._check_open()
+        return float(self._native.model_surprisal(int(token), base, _logits_arg(logits)))
+
+    def create_perplexity_tracker(self) -> _lloyal.PerplexityTracker:
+        """A fresh :class:`PerplexityTracker`."""
+        return _lloyal.PerplexityTracker()
+
+
+async def create_context(
+    model_path: str | os.PathLike[str],
+    *,
+    n_ctx: int = 2048,
+    n_batch: int = 512,
+    n_seq_max: int = 1,
+    n_threads: int | None = None,
+    embeddings: bool = False,
+    pooling: Pooling = "mean",
+    type_k: KVType = "f16",
+    type_v: KVType = "f16",
+    n_gpu_layers: int = -1,
+) -> Context:
+    """Load a GGUF model and create a context on its own worker thread.
+
+    The KV cache is unified (every sequence draws from one pool of ``n_ctx``
+    cells, so forks share their prefix) and sliding-window layers keep full
+    size, so any sequence can be copied or trimmed anywhere.
+
+    Raises ``FileNotFoundError`` for a missing file, :class:`ModelLoadError`
+    for a file llama.cpp cannot load, ``ValueError`` for bad options.
+
+    >>> import asyncio, lloyal
+    >>> async def main():
+    ...     ctx = await lloyal.create_context(MODEL, n_ctx=1024, n_seq_max=4)
+    ...     async with ctx:
+    ...         return ctx.n_ctx, ctx.n_seq_max, ctx.model_info.architecture
+    >>> asyncio.run(main())
+    (1024, 4, 'llama')
+    """
+    path = os.fspath(model_path)
+    if not isinstance(path, str):
+        raise TypeError("model_path must be a str or os.PathLike[str]")
+    if n_threads is not None and n_threads < 1:
+        raise ValueError(f"n_threads must be >= 1 or None, got {n_threads}")
+    for name, value in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_seq_max", n_seq_max)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    native = await call_native(
+        lambda done: _lloyal.NativeContext.open(
+            path,
+            done,
+            n_ctx=n_ctx,
+            n_batch=n_batch,
+            n_seq_max=n_seq_max,
+            n_threads=n_threads,
+            embeddings=embeddings,
+            pooling=pooling,
+            type_k=type_k,
+            type_v=type_v,
+            n_gpu_layers=n_gpu_layers,
+        )
+    )
+    return Context(native)
+
+
+BUILTIN_CHAT_TEMPLATES: tuple[str, ...] = tuple(_lloyal.builtin_chat_templates())
+"""Names accepted by ``format_chat(template=...)`` besides Jinja source."""
+

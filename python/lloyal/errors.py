@@ -1,0 +1,42 @@
+"""The exception hierarchy. Everything lloyal raises on purpose is a
+``LloyalError`` subclass, except where Python has a better-known builtin:
+``FileNotFoundError`` for a missing model and ``ValueError`` for bad
+arguments (token ids out of range, positions that do not continue a
+sequence, empty input).
+
+>>> import lloyal
+>>> issubclass(lloyal.KVCacheFullError, lloyal.DecodeError)
+True
+>>> issubclass(lloyal.ModelLoadError, lloyal.LloyalError)
+True
+"""
+
+from lloyal._lloyal import (
+    BranchBusyError,
+    BranchDisposedError,
+    ChatTemplateError,
+    ContextClosedError,
+    DecodeError,
+    GrammarError,
+    InternalError,
+    KVCacheFullError,
+    LloyalError,
+    ModelLoadError,
+    NoLeaseError,
+    StateError,
+)
+
+__all__ = [
+    "BranchBusyError",
+    "BranchDisposedError",
+    "ChatTemplateError",
+    "ContextClosedError",
+    "DecodeError",
+    "GrammarError",
+    "InternalError",
+    "KVCacheFullError",
+    "LloyalError",
+    "ModelLoadError",
+    "NoLeaseError",
+    "StateError",
+]

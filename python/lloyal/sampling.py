@@ -1,0 +1,61 @@
+"""Sampling parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token. Defaults are llama.cpp's.
+
+    The chain runs penalties, top-k, typical-p, top-p, min-p, temperature,
+    then draws from the softmax. ``temperature <= 0`` is greedy (argmax after
+    penalties). ``seed=None`` seeds from the OS; a fixed seed makes sampling
+    reproducible.
+
+    >>> from lloyal import SamplingParams
+    >>> SamplingParams(temperature=0).is_greedy
+    True
+    >>> SamplingParams(seed=1).with_(top_k=10).top_k
+    10
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("top_p", "min_p", "typical_p"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.repeat_penalty <= 0:
+            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if self.penalty_last_n < -1:
+            raise ValueError(f"penalty_last_n must be >= -1, got {self.penalty_last_n}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether these parameters always pick the most likely token."""
+        return self.temperature <= 0 or self.top_k == 1
+
+    def with_(self, **changes: float | int | None) -> SamplingParams:
+        """A copy with some fields changed (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+GREEDY = SamplingParams(temperature=0.0)
+"""Greedy decoding: always the most likely token."""
