@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import operator
 import os
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,10 +36,12 @@ _live_contexts: weakref.WeakSet[Context] = weakref.WeakSet()
 
 @atexit.register
 def _close_all_at_exit() -> None:
-    # Worker threads call back into Python; stop them while the interpreter
-    # is still whole.
+    # Worker threads call back into Python. Close every context and wait for
+    # the workers to exit while the interpreter is still whole: a worker
+    # finishing a callback during finalization would abort the process.
     for ctx in list(_live_contexts):
         ctx.close()
+    _lloyal.join_workers()
 
 
 @dataclass(frozen=True)
@@ -85,11 +88,25 @@ class ChatPrompt:
     template_source: str
 
 
-def _token_list(tokens: Iterable[int]) -> list[int]:
+_I32 = 2**31
+
+
+def _token_id(token: int) -> int:
+    """``token`` as an int that fits the native i32 (range is checked natively
+    against the vocabulary, with the same message)."""
     try:
-        return [int(t) for t in tokens]
-    except (TypeError, OverflowError) as e:
-        raise ValueError(f"tokens must be integers: {e}") from None
+        t = operator.index(token)
+    except TypeError:
+        raise ValueError(f"token ids must be integers, got {token!r}") from None
+    if not -_I32 <= t < _I32:
+        raise ValueError(f"token id {t} is out of range")
+    return t
+
+
+def _token_list(tokens: Iterable[int]) -> list[int]:
+    if isinstance(tokens, (str, bytes)):
+        raise ValueError("tokens must be a sequence of integers, not text")
+    return [_token_id(t) for t in tokens]
 
 
 def _logits_arg(logits: npt.ArrayLike | None) -> Logits | None:
@@ -258,7 +275,7 @@ class Context:
     def token_bytes(self, token: int, *, render_special: bool = False) -> bytes:
         """The raw bytes of one token (may be part of a UTF-8 character)."""
         self._check_open()
-        return bytes(self._native.token_bytes(int(token), render_special))
+        return bytes(self._native.token_bytes(_token_id(token), render_special))
 
     def token_to_text(self, token: int, *, render_special: bool = False) -> str:
         """Text of one token. Never raises on partial UTF-8 (bytes that are
@@ -271,7 +288,7 @@ class Context:
     def is_stop_token(self, token: int) -> bool:
         """Whether ``token`` ends generation (any end-of-generation token)."""
         self._check_open()
-        return bool(self._native.is_stop_token(int(token)))
+        return bool(self._native.is_stop_token(_token_id(token)))
 
     @property
     def eog_token(self) -> int:
@@ -408,7 +425,7 @@ class Context:
     ) -> float:
         """``-log p(token)`` under the last logits (or ``logits``)."""
         self._check_open()
-        return float(self._native.model_surprisal(int(token), base, _logits_arg(logits)))
+        return float(self._native.model_surprisal(_token_id(token), base, _logits_arg(logits)))
 
     def create_perplexity_tracker(self) -> _lloyal.PerplexityTracker:
         """A fresh :class:`PerplexityTracker`."""

@@ -95,7 +95,21 @@ pub struct Context {
     params: ContextParams,
     sender: Mutex<Option<Sender<Job>>>,
     shared: Arc<Shared>,
-    worker: Mutex<Option<JoinHandle<()>>>,
+    n_ctx: u32,
+}
+
+/// Every worker thread started and not yet joined.
+static WORKERS: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
+
+/// Wait for every worker thread to exit. Workers exit once their context is
+/// closed (or dropped), so close contexts first. An embedding runtime calls
+/// this before it shuts down (Python: at exit), so that no worker is still
+/// running a reply callback while the runtime is torn down.
+pub fn join_workers() {
+    let handles = std::mem::take(&mut *lock(&WORKERS));
+    for handle in handles {
+        let _ = handle.join();
+    }
 }
 
 impl std::fmt::Debug for Context {
@@ -129,10 +143,15 @@ impl Context {
                     }
                 }
             });
-        if let Err(e) = spawned {
-            // `on_ready` moved into the closure that failed to spawn; the
-            // OS refused a thread, which only happens under exhaustion.
-            eprintln!("lloyal: could not start a worker thread: {e}");
+        match spawned {
+            Ok(handle) => {
+                let mut workers = lock(&WORKERS);
+                workers.retain(|h| !h.is_finished());
+                workers.push(handle);
+            }
+            // `on_ready` moved into the closure that failed to spawn; the OS
+            // refuses a thread only under resource exhaustion.
+            Err(e) => eprintln!("lloyal: could not start a worker thread: {e}"),
         }
     }
 
@@ -156,6 +175,12 @@ impl Context {
 
     pub fn params(&self) -> &ContextParams {
         &self.params
+    }
+
+    /// KV cells actually allocated: llama.cpp rounds the requested `n_ctx`
+    /// up (to a multiple of 256 with unified KV).
+    pub fn n_ctx(&self) -> u32 {
+        self.n_ctx
     }
 
     pub fn is_closed(&self) -> bool {
@@ -227,17 +252,14 @@ impl Context {
         }
     }
 
-    /// Blocking [`Context::close`]: also waits for the worker thread to exit.
-    /// Do not call this from a thread the worker's reply callbacks need.
+    /// Blocking [`Context::close`]. Do not call this from a thread that the
+    /// worker's reply callbacks need (for Python: release the GIL first).
     pub fn close_blocking(&self) {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.close(Box::new(move |r| {
             let _ = tx.send(r);
         }));
         let _ = rx.recv();
-        if let Some(handle) = lock(&self.worker).take() {
-            let _ = handle.join();
-        }
     }
 
     /// Largest position held for `seq` (`-1` when empty).
@@ -364,7 +386,7 @@ impl Context {
             * n_head_kv
             * (k_len as f64 * self.params.type_k.bytes_per_element()
                 + v_len as f64 * self.params.type_v.bytes_per_element()) as u64;
-        per_cell * u64::from(self.params.n_ctx)
+        per_cell * u64::from(self.n_ctx)
     }
 }
 
@@ -418,7 +440,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         params,
         sender: Mutex::new(Some(tx)),
         shared: Arc::clone(&shared),
-        worker: Mutex::new(None),
+        n_ctx: ctx.n_ctx(),
     };
     let mut worker = Worker {
         model: Arc::clone(&model),

@@ -27,7 +27,7 @@ pub mod params;
 pub mod sampling;
 
 pub use backend::supports_gpu_offload;
-pub use context::{Context, Reply, Stats};
+pub use context::{join_workers, Context, Reply, Stats};
 pub use error::{Error, Result};
 pub use metrics::{Base, PerplexityTracker};
 pub use model::{Model, ModelInfo};

@@ -97,7 +97,7 @@ impl PyContext {
 
     #[getter]
     fn n_ctx(&self) -> u32 {
-        self.inner.params().n_ctx
+        self.inner.n_ctx()
     }
 
     #[getter]
@@ -280,6 +280,13 @@ pub fn validate_chat_template(source: &str) -> bool {
 #[pyfunction]
 pub fn builtin_chat_templates() -> Vec<&'static str> {
     chat::BUILTIN_TEMPLATES.iter().map(|(n, _)| *n).collect()
+}
+
+/// Wait (without the GIL) for every worker thread to exit; called at
+/// interpreter exit after the live contexts are closed.
+#[pyfunction]
+pub fn join_workers(py: Python<'_>) {
+    py.detach(lloyal_core::join_workers);
 }
 
 /// Whether this build can offload layers to a GPU.
