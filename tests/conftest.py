@@ -4,9 +4,8 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 import lloyal
+import pytest
 from lloyal.models import model_path
 
 MODELS = ["smollm2", "gemma3"]

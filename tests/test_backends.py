@@ -6,9 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
-import pytest
-
 import lloyal
+import pytest
 
 pytestmark = pytest.mark.anyio
 

@@ -18,7 +18,9 @@ def lloyal(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_generate_streams_text_and_prints_a_summary() -> None:
-    result = lloyal("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0")
+    result = lloyal(
+        "generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0"
+    )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "tok/s" in result.stderr
@@ -30,8 +32,17 @@ def test_generate_chat_with_gemma_needs_and_takes_a_template(gemma3: Path) -> No
     assert no_template.returncode == 1
     assert "no chat template" in no_template.stderr
     ok = lloyal(
-        "generate", "Hi", "--chat", "--template", "gemma", "--model", str(gemma3),
-        "--max-tokens", "4", "--seed", "1",
+        "generate",
+        "Hi",
+        "--chat",
+        "--template",
+        "gemma",
+        "--model",
+        str(gemma3),
+        "--max-tokens",
+        "4",
+        "--seed",
+        "1",
     )
     assert ok.returncode == 0, ok.stderr
 

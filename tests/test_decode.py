@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lloyal
 import numpy as np
 import pytest
-
-import lloyal
 
 pytestmark = pytest.mark.anyio
 
@@ -20,7 +19,9 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum())
 
 
-async def greedy_continuation(ctx: lloyal.Context, prompt: list[int], n: int, seq: int = 0) -> list[int]:
+async def greedy_continuation(
+    ctx: lloyal.Context, prompt: list[int], n: int, seq: int = 0
+) -> list[int]:
     await ctx.decode(prompt, 0, seq)
     out: list[int] = []
     for _ in range(n):
@@ -156,7 +157,9 @@ async def test_sampling_filters(smollm2: Path) -> None:
         allowed = set(np.nonzero(p >= 0.2 * p.max())[0].tolist())
         mp = lloyal.SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.2, seed=3)
         assert {ctx.sample(mp) for _ in range(50)} <= allowed
-        typ = lloyal.SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=0.2, seed=4)
+        typ = lloyal.SamplingParams(
+            temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, typical_p=0.2, seed=4
+        )
         assert len({ctx.sample(typ) for _ in range(30)}) >= 1
 
 

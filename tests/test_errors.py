@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lloyal
 import numpy as np
 import pytest
-
-import lloyal
 
 pytestmark = pytest.mark.anyio
 
@@ -71,13 +70,13 @@ async def test_token_id_out_of_range(model: Path) -> None:
         for bad in (ctx.vocab_size, -1, 2**40):
             with pytest.raises(ValueError, match="out of range"):
                 await ctx.decode([5, bad], pos)
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError, match="out of range"):
                 await ctx.detokenize([bad])
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError, match="out of range"):
                 ctx.token_to_text(bad)
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError, match="out of range"):
                 ctx.is_stop_token(bad)
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError, match="out of range"):
                 ctx.model_surprisal(bad)
         assert ctx.kv_seq_pos_max(0) == pos - 1  # nothing was decoded
         await still_works(ctx)

@@ -1,7 +1,6 @@
 from pathlib import Path
 
 import pytest
-
 from lloyal.models import default_model_path, model_path
 
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import lloyal
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import lloyal
 
 # Printable text: letters, digits, punctuation, symbols and spaces from all
 # of Unicode (no control characters or lone surrogates, which no tokenizer
@@ -23,13 +22,21 @@ def _roundtrip(ctx: lloyal.Context, text: str) -> str:
     return asyncio.run(ctx.detokenize(tokens))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=st.text(alphabet=st.characters(codec="ascii", categories=("L", "N", "P", "S", "Zs")), max_size=80))
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    text=st.text(
+        alphabet=st.characters(codec="ascii", categories=("L", "N", "P", "S", "Zs")), max_size=80
+    )
+)
 def test_ascii_round_trip(shared_ctx: lloyal.Context, text: str) -> None:
     assert _roundtrip(shared_ctx, text) == text
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text=st.text(alphabet=_printable, max_size=40))
 def test_unicode_round_trip(shared_ctx: lloyal.Context, text: str) -> None:
     assert _roundtrip(shared_ctx, text) == text
@@ -48,7 +55,7 @@ def test_add_special_follows_model_bos(shared_ctx: lloyal.Context) -> None:
         assert bos is not None
         assert default == [bos, *plain]
     else:
-        assert default[-len(plain):] == plain
+        assert default[-len(plain) :] == plain
 
 
 def test_parse_special(shared_ctx: lloyal.Context) -> None:
@@ -123,7 +130,9 @@ def test_gemma3_base_model_needs_an_explicit_template(gemma3: object) -> None:
             ctx.format_chat(MESSAGES)
         chat = ctx.format_chat(MESSAGES, template="gemma")
         assert chat.template_source == "gemma"
-        assert chat.prompt.startswith("<bos><start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n")
+        assert chat.prompt.startswith(
+            "<bos><start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n"
+        )
         assert chat.prompt.endswith("<start_of_turn>model\n")
         end_of_turn = ctx.tokenize_sync("<end_of_turn>", add_special=False)
         assert end_of_turn[0] in chat.stop_tokens
@@ -136,7 +145,10 @@ def test_gemma3_base_model_needs_an_explicit_template(gemma3: object) -> None:
 
 
 def test_custom_template_and_variables(shared_ctx: lloyal.Context) -> None:
-    template = "{% for m in messages %}[{{ m.role | upper }}] {{ m.content.strip() }}\n{% endfor %}{{ greeting }}"
+    template = (
+        "{% for m in messages %}[{{ m.role | upper }}] {{ m.content.strip() }}\n{% endfor %}"
+        "{{ greeting }}"
+    )
     chat = shared_ctx.format_chat(
         [{"role": "user", "content": "  hi  "}], template=template, greeting="bye"
     )

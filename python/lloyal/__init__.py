@@ -15,9 +15,8 @@ the event loop. Works under asyncio, uvloop and trio (via anyio).
 True
 """
 
-from lloyal._lloyal import PerplexityTracker
+from lloyal._lloyal import PerplexityTracker, supports_gpu_offload
 from lloyal._lloyal import __version__ as __version__
-from lloyal._lloyal import supports_gpu_offload
 from lloyal.context import (
     BUILTIN_CHAT_TEMPLATES,
     ChatPrompt,

@@ -11,6 +11,7 @@ operation still runs to completion on the worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -36,10 +37,9 @@ async def call_native(start: Callable[[Done], object]) -> Any:
     fut: asyncio.Future[Any] = loop.create_future()
 
     def done(error: BaseException | None, value: Any) -> None:
-        try:
+        # RuntimeError: the loop is closed, so nobody is waiting any more.
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(_settle, fut, error, value)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            pass
 
     start(done)
     return await fut
@@ -60,10 +60,8 @@ async def _call_native_trio(start: Callable[[Done], object]) -> Any:
             if not abandoned:
                 trio.lowlevel.reschedule(task, result)
 
-        try:
+        with contextlib.suppress(trio.RunFinishedError):
             token.run_sync_soon(wake)
-        except trio.RunFinishedError:
-            pass
 
     start(done)
 

@@ -1,14 +1,36 @@
 """Type stubs for the native module. Users import ``lloyal``, not this."""
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
 
+__all__ = [
+    "BranchBusyError",
+    "BranchDisposedError",
+    "ChatTemplateError",
+    "ContextClosedError",
+    "DecodeError",
+    "GrammarError",
+    "InternalError",
+    "KVCacheFullError",
+    "LloyalError",
+    "ModelLoadError",
+    "NativeContext",
+    "NoLeaseError",
+    "PerplexityTracker",
+    "StateError",
+    "__version__",
+    "builtin_chat_templates",
+    "join_workers",
+    "supports_gpu_offload",
+    "validate_chat_template",
+]
+
 __version__: str
 
-Done = Callable[[BaseException | None, Any], None]
+_Done = Callable[[BaseException | None, Any], None]
 
 class LloyalError(Exception): ...
 class ModelLoadError(LloyalError): ...
@@ -23,6 +45,7 @@ class NoLeaseError(LloyalError): ...
 class ChatTemplateError(LloyalError): ...
 class InternalError(LloyalError): ...
 
+@final
 class PerplexityTracker:
     """Running perplexity: exp(mean surprisal in nats); ``inf`` when empty."""
 
@@ -35,11 +58,12 @@ class PerplexityTracker:
     def clone(self) -> PerplexityTracker: ...
     def reset(self) -> None: ...
 
+@final
 class NativeContext:
     @staticmethod
     def open(
         model_path: str,
-        done: Done,
+        done: _Done,
         *,
         n_ctx: int,
         n_batch: int,
@@ -51,8 +75,8 @@ class NativeContext:
         type_v: str,
         n_gpu_layers: int,
     ) -> None: ...
-    def decode(self, tokens: list[int], pos: int, seq_id: int, done: Done) -> None: ...
-    def close(self, done: Done) -> None: ...
+    def decode(self, tokens: list[int], pos: int, seq_id: int, done: _Done) -> None: ...
+    def close(self, done: _Done) -> None: ...
     def close_sync(self) -> None: ...
     @property
     def closed(self) -> bool: ...

@@ -84,6 +84,7 @@ async def _generate(args: argparse.Namespace) -> int:
 async def _info(args: argparse.Namespace) -> int:
     async with await create_context(_model(args.model), n_ctx=args.n_ctx) as ctx:
         info = ctx.model_info
+        eog_text = ctx.token_to_text(ctx.eog_token, render_special=True)
         rows = {
             "path": str(info.path),
             "name": info.name,
@@ -95,7 +96,7 @@ async def _info(args: argparse.Namespace) -> int:
             "layers": info.n_layer,
             "vocabulary": info.vocab_size,
             "chat template": "yes" if info.has_chat_template else "no (base model)",
-            "eog token": f"{ctx.eog_token} {ctx.token_to_text(ctx.eog_token, render_special=True)!r}",
+            "eog token": f"{ctx.eog_token} {eog_text!r}",
             "memory at n_ctx": f"{ctx.memory_size / 2**20:.1f} MiB (n_ctx={ctx.n_ctx})",
         }
         width = max(map(len, rows))
@@ -141,7 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("lloyal: error: --max-tokens must be >= 0", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(args.run(args))
+        code: int = asyncio.run(args.run(args))
+        return code
     except (LloyalError, FileNotFoundError, ValueError, ModelNotInstalledError) as e:
         print(f"lloyal: error: {e}", file=sys.stderr)
         return 1

@@ -20,7 +20,7 @@ import numpy.typing as npt
 from lloyal import _lloyal
 from lloyal._bridge import call_native
 from lloyal.errors import ContextClosedError
-from lloyal.sampling import GREEDY, SamplingParams
+from lloyal.sampling import SamplingParams
 
 Base = Literal["nats", "bits"]
 Pooling = Literal["none", "mean", "cls", "last", "rank"]
@@ -225,11 +225,11 @@ class Context:
     @property
     def chat_template(self) -> str | None:
         """The Jinja chat template stored in the GGUF, if any."""
-        return self._native.chat_template  # type: ignore[no-any-return]
+        return self._native.chat_template
 
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value as a string, e.g. ``"general.architecture"``."""
-        return self._native.meta(key)  # type: ignore[no-any-return]
+        return self._native.meta(key)
 
     # -- text ----------------------------------------------------------------
 
@@ -268,9 +268,7 @@ class Context:
         ids = _token_list(tokens)
         if len(ids) <= _INLINE_TOKENIZE_CHARS // 4:
             return str(self._native.detokenize(ids, render_special))
-        return str(
-            await anyio.to_thread.run_sync(self._native.detokenize, ids, render_special)
-        )
+        return str(await anyio.to_thread.run_sync(self._native.detokenize, ids, render_special))
 
     def token_bytes(self, token: int, *, render_special: bool = False) -> bytes:
         """The raw bytes of one token (may be part of a UTF-8 character)."""
@@ -297,7 +295,7 @@ class Context:
 
     @property
     def bos_token(self) -> int | None:
-        return self._native.bos_token  # type: ignore[no-any-return]
+        return self._native.bos_token
 
     @property
     def turn_separator(self) -> list[int]:
@@ -341,9 +339,7 @@ class Context:
         <BLANKLINE>
         """
         self._check_open()
-        if isinstance(messages, (str, bytes)) or not all(
-            isinstance(m, Mapping) for m in messages
-        ):
+        if isinstance(messages, (str, bytes)) or not all(isinstance(m, Mapping) for m in messages):
             raise TypeError("messages must be a sequence of dicts with 'role' and 'content'")
         extra = dict(template_kwargs)
         if tools is not None:
@@ -352,7 +348,9 @@ class Context:
             messages_json = json.dumps(list(messages))
             extra_json = json.dumps(extra) if extra else None
         except TypeError as e:
-            raise TypeError(f"messages and template variables must be JSON-serialisable: {e}")
+            raise TypeError(
+                f"messages and template variables must be JSON-serialisable: {e}"
+            ) from None
         prompt, stop, source = self._native.format_chat(
             messages_json, add_generation_prompt, template, extra_json
         )
@@ -376,9 +374,7 @@ class Context:
         """
         self._check_open()
         ids = _token_list(tokens)
-        await call_native(
-            lambda done: self._native.decode(ids, int(pos), int(seq_id), done)
-        )
+        await call_native(lambda done: self._native.decode(ids, int(pos), int(seq_id), done))
 
     def kv_seq_pos_max(self, seq_id: int = 0) -> int:
         """Largest position held for ``seq_id``; ``-1`` when it is empty."""
@@ -490,4 +486,3 @@ async def create_context(
 
 BUILTIN_CHAT_TEMPLATES: tuple[str, ...] = tuple(_lloyal.builtin_chat_templates())
 """Names accepted by ``format_chat(template=...)`` besides Jinja source."""
-

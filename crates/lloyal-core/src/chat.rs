@@ -60,7 +60,10 @@ pub struct ChatPrompt {
 
 /// Resolve `template`: `None` means the model's own; a built-in name; or
 /// Jinja source. Returns (source text, where it came from).
-pub fn resolve_template<'a>(model: &'a Model, template: Option<&'a str>) -> Result<(&'a str, String)> {
+pub fn resolve_template<'a>(
+    model: &'a Model,
+    template: Option<&'a str>,
+) -> Result<(&'a str, String)> {
     match template {
         None => model
             .chat_template()
@@ -91,9 +94,12 @@ fn environment() -> Environment<'static> {
         env.set_syntax(syntax);
     }
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_function("raise_exception", |msg: String| -> std::result::Result<Value, JinjaError> {
-        Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
-    });
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> std::result::Result<Value, JinjaError> {
+            Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+        },
+    );
     env.add_function("strftime_now", |fmt: String| -> String {
         strftime_now(&fmt)
     });
@@ -118,8 +124,18 @@ fn strftime_now(fmt: &str) -> String {
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
     const MONTHS: [&str; 12] = [
-        "January", "February", "March", "April", "May", "June", "July", "August", "September",
-        "October", "November", "December",
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
     ];
     let month_name = MONTHS[(month - 1) as usize];
     fmt.replace("%Y", &year.to_string())
@@ -146,7 +162,9 @@ pub fn render(
     let messages: serde_json::Value = serde_json::from_str(messages_json)
         .map_err(|e| Error::InvalidArgument(format!("messages are not valid JSON: {e}")))?;
     if !messages.is_array() {
-        return Err(Error::InvalidArgument("messages must be a list of dicts".into()));
+        return Err(Error::InvalidArgument(
+            "messages must be a list of dicts".into(),
+        ));
     }
     let mut vars = match extra_json {
         Some(extra) => match serde_json::from_str(extra) {
@@ -189,7 +207,13 @@ pub fn format_chat(
     extra_json: Option<&str>,
 ) -> Result<ChatPrompt> {
     let (source, origin) = resolve_template(model, template)?;
-    let prompt = render(model, source, messages_json, add_generation_prompt, extra_json)?;
+    let prompt = render(
+        model,
+        source,
+        messages_json,
+        add_generation_prompt,
+        extra_json,
+    )?;
     let mut stop_tokens = vec![model.eog_token()];
     for marker in END_OF_TURN_MARKERS {
         if source.contains(marker) {
@@ -248,7 +272,7 @@ mod tests {
     #[test]
     fn strftime_formats_a_date() {
         let s = strftime_now("%d %B %Y");
-        assert_eq!(s.len() >= 10, true, "{s}");
+        assert!(s.len() >= 10, "{s}");
         assert!(s.chars().last().unwrap().is_ascii_digit());
     }
 }

@@ -241,11 +241,11 @@ impl Context {
         let sender = lock(&self.sender).take();
         match sender {
             Some(tx) if !was_closed => {
-                if let Err(crossbeam_channel::SendError(job)) = tx.send(Job::Close { reply }) {
-                    // The worker is gone already (it panicked): nothing to free.
-                    if let Job::Close { reply } = job {
-                        reply(Ok(()));
-                    }
+                // A failed send means the worker is gone already: nothing to free.
+                if let Err(crossbeam_channel::SendError(Job::Close { reply })) =
+                    tx.send(Job::Close { reply })
+                {
+                    reply(Ok(()));
                 }
             }
             _ => reply(Ok(())),
@@ -284,9 +284,9 @@ impl Context {
     /// A copy of the last decoded token's logits.
     pub fn logits(&self) -> Result<Arc<[f32]>> {
         self.check_open()?;
-        lock(&self.shared.logits).clone().ok_or_else(|| {
-            invalid("no logits yet: decode at least one token first")
-        })
+        lock(&self.shared.logits)
+            .clone()
+            .ok_or_else(|| invalid("no logits yet: decode at least one token first"))
     }
 
     /// Sample from `logits` (or the context's last logits) with the flat
@@ -475,10 +475,12 @@ fn create_llama_context<'m>(model: &'m Model, params: &ContextParams) -> Result<
         .with_swa_full(true);
     let backend = backend()?;
     let _guard = lock(&CONTEXT_CREATION);
-    model
-        .llama
-        .new_context(backend, cparams)
-        .map_err(|e| Error::ContextCreate(format!("{e} (n_ctx={}, n_batch={})", params.n_ctx, params.n_batch)))
+    model.llama.new_context(backend, cparams).map_err(|e| {
+        Error::ContextCreate(format!(
+            "{e} (n_ctx={}, n_batch={})",
+            params.n_ctx, params.n_batch
+        ))
+    })
 }
 
 impl Worker<'_> {
@@ -569,9 +571,7 @@ impl Worker<'_> {
             }
             if let Err(e) = self.llama_decode(chunk.len()) {
                 // Leave the sequence exactly as it was before this call.
-                let _ = self
-                    .ctx
-                    .kv_cache_seq_rm(seq, u32::try_from(pos).ok(), None);
+                let _ = self.ctx.kv_cache_seq_rm(seq, u32::try_from(pos).ok(), None);
                 self.refresh_pos(slot, seq);
                 return Err(e);
             }

@@ -77,7 +77,11 @@ impl SamplingParams {
                 return Err(invalid(format!("{name} must be finite, got {value}")));
             }
         }
-        for (name, value) in [("top_p", self.top_p), ("min_p", self.min_p), ("typical_p", self.typical_p)] {
+        for (name, value) in [
+            ("top_p", self.top_p),
+            ("min_p", self.min_p),
+            ("typical_p", self.typical_p),
+        ] {
             if !(0.0..=1.0).contains(&value) {
                 return Err(invalid(format!("{name} must be in [0, 1], got {value}")));
             }
@@ -225,7 +229,9 @@ impl Sampler {
         }
         cands.retain(|c| c.logit.is_finite() || c.logit == f32::INFINITY);
         if cands.is_empty() {
-            return Err(invalid("every logit is -inf or NaN: nothing can be sampled"));
+            return Err(invalid(
+                "every logit is -inf or NaN: nothing can be sampled",
+            ));
         }
         let top_k = usize::try_from(p.top_k).unwrap_or(0);
         if top_k > 0 && top_k < cands.len() {

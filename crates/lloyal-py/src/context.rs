@@ -23,14 +23,25 @@ fn parse<T: std::str::FromStr<Err = lloyal_core::Error>>(s: &str) -> PyResult<T>
 }
 
 fn wrap_context(py: Python<'_>, ctx: Context) -> PyResult<Py<PyAny>> {
-    Ok(Py::new(py, PyContext { inner: Arc::new(ctx) })?.into_any())
+    Ok(Py::new(
+        py,
+        PyContext {
+            inner: Arc::new(ctx),
+        },
+    )?
+    .into_any())
 }
 
 impl PyContext {
-    fn logits_arg<'a>(logits: &'a Option<PyReadonlyArray1<'_, f32>>) -> PyResult<Option<&'a [f32]>> {
+    fn logits_arg<'a>(
+        logits: &'a Option<PyReadonlyArray1<'_, f32>>,
+    ) -> PyResult<Option<&'a [f32]>> {
         logits
             .as_ref()
-            .map(|a| a.as_slice().map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string())))
+            .map(|a| {
+                a.as_slice()
+                    .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
+            })
             .transpose()
     }
 }
@@ -184,14 +195,28 @@ impl PyContext {
     }
 
     #[pyo3(signature = (tokens, render_special))]
-    fn detokenize(&self, py: Python<'_>, tokens: Vec<i32>, render_special: bool) -> PyResult<String> {
+    fn detokenize(
+        &self,
+        py: Python<'_>,
+        tokens: Vec<i32>,
+        render_special: bool,
+    ) -> PyResult<String> {
         let model = Arc::clone(self.inner.model());
         py.detach(move || model.detokenize(&tokens, render_special))
             .py_err()
     }
 
-    fn token_bytes<'py>(&self, py: Python<'py>, token: i32, render_special: bool) -> PyResult<Bound<'py, PyBytes>> {
-        let bytes = self.inner.model().token_bytes(token, render_special).py_err()?;
+    fn token_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        token: i32,
+        render_special: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let bytes = self
+            .inner
+            .model()
+            .token_bytes(token, render_special)
+            .py_err()?;
         Ok(PyBytes::new(py, &bytes))
     }
 
@@ -224,7 +249,11 @@ impl PyContext {
     }
 
     #[pyo3(signature = (base, logits=None))]
-    fn model_entropy(&self, base: &str, logits: Option<PyReadonlyArray1<'_, f32>>) -> PyResult<f64> {
+    fn model_entropy(
+        &self,
+        base: &str,
+        logits: Option<PyReadonlyArray1<'_, f32>>,
+    ) -> PyResult<f64> {
         let base = parse::<Base>(base)?;
         self.inner
             .model_entropy(base, Self::logits_arg(&logits)?)

@@ -5,18 +5,73 @@ use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyFileNotFoundError, PyValueError};
 use pyo3::prelude::*;
 
-create_exception!(lloyal, LloyalError, PyException, "Base class of every lloyal error.");
-create_exception!(lloyal, ModelLoadError, LloyalError, "The file is not a loadable GGUF model.");
-create_exception!(lloyal, ContextClosedError, LloyalError, "The context was closed.");
+create_exception!(
+    lloyal,
+    LloyalError,
+    PyException,
+    "Base class of every lloyal error."
+);
+create_exception!(
+    lloyal,
+    ModelLoadError,
+    LloyalError,
+    "The file is not a loadable GGUF model."
+);
+create_exception!(
+    lloyal,
+    ContextClosedError,
+    LloyalError,
+    "The context was closed."
+);
 create_exception!(lloyal, DecodeError, LloyalError, "llama_decode failed.");
-create_exception!(lloyal, KVCacheFullError, DecodeError, "No room left in the KV cache.");
-create_exception!(lloyal, GrammarError, LloyalError, "A grammar or JSON schema is invalid.");
-create_exception!(lloyal, StateError, LloyalError, "KV state data is corrupt or foreign.");
-create_exception!(lloyal, BranchDisposedError, LloyalError, "The branch was pruned.");
-create_exception!(lloyal, BranchBusyError, LloyalError, "The branch has an operation in flight.");
-create_exception!(lloyal, NoLeaseError, LloyalError, "No KV sequence is free for a new branch.");
-create_exception!(lloyal, ChatTemplateError, LloyalError, "A chat template is missing or broken.");
-create_exception!(lloyal, InternalError, LloyalError, "A bug in lloyal; please report it.");
+create_exception!(
+    lloyal,
+    KVCacheFullError,
+    DecodeError,
+    "No room left in the KV cache."
+);
+create_exception!(
+    lloyal,
+    GrammarError,
+    LloyalError,
+    "A grammar or JSON schema is invalid."
+);
+create_exception!(
+    lloyal,
+    StateError,
+    LloyalError,
+    "KV state data is corrupt or foreign."
+);
+create_exception!(
+    lloyal,
+    BranchDisposedError,
+    LloyalError,
+    "The branch was pruned."
+);
+create_exception!(
+    lloyal,
+    BranchBusyError,
+    LloyalError,
+    "The branch has an operation in flight."
+);
+create_exception!(
+    lloyal,
+    NoLeaseError,
+    LloyalError,
+    "No KV sequence is free for a new branch."
+);
+create_exception!(
+    lloyal,
+    ChatTemplateError,
+    LloyalError,
+    "A chat template is missing or broken."
+);
+create_exception!(
+    lloyal,
+    InternalError,
+    LloyalError,
+    "A bug in lloyal; please report it."
+);
 
 /// Convert an engine error to the matching Python exception.
 pub fn to_pyerr(error: Error) -> PyErr {

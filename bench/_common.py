@@ -1,0 +1,39 @@
+"""Helpers shared by the benchmarks: building and running the Rust baselines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def target_dir() -> Path:
+    return Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
+
+
+def build_example(name: str) -> Path:
+    """Build a lloyal-core example with the project's one cargo profile."""
+    subprocess.run(
+        ["cargo", "build", "--quiet", "-p", "lloyal-core", "--example", name],
+        cwd=ROOT,
+        check=True,
+    )
+    return target_dir() / "debug" / "examples" / name
+
+
+def run_json(cmd: list[str]) -> dict[str, Any]:
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        sys.exit(f"{cmd[0]} failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2

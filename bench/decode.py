@@ -1,0 +1,110 @@
+"""Prefill and decode speed of the Python API next to a raw Rust loop.
+
+Both sides load the same model with the same context settings and threads,
+prefill the same 512-token prompt in one llama_decode, then generate the
+same greedy tokens one at a time. Runs alternate (raw, python, raw, ...) so
+machine noise hits both; the medians and their ratio are printed.
+
+    python bench/decode.py [--model smollm2|gemma3|PATH] [--runs 3] [--gen 128]
+
+Target: Python decode >= 0.95x raw. For reference, llama.cpp's llama-bench
+on the 2-core development machine (2 threads, AVX2): SmolLM2-135M Q4_1
+106 tok/s decode, 204 tok/s prefill (512 tokens); Gemma 3 270M Q4_K_M 54
+and 303. A build far below these is missing vector instructions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lloyal
+from _common import build_example, median, run_json
+from lloyal.models import KNOWN_MODELS, model_path
+
+N_CTX = 1024
+PROMPT_TOKENS = 512
+
+
+async def python_run(path: Path, prompt: list[int], n_gen: int, threads: int) -> dict[str, float]:
+    async with await lloyal.create_context(
+        path, n_ctx=N_CTX, n_batch=PROMPT_TOKENS, n_threads=threads
+    ) as ctx:
+        started = time.perf_counter()
+        await ctx.decode(prompt, 0)
+        prefill_s = time.perf_counter() - started
+        token = ctx.greedy_sample()
+        generated = []
+        started = time.perf_counter()
+        for i in range(n_gen):
+            generated.append(token)
+            await ctx.decode([token], len(prompt) + i)
+            token = ctx.greedy_sample()
+        decode_s = time.perf_counter() - started
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "generated": generated}  # type: ignore[dict-item]
+
+
+def make_prompt(path: Path) -> list[int]:
+    async def tok() -> list[int]:
+        async with await lloyal.create_context(path, n_ctx=N_CTX) as ctx:
+            text = ROOT_TEXT * 40
+            return (await ctx.tokenize(text))[:PROMPT_TOKENS]
+
+    return asyncio.run(tok())
+
+
+ROOT_TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable type "
+    "changed how books were made, sold and read across Europe. "
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", action="append", help="smollm2, gemma3 or a path (repeatable)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--gen", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    names = args.model or list(KNOWN_MODELS)
+    raw_bin = build_example("raw_decode")
+
+    print(f"threads={args.threads} prompt={PROMPT_TOKENS} generated={args.gen} runs={args.runs}")
+    header = f"{'model':<10} {'':<8} {'raw tok/s':>10} {'python tok/s':>13} {'ratio':>7}"
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        path = model_path(name) if name in KNOWN_MODELS else Path(name)
+        prompt = make_prompt(path)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(prompt, f)
+            tokens_file = f.name
+        raw: dict[str, list[float]] = {"prefill": [], "decode": []}
+        py: dict[str, list[float]] = {"prefill": [], "decode": []}
+        for _ in range(args.runs):
+            r = run_json(
+                [str(raw_bin), str(path), tokens_file, str(args.gen), str(args.threads), str(N_CTX)]
+            )
+            p = asyncio.run(python_run(path, prompt, args.gen, args.threads))
+            if p["generated"] != r["generated"]:
+                print(f"  warning: {name}: raw and python greedy outputs differ", file=sys.stderr)
+            raw["prefill"].append(len(prompt) / r["prefill_s"])
+            raw["decode"].append(args.gen / r["decode_s"])
+            py["prefill"].append(len(prompt) / p["prefill_s"])
+            py["decode"].append(args.gen / p["decode_s"])
+        os.unlink(tokens_file)
+        for phase in ("prefill", "decode"):
+            r_med, p_med = median(raw[phase]), median(py[phase])
+            print(f"{name:<10} {phase:<8} {r_med:>10.1f} {p_med:>13.1f} {p_med / r_med:>6.3f}x")
+
+
+if __name__ == "__main__":
+    main()

