@@ -1,51 +1,105 @@
 """Awaiting native work from asyncio (and uvloop) or trio.
 
-Every asynchronous native call takes a ``done(error, value)`` callable that
-the worker thread calls exactly once. ``call_native`` turns that into an
-awaitable for whichever event loop is running: an asyncio future completed
-with ``call_soon_threadsafe``, or a trio task rescheduled through its
-``TrioToken``. Cancelling the awaiting task abandons the wait; the native
-operation still runs to completion on the worker.
+Every asynchronous native call takes a ``done`` object that the worker
+thread completes exactly once. ``call_native`` turns that into an awaitable
+for whichever event loop is running:
+
+* asyncio / uvloop: each loop gets a :class:`_LoopWaker` -- a pipe the loop
+  watches with ``add_reader`` and a queue of finished results. The worker
+  records a result under the GIL, releases the GIL, then writes one byte to
+  the pipe; the loop wakes once, drains every result that arrived (one
+  wake-up for a whole batch) and settles their futures.
+* trio: the worker reschedules the waiting task through its ``TrioToken``.
+
+Cancelling the awaiting task abandons the wait; the native operation still
+runs to completion on the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import sniffio
 
+from lloyal import _lloyal
+
 Done = Callable[[BaseException | None, Any], None]
+Start = Callable[[Any], object]
 
 
-def _settle(fut: asyncio.Future[Any], error: BaseException | None, value: Any) -> None:
-    if fut.done():  # cancelled while the worker ran
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(value)
+class _LoopWaker:
+    """The pipe and result queue that complete futures on one asyncio loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._read_fd, self.wake_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        os.set_blocking(self.wake_fd, False)
+        self._results: collections.deque[tuple[asyncio.Future[Any], BaseException | None, Any]]
+        self._results = collections.deque()
+        self._loop = loop
+        loop.add_reader(self._read_fd, self._drain)
+
+    def completion(self, fut: asyncio.Future[Any]) -> _lloyal.Completion:
+        results = self._results
+
+        def record(error: BaseException | None, value: Any) -> None:
+            results.append((fut, error, value))  # on the worker, under the GIL
+
+        return _lloyal.Completion(record, self)
+
+    def _drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._read_fd, 4096):
+                pass
+        results = self._results
+        while results:
+            fut, error, value = results.popleft()
+            if fut.done():  # cancelled while the worker ran
+                continue
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(value)
+
+    def __del__(self) -> None:
+        # Runs only once no Completion refers to us any more, so the worker
+        # can no longer write to wake_fd.
+        with contextlib.suppress(Exception):
+            if not self._loop.is_closed():
+                self._loop.remove_reader(self._read_fd)
+        for fd in (self._read_fd, self.wake_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
-async def call_native(start: Callable[[Done], object]) -> Any:
-    """Run ``start(done)`` and wait until the worker calls ``done``."""
+_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker]
+_wakers = weakref.WeakKeyDictionary()
+
+
+def _waker(loop: asyncio.AbstractEventLoop) -> _LoopWaker:
+    waker = _wakers.get(loop)
+    if waker is None:
+        waker = _wakers[loop] = _LoopWaker(loop)
+    return waker
+
+
+async def call_native(start: Start) -> Any:
+    """Run ``start(done)`` and wait until the worker completes ``done``."""
     if sniffio.current_async_library() == "trio":
         return await _call_native_trio(start)
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[Any] = loop.create_future()
-
-    def done(error: BaseException | None, value: Any) -> None:
-        # RuntimeError: the loop is closed, so nobody is waiting any more.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(_settle, fut, error, value)
-
-    start(done)
+    start(_waker(loop).completion(fut))
     return await fut
 
 
-async def _call_native_trio(start: Callable[[Done], object]) -> Any:
+async def _call_native_trio(start: Start) -> Any:
     import outcome
     import trio
 

@@ -404,8 +404,7 @@ class Context:
     def greedy_sample(self) -> int:
         """The most likely next token (no penalties, no history)."""
         self._check_open()
-        logits = self._native.get_logits()
-        return int(np.argmax(logits))
+        return int(self._native.greedy_sample())
 
     def reset_sampler(self) -> None:
         """Forget the flat loop's penalty history and random stream."""

@@ -318,6 +318,13 @@ impl Context {
         sampler.sample(logits)
     }
 
+    /// The most likely next token under the last logits (plain argmax).
+    pub fn greedy_sample(&self) -> Result<i32> {
+        let logits = self.logits()?;
+        crate::sampling::greedy(&logits)
+            .ok_or_else(|| invalid("every logit is -inf or NaN: nothing can be sampled"))
+    }
+
     /// Forget the flat sampler's penalty history (and its RNG state).
     pub fn reset_sampler(&self) {
         *lock(&self.shared.sampler) = None;
@@ -577,8 +584,7 @@ impl Worker<'_> {
             }
         }
         let last = self.batch.n_tokens() - 1;
-        let logits: Arc<[f32]> = Arc::from(self.ctx.get_logits_ith(last));
-        *lock(&self.shared.logits) = Some(logits);
+        self.publish_logits(last);
         self.refresh_pos(slot, seq);
         Ok(())
     }
@@ -605,6 +611,17 @@ impl Worker<'_> {
                 self.ctx.n_ctx()
             ))),
             Err(e) => Err(Error::Decode(e.to_string())),
+        }
+    }
+
+    /// Copy batch row `row`'s logits into the shared snapshot, reusing the
+    /// previous snapshot's buffer when no reader holds it any more.
+    fn publish_logits(&mut self, row: i32) {
+        let fresh = self.ctx.get_logits_ith(row);
+        let mut slot = lock(&self.shared.logits);
+        match slot.as_mut().and_then(Arc::get_mut) {
+            Some(buf) if buf.len() == fresh.len() => buf.copy_from_slice(fresh),
+            _ => *slot = Some(Arc::from(fresh)),
         }
     }
 

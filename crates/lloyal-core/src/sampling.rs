@@ -213,6 +213,10 @@ impl Sampler {
         if logits.is_empty() {
             return Err(invalid("cannot sample from empty logits"));
         }
+        if self.params.temperature <= 0.0 && !self.params.has_penalties() {
+            return greedy(logits)
+                .ok_or_else(|| invalid("every logit is -inf or NaN: nothing can be sampled"));
+        }
         let mut cands: Vec<Candidate> = logits
             .iter()
             .enumerate()
@@ -326,17 +330,16 @@ fn argmax(cands: &[Candidate]) -> Option<i32> {
     best.filter(|b| b.logit > f32::NEG_INFINITY).map(|b| b.id)
 }
 
-/// Index of the largest finite logit (lowest index on ties).
+/// Index of the largest logit above `-inf` (lowest index on ties; NaN is
+/// skipped). `None` when there is no such logit.
 pub fn greedy(logits: &[f32]) -> Option<i32> {
-    let cands: Vec<Candidate> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &logit)| Candidate {
-            id: i as i32,
-            logit,
-        })
-        .collect();
-    argmax(&cands)
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > f32::NEG_INFINITY && best.is_none_or(|(_, b)| l > b) {
+            best = Some((i, l));
+        }
+    }
+    best.map(|(i, _)| i as i32)
 }
 
 /// Softmax of the candidates' logits divided by `temperature`, in f64.

@@ -244,6 +244,10 @@ impl PyContext {
         self.inner.sample(&params, logits).py_err()
     }
 
+    fn greedy_sample(&self) -> PyResult<i32> {
+        self.inner.greedy_sample().py_err()
+    }
+
     fn reset_sampler(&self) {
         self.inner.reset_sampler();
     }

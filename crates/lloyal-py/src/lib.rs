@@ -13,6 +13,7 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<context::PyContext>()?;
     m.add_class::<sampling::PyPerplexityTracker>()?;
+    m.add_class::<reply::Completion>()?;
     m.add_function(wrap_pyfunction!(context::validate_chat_template, m)?)?;
     m.add_function(wrap_pyfunction!(context::builtin_chat_templates, m)?)?;
     m.add_function(wrap_pyfunction!(context::supports_gpu_offload, m)?)?;
