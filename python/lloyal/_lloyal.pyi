@@ -7,25 +7,26 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
-    "BranchBusyError",
-    "BranchDisposedError",
-    "ChatTemplateError",
-    "ContextClosedError",
-    "DecodeError",
-    "GrammarError",
-    "InternalError",
-    "KVCacheFullError",
     "LloyalError",
     "ModelLoadError",
-    "NativeContext",
-    "NoLeaseError",
-    "PerplexityTracker",
+    "ContextClosedError",
+    "DecodeError",
+    "KVCacheFullError",
+    "GrammarError",
     "StateError",
-    "__version__",
-    "builtin_chat_templates",
-    "join_workers",
-    "supports_gpu_offload",
+    "BranchDisposedError",
+    "BranchBusyError",
+    "NoLeaseError",
+    "ChatTemplateError",
+    "InternalError",
+    "NativeContext",
+    "PerplexityTracker",
+    "Completion",
     "validate_chat_template",
+    "builtin_chat_templates",
+    "supports_gpu_offload",
+    "join_workers",
+    "__version__",
 ]
 
 __version__: str
@@ -62,7 +63,7 @@ class PerplexityTracker:
 class Completion:
     """A result callback plus the owner of a pipe to poke once it ran."""
 
-    def __init__(self, callback: _Done, owner: Any) -> None: ...
+    def __new__(cls, callback: _Done, owner: Any) -> Completion: ...
 
 @final
 class NativeContext:
