@@ -17,6 +17,7 @@ True
 
 from lloyal._lloyal import PerplexityTracker, supports_gpu_offload
 from lloyal._lloyal import __version__ as __version__
+from lloyal.branch import Branch, BranchStore, Produced, Token
 from lloyal.context import (
     BUILTIN_CHAT_TEMPLATES,
     ChatPrompt,
@@ -45,8 +46,10 @@ from lloyal.text import TextStream
 __all__ = [
     "BUILTIN_CHAT_TEMPLATES",
     "GREEDY",
+    "Branch",
     "BranchBusyError",
     "BranchDisposedError",
+    "BranchStore",
     "ChatPrompt",
     "ChatTemplateError",
     "Context",
@@ -61,9 +64,11 @@ __all__ = [
     "ModelLoadError",
     "NoLeaseError",
     "PerplexityTracker",
+    "Produced",
     "SamplingParams",
     "StateError",
     "TextStream",
+    "Token",
     "create_context",
     "supports_gpu_offload",
 ]

@@ -125,3 +125,81 @@ async def _call_native_trio(start: Start) -> Any:
         return trio.lowlevel.Abort.SUCCEEDED
 
     return await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+class Waiter:
+    """One result that a batched native call completes, awaitable from the
+    task that created it (asyncio or trio)."""
+
+    def __init__(self) -> None:
+        self._error: BaseException | None = None
+        self.abandoned = False
+        if sniffio.current_async_library() == "trio":
+            import trio
+
+            self._event: Any = trio.Event()
+            self._fut: asyncio.Future[None] | None = None
+        else:
+            self._fut = asyncio.get_running_loop().create_future()
+
+    def complete(self, error: BaseException | None) -> None:
+        """Settle with ``error`` (or success); on the event loop's thread."""
+        if self._fut is not None:
+            if not self._fut.done():
+                if error is not None:
+                    self._fut.set_exception(error)
+                else:
+                    self._fut.set_result(None)
+        elif not self._event.is_set():
+            self._error = error
+            self._event.set()
+
+    async def wait(self) -> None:
+        try:
+            if self._fut is not None:
+                await self._fut
+                return
+            await self._event.wait()
+        except BaseException:
+            self.abandoned = True
+            raise
+        if self._error is not None:
+            raise self._error
+
+
+def start_batch(start: Start, waiters: list[Waiter]) -> None:
+    """Run ``start(done)`` for a batched native call whose value is one
+    ``None``-or-exception per waiter; settle the waiters when it finishes
+    (one event-loop wake-up for the whole batch). Call on the loop thread."""
+
+    def distribute(error: BaseException | None, results: list[BaseException | None] | None) -> None:
+        for n, waiter in enumerate(waiters):
+            waiter.complete(error if error is not None or results is None else results[n])
+
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+
+        def done(error: BaseException | None, value: Any) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(distribute, error, value)
+
+        try:
+            start(done)
+        except BaseException as e:
+            distribute(e, None)
+        return
+    loop = asyncio.get_running_loop()
+    batch: asyncio.Future[Any] = loop.create_future()
+
+    def finish(f: asyncio.Future[Any]) -> None:
+        if not f.cancelled():
+            error = f.exception()
+            distribute(error, None if error is not None else f.result())
+
+    batch.add_done_callback(finish)
+    try:
+        start(_waker(loop).completion(batch))
+    except BaseException as e:
+        batch.set_exception(e)

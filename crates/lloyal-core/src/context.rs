@@ -33,13 +33,15 @@ use crate::sampling::{Sampler, SamplingParams};
 /// thread; it must not block for long (it only completes a future).
 pub type Reply<T> = Box<dyn FnOnce(Result<T>) + Send + 'static>;
 
-enum Job {
+pub(crate) enum Job {
     Decode {
         tokens: Vec<i32>,
         pos: i32,
         seq: i32,
         reply: Reply<()>,
     },
+    /// Branch work (see `store.rs`).
+    Branch(crate::store::BranchJob),
     Close {
         reply: Reply<()>,
     },
@@ -49,6 +51,7 @@ impl Job {
     fn fail(self, error: Error) {
         match self {
             Job::Decode { reply, .. } | Job::Close { reply } => reply(Err(error)),
+            Job::Branch(job) => job.fail(error),
         }
     }
 }
@@ -72,7 +75,7 @@ struct StatCounters {
 }
 
 /// State the worker publishes for callers on other threads.
-struct Shared {
+pub(crate) struct Shared {
     closed: AtomicBool,
     stats: StatCounters,
     /// Largest position per sequence, mirrored after every KV change.
@@ -81,9 +84,11 @@ struct Shared {
     logits: Mutex<Option<Arc<[f32]>>>,
     /// The flat loop's sampler: its penalty history persists across calls.
     sampler: Mutex<Option<Sampler>>,
+    /// Every branch and the free KV leases.
+    pub(crate) branches: Mutex<crate::branch::Branches>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding these locks cannot leave their plain data
     // half-written, so a poisoned lock is still safe to use.
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -94,7 +99,7 @@ pub struct Context {
     model: Arc<Model>,
     params: ContextParams,
     sender: Mutex<Option<Sender<Job>>>,
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
     n_ctx: u32,
 }
 
@@ -187,7 +192,7 @@ impl Context {
         self.shared.closed.load(Ordering::Acquire)
     }
 
-    fn check_open(&self) -> Result<()> {
+    pub(crate) fn check_open(&self) -> Result<()> {
         if self.is_closed() {
             Err(Error::ContextClosed)
         } else {
@@ -195,7 +200,7 @@ impl Context {
         }
     }
 
-    fn submit(&self, job: Job) {
+    pub(crate) fn submit(&self, job: Job) {
         let sender = lock(&self.sender).clone();
         match sender {
             Some(tx) if !self.is_closed() => {
@@ -406,12 +411,12 @@ impl Drop for Context {
 }
 
 /// Everything the worker thread owns.
-struct Worker<'m> {
-    model: Arc<Model>,
-    ctx: LlamaContext<'m>,
-    batch: LlamaBatch<'static>,
-    n_batch: usize,
-    shared: Arc<Shared>,
+pub(crate) struct Worker<'m> {
+    pub(crate) model: Arc<Model>,
+    pub(crate) ctx: LlamaContext<'m>,
+    pub(crate) batch: LlamaBatch<'static>,
+    pub(crate) n_batch: usize,
+    pub(crate) shared: Arc<Shared>,
 }
 
 fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option<Reply<Context>>) {
@@ -440,6 +445,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         pos_max: (0..params.n_seq_max).map(|_| AtomicI32::new(-1)).collect(),
         logits: Mutex::new(None),
         sampler: Mutex::new(None),
+        branches: Mutex::new(crate::branch::Branches::new(params.n_seq_max)),
     });
     let n_batch = params.n_batch as usize;
     let handle = Context {
@@ -525,6 +531,7 @@ impl Worker<'_> {
                     .unwrap_or_else(|p| Err(Error::from_panic(p)));
                 reply(result);
             }
+            Job::Branch(job) => self.execute_branch(job),
             Job::Close { .. } => unreachable!("handled by run"),
         }
     }
@@ -543,6 +550,11 @@ impl Worker<'_> {
                     self.shared.pos_max.len()
                 ))
             })?;
+        if lock(&self.shared.branches).is_leased(seq) {
+            return Err(invalid(format!(
+                "seq_id {seq} is leased by a branch; use the branch (or prune it) instead"
+            )));
+        }
         if pos < 0 {
             return Err(invalid(format!("position must be >= 0, got {pos}")));
         }
@@ -590,7 +602,7 @@ impl Worker<'_> {
     }
 
     /// One `llama_decode` of the current batch, counted in the stats.
-    fn llama_decode(&mut self, n_tokens: usize) -> Result<()> {
+    pub(crate) fn llama_decode(&mut self, n_tokens: usize) -> Result<()> {
         let started = Instant::now();
         let result = self.ctx.decode(&mut self.batch);
         let stats = &self.shared.stats;
@@ -625,7 +637,7 @@ impl Worker<'_> {
         }
     }
 
-    fn refresh_pos(&self, slot: usize, seq: i32) {
+    pub(crate) fn refresh_pos(&self, slot: usize, seq: i32) {
         self.shared.pos_max[slot].store(self.ctx.kv_cache_seq_pos_max(seq), Ordering::Release);
     }
 }

@@ -31,6 +31,15 @@ pub enum Error {
     /// A chat template could not be found, parsed or rendered.
     #[error("chat template error: {0}")]
     Template(String),
+    /// The branch was pruned (or its handle is stale).
+    #[error("the branch was pruned; its handle is no longer valid")]
+    BranchDisposed,
+    /// The branch has an operation in flight.
+    #[error("the branch already has an operation in flight; await it first")]
+    BranchBusy,
+    /// No KV sequence is free for a new branch.
+    #[error("no KV lease free: {0}")]
+    NoLease(String),
     /// A panic inside the engine, caught before it could cross into Python.
     #[error("internal error (please report): {0}")]
     Internal(String),

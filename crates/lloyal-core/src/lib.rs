@@ -18,6 +18,7 @@
 //! ```
 
 mod backend;
+pub mod branch;
 pub mod chat;
 pub mod context;
 pub mod error;
@@ -25,8 +26,10 @@ pub mod metrics;
 pub mod model;
 pub mod params;
 pub mod sampling;
+pub mod store;
 
 pub use backend::supports_gpu_offload;
+pub use branch::{BranchId, BranchState, Branches};
 pub use context::{join_workers, Context, Reply, Stats};
 pub use error::{Error, Result};
 pub use metrics::{Base, PerplexityTracker};

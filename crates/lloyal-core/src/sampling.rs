@@ -210,12 +210,38 @@ impl Sampler {
 
     /// Choose a token without recording it.
     pub fn choose(&mut self, logits: &[f32]) -> Result<i32> {
+        self.choose_with_probability(logits).map(|(token, _)| token)
+    }
+
+    /// Choose a token without recording it; also return the probability it
+    /// had in the distribution it was drawn from (after every filter and the
+    /// temperature). Greedy choices have probability 1.
+    pub fn choose_with_probability(&mut self, logits: &[f32]) -> Result<(i32, f64)> {
+        let dist = self.distribution(logits)?;
+        if dist.len() == 1 {
+            return Ok(dist[0]);
+        }
+        let r: f64 = self.rng.random();
+        let mut cum = 0.0;
+        for &(id, pr) in &dist {
+            cum += pr;
+            if r < cum {
+                return Ok((id, pr));
+            }
+        }
+        Ok(dist[dist.len() - 1])
+    }
+
+    /// The distribution a draw would come from: `(token, probability)` pairs
+    /// after penalties, the filters and the temperature, most likely first.
+    /// Greedy parameters give a single pair with probability 1.
+    pub fn distribution(&self, logits: &[f32]) -> Result<Vec<(i32, f64)>> {
+        let nothing = || invalid("every logit is -inf or NaN: nothing can be sampled");
         if logits.is_empty() {
             return Err(invalid("cannot sample from empty logits"));
         }
         if self.params.temperature <= 0.0 && !self.params.has_penalties() {
-            return greedy(logits)
-                .ok_or_else(|| invalid("every logit is -inf or NaN: nothing can be sampled"));
+            return greedy(logits).map(|t| vec![(t, 1.0)]).ok_or_else(nothing);
         }
         let mut cands: Vec<Candidate> = logits
             .iter()
@@ -228,14 +254,11 @@ impl Sampler {
         self.apply_penalties(&mut cands);
         let p = &self.params;
         if p.temperature <= 0.0 {
-            return argmax(&cands)
-                .ok_or_else(|| invalid("every logit is -inf or NaN: nothing can be sampled"));
+            return argmax(&cands).map(|t| vec![(t, 1.0)]).ok_or_else(nothing);
         }
         cands.retain(|c| c.logit.is_finite() || c.logit == f32::INFINITY);
         if cands.is_empty() {
-            return Err(invalid(
-                "every logit is -inf or NaN: nothing can be sampled",
-            ));
+            return Err(nothing());
         }
         let top_k = usize::try_from(p.top_k).unwrap_or(0);
         if top_k > 0 && top_k < cands.len() {
@@ -266,15 +289,7 @@ impl Sampler {
             cands.truncate(keep.max(1));
         }
         let probs = softmax(&cands, p.temperature);
-        let r: f64 = self.rng.random();
-        let mut cum = 0.0;
-        for (c, pr) in cands.iter().zip(&probs) {
-            cum += pr;
-            if r < cum {
-                return Ok(c.id);
-            }
-        }
-        Ok(cands[cands.len() - 1].id)
+        Ok(cands.iter().map(|c| c.id).zip(probs).collect())
     }
 
     fn apply_penalties(&self, cands: &mut [Candidate]) {

@@ -15,7 +15,7 @@ use crate::sampling::params_from_py;
 
 #[pyclass(name = "NativeContext", module = "lloyal._lloyal", frozen)]
 pub struct PyContext {
-    inner: Arc<Context>,
+    pub(crate) inner: Arc<Context>,
 }
 
 fn parse<T: std::str::FromStr<Err = lloyal_core::Error>>(s: &str) -> PyResult<T> {

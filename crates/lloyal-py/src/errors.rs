@@ -85,6 +85,9 @@ pub fn to_pyerr(error: Error) -> PyErr {
         Error::KvCacheFull(_) => KVCacheFullError::new_err(message),
         Error::Template(_) => ChatTemplateError::new_err(message),
         Error::Internal(_) => InternalError::new_err(message),
+        Error::BranchDisposed => BranchDisposedError::new_err(message),
+        Error::BranchBusy => BranchBusyError::new_err(message),
+        Error::NoLease(_) => NoLeaseError::new_err(message),
     }
 }
 

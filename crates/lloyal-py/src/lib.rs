@@ -1,6 +1,7 @@
 //! PyO3 bindings for lloyal: the `lloyal._lloyal` extension module.
 //! Users import `lloyal`; this module is its native half.
 
+mod branch;
 mod context;
 mod errors;
 mod reply;

@@ -1,0 +1,377 @@
+//! Branch state, the arena that holds it, and the KV leases branches hold.
+//!
+//! A branch is plain data -- sampler (with its RNG), logits snapshot,
+//! metrics, biases, position -- so forking is cloning. The arena hands out
+//! generational handles: a handle to a pruned branch stays invalid even
+//! after its slot is reused. KV sequence ids are leases: taken when a
+//! branch is created or forked, given back (after the worker clears the
+//! sequence's cells) when it is pruned. Users never see sequence ids.
+
+use std::sync::Arc;
+
+use crate::error::{invalid, Error, Result};
+use crate::metrics::{self, Base, PerplexityTracker};
+use crate::sampling::{Sampler, SamplingParams};
+
+/// An opaque, generational branch handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BranchId {
+    index: u32,
+    generation: u32,
+}
+
+impl BranchId {
+    /// Pack into one integer (for bindings).
+    pub fn to_bits(self) -> u64 {
+        (u64::from(self.generation) << 32) | u64::from(self.index)
+    }
+
+    pub fn from_bits(bits: u64) -> Self {
+        Self {
+            index: bits as u32,
+            generation: (bits >> 32) as u32,
+        }
+    }
+}
+
+/// What a branch carries. Cloned on fork, except `steer` (per-branch) and
+/// the topology fields.
+#[derive(Debug, Clone)]
+pub struct BranchState {
+    /// The KV sequence this branch leases.
+    pub(crate) seq: i32,
+    /// The next position to decode at (= tokens in this branch's KV).
+    pub position: i32,
+    /// Position when this branch was forked (0 for a root).
+    pub fork_head: i32,
+    pub(crate) sampler: Sampler,
+    /// Logits after the last decode (shared until someone edits them).
+    pub(crate) logits: Option<Arc<[f32]>>,
+    /// Biases added before sampling; inherited by forks.
+    pub logit_bias: Arc<Vec<(i32, f32)>>,
+    /// Biases for this branch only; not inherited.
+    pub steer: Vec<(i32, f32)>,
+    /// Model perplexity: surprisal of accepted tokens under the raw logits.
+    pub perplexity: PerplexityTracker,
+    /// Surprisal of accepted tokens under the sampling distribution.
+    pub sampling_perplexity: PerplexityTracker,
+    /// The last produced token and its sampling probability, so accepting
+    /// it does not run the sampler chain twice.
+    last_produced: Option<(i32, f64)>,
+    pub parent: Option<BranchId>,
+    pub children: Vec<BranchId>,
+    /// An operation on this branch is queued or running on the worker.
+    pub(crate) busy: bool,
+}
+
+impl BranchState {
+    pub(crate) fn new(seq: i32, params: SamplingParams) -> Result<Self> {
+        Ok(Self {
+            seq,
+            position: 0,
+            fork_head: 0,
+            sampler: Sampler::new(params)?,
+            logits: None,
+            logit_bias: Arc::new(Vec::new()),
+            steer: Vec::new(),
+            perplexity: PerplexityTracker::new(),
+            sampling_perplexity: PerplexityTracker::new(),
+            last_produced: None,
+            parent: None,
+            children: Vec::new(),
+            busy: false,
+        })
+    }
+
+    /// The state a fork starts from.
+    pub(crate) fn fork(&self, seq: i32, parent: BranchId) -> Self {
+        let mut child = self.clone();
+        child.seq = seq;
+        child.fork_head = self.position;
+        child.steer.clear();
+        child.parent = Some(parent);
+        child.children.clear();
+        child.busy = false;
+        child
+    }
+
+    pub fn logits(&self) -> Result<&Arc<[f32]>> {
+        self.logits
+            .as_ref()
+            .ok_or_else(|| invalid("the branch has no logits yet: prefill it first"))
+    }
+
+    /// Whether an operation on this branch is queued or running.
+    pub fn is_busy(&self) -> bool {
+        self.busy
+    }
+
+    pub fn sampler(&self) -> &Sampler {
+        &self.sampler
+    }
+
+    pub fn sampler_mut(&mut self) -> &mut Sampler {
+        self.last_produced = None;
+        &mut self.sampler
+    }
+
+    pub(crate) fn set_logits(&mut self, logits: Arc<[f32]>) {
+        self.logits = Some(logits);
+        self.last_produced = None;
+    }
+
+    /// The logits sampling sees: the snapshot plus bias and steer.
+    fn biased_logits(&self) -> Result<std::borrow::Cow<'_, [f32]>> {
+        let logits = self.logits()?;
+        if self.logit_bias.is_empty() && self.steer.is_empty() {
+            return Ok(std::borrow::Cow::Borrowed(logits));
+        }
+        let mut edited = logits.to_vec();
+        for &(t, b) in self.logit_bias.iter().chain(&self.steer) {
+            if let Some(l) = usize::try_from(t).ok().and_then(|i| edited.get_mut(i)) {
+                *l += b;
+            }
+        }
+        Ok(std::borrow::Cow::Owned(edited))
+    }
+
+    /// Sample the next token (the RNG advances; nothing is accepted).
+    pub fn produce(&mut self) -> Result<i32> {
+        let logits = self.biased_logits()?.into_owned();
+        let (token, prob) = self.sampler.choose_with_probability(&logits)?;
+        self.last_produced = Some((token, prob));
+        Ok(token)
+    }
+
+    /// Record `token` as chosen: penalty history and both perplexities.
+    /// Perplexity uses the logits the token was chosen from, so accept
+    /// before decoding.
+    pub fn accept(&mut self, token: i32) -> Result<()> {
+        let logits = self.logits()?;
+        let model_surprisal = metrics::surprisal(logits, token, Base::Nats)?;
+        let sampling_prob = match self.last_produced {
+            Some((t, p)) if t == token => p,
+            _ => {
+                let biased = self.biased_logits()?;
+                self.sampler
+                    .distribution(&biased)?
+                    .into_iter()
+                    .find(|&(t, _)| t == token)
+                    .map_or(0.0, |(_, p)| p)
+            }
+        };
+        self.perplexity.add(model_surprisal)?;
+        self.sampling_perplexity.add(-sampling_prob.ln())?;
+        self.sampler.accept(token);
+        self.last_produced = None;
+        Ok(())
+    }
+}
+
+struct Slot {
+    generation: u32,
+    state: Option<BranchState>,
+}
+
+/// Every branch of a context, plus the free KV sequence ids.
+pub struct Branches {
+    slots: Vec<Slot>,
+    free_slots: Vec<u32>,
+    free_seqs: Vec<i32>,
+    n_seq_max: u32,
+}
+
+impl Branches {
+    /// Sequence 0 is left to the flat API (`ctx.decode(..., seq_id=0)`)
+    /// until a branch needs it; branches take the highest free ids first.
+    pub fn new(n_seq_max: u32) -> Self {
+        Self {
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            free_seqs: (0..n_seq_max as i32).collect(),
+            n_seq_max,
+        }
+    }
+
+    /// Leases free now.
+    pub fn available(&self) -> usize {
+        self.free_seqs.len()
+    }
+
+    pub fn n_seq_max(&self) -> u32 {
+        self.n_seq_max
+    }
+
+    pub(crate) fn lease(&mut self) -> Result<i32> {
+        self.free_seqs.pop().ok_or_else(|| {
+            Error::NoLease(format!(
+                "all {} KV leases (n_seq_max) are held by live branches; prune a branch \
+                 (or retain_only a winner) to free one, or create the context with a larger n_seq_max",
+                self.n_seq_max
+            ))
+        })
+    }
+
+    /// Give a lease back. Call only after its KV cells were cleared.
+    pub(crate) fn release(&mut self, seq: i32) {
+        debug_assert!(!self.free_seqs.contains(&seq));
+        self.free_seqs.push(seq);
+    }
+
+    pub(crate) fn insert(&mut self, state: BranchState) -> BranchId {
+        if let Some(index) = self.free_slots.pop() {
+            let slot = &mut self.slots[index as usize];
+            slot.state = Some(state);
+            BranchId {
+                index,
+                generation: slot.generation,
+            }
+        } else {
+            let index = self.slots.len() as u32;
+            self.slots.push(Slot {
+                generation: 0,
+                state: Some(state),
+            });
+            BranchId {
+                index,
+                generation: 0,
+            }
+        }
+    }
+
+    /// Remove a branch; its handle (and any copy of it) is stale from now on.
+    pub(crate) fn remove(&mut self, id: BranchId) -> Result<BranchState> {
+        self.get(id)?;
+        let slot = &mut self.slots[id.index as usize];
+        let state = slot.state.take().ok_or(Error::BranchDisposed)?;
+        slot.generation = slot.generation.wrapping_add(1);
+        self.free_slots.push(id.index);
+        if let Some(parent) = state.parent {
+            if let Ok(p) = self.get_mut(parent) {
+                p.children.retain(|&c| c != id);
+            }
+        }
+        Ok(state)
+    }
+
+    pub fn get(&self, id: BranchId) -> Result<&BranchState> {
+        self.slots
+            .get(id.index as usize)
+            .filter(|s| s.generation == id.generation)
+            .and_then(|s| s.state.as_ref())
+            .ok_or(Error::BranchDisposed)
+    }
+
+    pub fn get_mut(&mut self, id: BranchId) -> Result<&mut BranchState> {
+        self.slots
+            .get_mut(id.index as usize)
+            .filter(|s| s.generation == id.generation)
+            .and_then(|s| s.state.as_mut())
+            .ok_or(Error::BranchDisposed)
+    }
+
+    /// `id` and its descendants, children before parents.
+    pub fn subtree_post_order(&self, id: BranchId) -> Result<Vec<BranchId>> {
+        let mut order = Vec::new();
+        let mut stack = vec![(id, false)];
+        while let Some((node, expanded)) = stack.pop() {
+            if expanded {
+                order.push(node);
+                continue;
+            }
+            stack.push((node, true));
+            for &child in &self.get(node)?.children {
+                stack.push((child, false));
+            }
+        }
+        Ok(order)
+    }
+
+    /// Every live branch.
+    pub fn ids(&self) -> Vec<BranchId> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.state.is_some())
+            .map(|(i, s)| BranchId {
+                index: i as u32,
+                generation: s.generation,
+            })
+            .collect()
+    }
+
+    /// Whether `seq` is leased by a branch.
+    pub(crate) fn is_leased(&self, seq: i32) -> bool {
+        !self.free_seqs.contains(&seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(b: &mut Branches) -> BranchState {
+        let seq = b.lease().unwrap();
+        BranchState::new(seq, SamplingParams::greedy()).unwrap()
+    }
+
+    #[test]
+    fn stale_handles_stay_stale_after_slot_reuse() {
+        let mut b = Branches::new(4);
+        let s = state(&mut b);
+        let a = b.insert(s);
+        let removed = b.remove(a).unwrap();
+        b.release(removed.seq);
+        let s = state(&mut b);
+        let c = b.insert(s);
+        assert_eq!(a.index, c.index);
+        assert!(matches!(b.get(a), Err(Error::BranchDisposed)));
+        assert!(b.get(c).is_ok());
+        assert_eq!(BranchId::from_bits(c.to_bits()), c);
+    }
+
+    #[test]
+    fn leases_run_out_and_come_back() {
+        let mut b = Branches::new(2);
+        let x = b.lease().unwrap();
+        let _y = b.lease().unwrap();
+        assert_eq!(b.available(), 0);
+        let err = b.lease().unwrap_err();
+        assert!(err.to_string().contains("all 2 KV leases"), "{err}");
+        b.release(x);
+        assert_eq!(b.available(), 1);
+    }
+
+    #[test]
+    fn subtree_is_post_order() {
+        let mut b = Branches::new(8);
+        let s = state(&mut b);
+        let root = b.insert(s);
+        let mut kids = Vec::new();
+        for _ in 0..2 {
+            let seq = b.lease().unwrap();
+            let child = b.get(root).unwrap().fork(seq, root);
+            let id = b.insert(child);
+            b.get_mut(root).unwrap().children.push(id);
+            kids.push(id);
+        }
+        let order = b.subtree_post_order(root).unwrap();
+        assert_eq!(order.len(), 3);
+        assert_eq!(*order.last().unwrap(), root);
+    }
+
+    #[test]
+    fn accept_tracks_both_perplexities() {
+        let mut s = BranchState::new(0, SamplingParams::greedy()).unwrap();
+        s.set_logits(Arc::from(vec![0.0f32, 1.0, 2.0]));
+        let t = s.produce().unwrap();
+        assert_eq!(t, 2);
+        s.accept(t).unwrap();
+        // Greedy: the sampling distribution is a point mass.
+        assert!((s.sampling_perplexity.perplexity() - 1.0).abs() < 1e-12);
+        assert!(s.perplexity.perplexity() > 1.0);
+        // A forced token outside the greedy support has infinite surprisal.
+        s.accept(0).unwrap();
+        assert!(s.sampling_perplexity.perplexity().is_infinite());
+    }
+}

@@ -1,0 +1,611 @@
+//! Branch operations: the `Context` methods that start them and the worker
+//! code that runs them. This is where continuous tree batching happens:
+//! tokens of many branches -- different sequences, different positions,
+//! each needing its own logits -- share one `llama_decode`.
+//!
+//! Cheap, decode-free operations (create, produce, accept, reading state)
+//! run on the caller's thread under the `branches` lock. Anything touching
+//! the KV cache is a [`BranchJob`] on the worker. A branch is marked busy
+//! from submission until its job finishes, so a second operation on it in
+//! the meantime fails with `BranchBusy` instead of interleaving.
+
+use std::sync::Arc;
+
+use llama_cpp_2::token::LlamaToken;
+
+use crate::branch::{BranchId, BranchState, Branches};
+use crate::context::{lock, Context, Job, Reply, Worker};
+use crate::error::{invalid, Error, Result};
+use crate::sampling::{Sampler, SamplingParams};
+
+/// One result per item of a batched operation.
+pub type ItemResults = Vec<Result<()>>;
+
+pub(crate) enum BranchJob {
+    /// Clear a sequence a new branch leased (it may hold flat-API cells).
+    ClearSeq {
+        seq: i32,
+    },
+    Fork {
+        parent: BranchId,
+        reply: Reply<BranchId>,
+    },
+    Prune {
+        id: BranchId,
+        cascade: bool,
+        reply: Reply<()>,
+    },
+    Commit {
+        items: Vec<(BranchId, i32)>,
+        reply: Reply<ItemResults>,
+    },
+    Prefill {
+        items: Vec<(BranchId, Vec<i32>)>,
+        reply: Reply<ItemResults>,
+    },
+    RetainOnly {
+        keep: BranchId,
+        reply: Reply<()>,
+    },
+}
+
+impl BranchJob {
+    pub(crate) fn fail(self, error: Error) {
+        match self {
+            BranchJob::ClearSeq { .. } => {}
+            BranchJob::Fork { reply, .. } => reply(Err(error)),
+            BranchJob::Prune { reply, .. } | BranchJob::RetainOnly { reply, .. } => {
+                reply(Err(error))
+            }
+            BranchJob::Commit { reply, .. } => reply(Err(error)),
+            BranchJob::Prefill { reply, .. } => reply(Err(error)),
+        }
+    }
+}
+
+/// Mark `ids` busy, or fail (marking nothing) if any is stale or busy, or
+/// appears twice.
+fn mark_busy(branches: &mut Branches, ids: &[BranchId]) -> Result<()> {
+    for (i, &id) in ids.iter().enumerate() {
+        if branches.get(id)?.busy || ids[..i].contains(&id) {
+            return Err(Error::BranchBusy);
+        }
+    }
+    for &id in ids {
+        branches.get_mut(id)?.busy = true;
+    }
+    Ok(())
+}
+
+fn clear_busy(branches: &mut Branches, ids: impl IntoIterator<Item = BranchId>) {
+    for id in ids {
+        if let Ok(b) = branches.get_mut(id) {
+            b.busy = false;
+        }
+    }
+}
+
+impl Context {
+    /// Create a root branch with its own KV lease (synchronous: no decode).
+    pub fn branch_create(&self, params: SamplingParams) -> Result<BranchId> {
+        self.check_open()?;
+        let mut branches = lock(&self.shared.branches);
+        let seq = branches.lease()?;
+        let state = match BranchState::new(seq, params) {
+            Ok(s) => s,
+            Err(e) => {
+                branches.release(seq);
+                return Err(e);
+            }
+        };
+        let id = branches.insert(state);
+        drop(branches);
+        if self.kv_seq_pos_max(seq).unwrap_or(-1) >= 0 {
+            // Queued before any job that could use the branch.
+            self.submit(Job::Branch(BranchJob::ClearSeq { seq }));
+        }
+        Ok(id)
+    }
+
+    /// Read or change a branch under the lock (not while it is busy).
+    pub fn with_branch<T>(
+        &self,
+        id: BranchId,
+        f: impl FnOnce(&mut BranchState) -> Result<T>,
+    ) -> Result<T> {
+        self.check_open()?;
+        let mut branches = lock(&self.shared.branches);
+        let state = branches.get_mut(id)?;
+        if state.busy {
+            return Err(Error::BranchBusy);
+        }
+        f(state)
+    }
+
+    /// Read a branch's state even while an operation is in flight.
+    pub fn read_branch<T>(&self, id: BranchId, f: impl FnOnce(&BranchState) -> T) -> Result<T> {
+        let branches = lock(&self.shared.branches);
+        Ok(f(branches.get(id)?))
+    }
+
+    /// Leases free now.
+    pub fn leases_available(&self) -> usize {
+        lock(&self.shared.branches).available()
+    }
+
+    /// Replace the branch's sampling parameters. Returns whether anything
+    /// changed; an unchanged call keeps the sampler as it is. A change keeps
+    /// the penalty history; the random stream restarts only if the seed
+    /// changed.
+    pub fn branch_set_params(&self, id: BranchId, params: SamplingParams) -> Result<bool> {
+        self.with_branch(id, |b| {
+            if *b.sampler().params() == params {
+                return Ok(false);
+            }
+            b.sampler_mut().set_params(params)?;
+            Ok(true)
+        })
+    }
+
+    /// Restart the branch's random stream from `seed`.
+    pub fn branch_reseed(&self, id: BranchId, seed: u64) -> Result<()> {
+        self.with_branch(id, |b| {
+            b.sampler_mut().reseed(seed);
+            Ok(())
+        })
+    }
+
+    pub fn branch_set_logits(&self, id: BranchId, logits: &[f32]) -> Result<()> {
+        self.check_logits_len(logits)?;
+        self.with_branch(id, |b| {
+            b.set_logits(Arc::from(logits));
+            Ok(())
+        })
+    }
+
+    fn check_biases(&self, biases: &[(i32, f32)]) -> Result<()> {
+        for &(t, b) in biases {
+            self.model().check_token(t)?;
+            if b.is_nan() {
+                return Err(invalid(format!("bias for token {t} is NaN")));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn branch_set_logit_bias(&self, id: BranchId, biases: Vec<(i32, f32)>) -> Result<()> {
+        self.check_biases(&biases)?;
+        self.with_branch(id, |b| {
+            b.logit_bias = Arc::new(biases);
+            Ok(())
+        })
+    }
+
+    pub fn branch_steer(&self, id: BranchId, biases: Vec<(i32, f32)>) -> Result<()> {
+        self.check_biases(&biases)?;
+        self.with_branch(id, |b| {
+            b.steer = biases;
+            Ok(())
+        })
+    }
+
+    /// Sample the branch's next token; nothing is written.
+    pub fn branch_produce(&self, id: BranchId) -> Result<i32> {
+        self.with_branch(id, BranchState::produce)
+    }
+
+    /// Accept a token without decoding it (penalties and metrics).
+    pub fn branch_accept(&self, id: BranchId, token: i32) -> Result<()> {
+        self.model().check_token(token)?;
+        self.with_branch(id, |b| b.accept(token))
+    }
+
+    fn submit_for(&self, ids: &[BranchId], job: BranchJob) {
+        let marked = self
+            .check_open()
+            .and_then(|()| mark_busy(&mut lock(&self.shared.branches), ids));
+        match marked {
+            Ok(()) => self.submit(Job::Branch(job)),
+            Err(e) => job.fail(e),
+        }
+    }
+
+    /// Fork: a new branch sharing `parent`'s KV prefix (no tensor copy under
+    /// unified KV) with a clone of its sampler, logits, metrics and bias.
+    pub fn branch_fork(&self, parent: BranchId, reply: Reply<BranchId>) {
+        self.submit_for(&[parent], BranchJob::Fork { parent, reply });
+    }
+
+    /// Prune a branch (`cascade`: with its whole subtree), freeing leases.
+    pub fn branch_prune(&self, id: BranchId, cascade: bool, reply: Reply<()>) {
+        self.submit_for(&[id], BranchJob::Prune { id, cascade, reply });
+    }
+
+    /// Split a batch into items that can run (marked busy) and per-item
+    /// errors for the rest (stale, busy, repeated, or failing `check`), so
+    /// one bad item never sinks the others. `reply` gets one result per
+    /// original item.
+    fn submit_items<T: Send + 'static>(
+        &self,
+        items: Vec<(BranchId, T)>,
+        check: impl Fn(&T) -> Result<()>,
+        reply: Reply<ItemResults>,
+        job: impl FnOnce(Vec<(BranchId, T)>, Reply<ItemResults>) -> BranchJob,
+    ) {
+        if let Err(e) = self.check_open() {
+            return reply(Err(e));
+        }
+        let mut early: Vec<Option<Error>> = Vec::with_capacity(items.len());
+        let mut runnable = Vec::with_capacity(items.len());
+        {
+            let mut branches = lock(&self.shared.branches);
+            let mut seen: Vec<BranchId> = Vec::with_capacity(items.len());
+            for (id, payload) in items {
+                let verdict = check(&payload).and_then(|()| {
+                    if seen.contains(&id) || branches.get(id)?.busy {
+                        return Err(Error::BranchBusy);
+                    }
+                    Ok(())
+                });
+                seen.push(id);
+                match verdict {
+                    Ok(()) => {
+                        if let Ok(b) = branches.get_mut(id) {
+                            b.busy = true;
+                        }
+                        runnable.push((id, payload));
+                        early.push(None);
+                    }
+                    Err(e) => early.push(Some(e)),
+                }
+            }
+        }
+        if runnable.is_empty() {
+            return reply(Ok(early.into_iter().flatten().map(Err).collect()));
+        }
+        let merge: Reply<ItemResults> = Box::new(move |result| {
+            reply(result.map(|ran| {
+                let mut ran = ran.into_iter();
+                early
+                    .into_iter()
+                    .map(|e| match e {
+                        Some(e) => Err(e),
+                        None => ran.next().unwrap_or(Ok(())),
+                    })
+                    .collect()
+            }))
+        });
+        self.submit(Job::Branch(job(runnable, merge)));
+    }
+
+    /// Accept one token per branch and decode them all together.
+    pub fn branch_commit(&self, items: Vec<(BranchId, i32)>, reply: Reply<ItemResults>) {
+        let model = Arc::clone(self.model());
+        self.submit_items(
+            items,
+            move |&t| model.check_token(t),
+            reply,
+            |items, reply| BranchJob::Commit { items, reply },
+        );
+    }
+
+    /// Decode a token list into each branch, packed into as few
+    /// `llama_decode` calls as `n_batch` allows.
+    pub fn branch_prefill(&self, items: Vec<(BranchId, Vec<i32>)>, reply: Reply<ItemResults>) {
+        let model = Arc::clone(self.model());
+        self.submit_items(
+            items,
+            move |tokens: &Vec<i32>| {
+                if tokens.is_empty() {
+                    return Err(invalid("cannot prefill an empty token list"));
+                }
+                model.check_tokens(tokens)
+            },
+            reply,
+            |items, reply| BranchJob::Prefill { items, reply },
+        );
+    }
+
+    /// Keep `keep`'s KV and prune every other branch.
+    pub fn branch_retain_only(&self, keep: BranchId, reply: Reply<()>) {
+        self.submit_for(&[keep], BranchJob::RetainOnly { keep, reply });
+    }
+}
+
+/// What a commit may have to undo.
+struct Undo {
+    id: BranchId,
+    seq: i32,
+    position: i32,
+    sampler: Sampler,
+    perplexity: crate::metrics::PerplexityTracker,
+    sampling_perplexity: crate::metrics::PerplexityTracker,
+}
+
+impl Worker<'_> {
+    pub(crate) fn execute_branch(&mut self, job: BranchJob) {
+        match job {
+            BranchJob::ClearSeq { seq } => {
+                let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
+                self.refresh_seq(seq);
+            }
+            BranchJob::Fork { parent, reply } => {
+                let result = self.fork(parent);
+                clear_busy(&mut lock(&self.shared.branches), [parent]);
+                reply(result);
+            }
+            BranchJob::Prune { id, cascade, reply } => {
+                let result = self.prune(id, cascade);
+                clear_busy(&mut lock(&self.shared.branches), [id]);
+                reply(result);
+            }
+            BranchJob::RetainOnly { keep, reply } => {
+                let result = self.retain_only(keep);
+                clear_busy(&mut lock(&self.shared.branches), [keep]);
+                reply(result);
+            }
+            BranchJob::Commit { items, reply } => {
+                let ids: Vec<BranchId> = items.iter().map(|&(id, _)| id).collect();
+                let result = self.commit(&items);
+                clear_busy(&mut lock(&self.shared.branches), ids);
+                reply(result);
+            }
+            BranchJob::Prefill { items, reply } => {
+                let ids: Vec<BranchId> = items.iter().map(|(id, _)| *id).collect();
+                let result = self.prefill(&items);
+                clear_busy(&mut lock(&self.shared.branches), ids);
+                reply(result);
+            }
+        }
+    }
+
+    fn refresh_seq(&self, seq: i32) {
+        if let Ok(slot) = usize::try_from(seq) {
+            self.refresh_pos(slot, seq);
+        }
+    }
+
+    fn fork(&mut self, parent: BranchId) -> Result<BranchId> {
+        let shared = Arc::clone(&self.shared);
+        let mut branches = lock(&shared.branches);
+        let (src, position) = {
+            let p = branches.get(parent)?;
+            (p.seq, p.position)
+        };
+        let dst = branches.lease()?;
+        // The lease may hold flat-API cells; a fork starts from the parent's.
+        let _ = self.ctx.kv_cache_seq_rm(dst, None, None);
+        if position > 0 {
+            self.ctx
+                .copy_kv_cache_seq(src, dst, None, None)
+                .map_err(|e| {
+                    branches.release(dst);
+                    Error::Internal(format!("KV sequence copy failed: {e}"))
+                })?;
+        }
+        let child = branches.get(parent)?.fork(dst, parent);
+        let id = branches.insert(child);
+        branches.get_mut(parent)?.children.push(id);
+        drop(branches);
+        self.refresh_seq(dst);
+        Ok(id)
+    }
+
+    /// Clear a removed branch's cells and give its lease back.
+    fn dispose(&mut self, branches: &mut Branches, id: BranchId) -> Result<()> {
+        let state = branches.remove(id)?;
+        let _ = self.ctx.kv_cache_seq_rm(state.seq, None, None);
+        branches.release(state.seq);
+        self.refresh_seq(state.seq);
+        Ok(())
+    }
+
+    fn prune(&mut self, id: BranchId, cascade: bool) -> Result<()> {
+        let shared = Arc::clone(&self.shared);
+        let mut branches = lock(&shared.branches);
+        let order = if cascade {
+            branches.subtree_post_order(id)?
+        } else {
+            let live = branches.get(id)?.children.len();
+            if live > 0 {
+                return Err(invalid(format!(
+                    "the branch has {live} live children; prune them first or use prune_subtree()"
+                )));
+            }
+            vec![id]
+        };
+        if order
+            .iter()
+            .any(|&b| b != id && branches.get(b).is_ok_and(|s| s.busy))
+        {
+            return Err(Error::BranchBusy);
+        }
+        for b in order {
+            self.dispose(&mut branches, b)?;
+        }
+        Ok(())
+    }
+
+    fn retain_only(&mut self, keep: BranchId) -> Result<()> {
+        let shared = Arc::clone(&self.shared);
+        let mut branches = lock(&shared.branches);
+        let keep_seq = branches.get(keep)?.seq;
+        let others: Vec<BranchId> = branches.ids().into_iter().filter(|&b| b != keep).collect();
+        if others
+            .iter()
+            .any(|&b| branches.get(b).is_ok_and(|s| s.busy))
+        {
+            return Err(Error::BranchBusy);
+        }
+        // One pass over the cells: everything not in the winner's sequence.
+        self.ctx.llama_kv_cache_seq_keep(keep_seq);
+        for b in others {
+            let state = branches.remove(b)?;
+            branches.release(state.seq);
+        }
+        let winner = branches.get_mut(keep)?;
+        winner.parent = None;
+        winner.children.clear();
+        drop(branches);
+        for seq in 0..self.shared_pos_len() {
+            self.refresh_seq(seq);
+        }
+        Ok(())
+    }
+
+    fn shared_pos_len(&self) -> i32 {
+        lock(&self.shared.branches).n_seq_max() as i32
+    }
+
+    /// Put the KV cache and the branches back as they were before a failed
+    /// batch. KV first (no lock held), then the Rust-side state.
+    fn undo(&mut self, undo: Vec<Undo>) {
+        for u in &undo {
+            let _ = self
+                .ctx
+                .kv_cache_seq_rm(u.seq, u32::try_from(u.position).ok(), None);
+            self.refresh_seq(u.seq);
+        }
+        let shared = Arc::clone(&self.shared);
+        let mut branches = lock(&shared.branches);
+        for u in undo {
+            if let Ok(b) = branches.get_mut(u.id) {
+                b.position = u.position;
+                *b.sampler_mut() = u.sampler;
+                b.perplexity = u.perplexity;
+                b.sampling_perplexity = u.sampling_perplexity;
+            }
+        }
+    }
+
+    /// Store each item's fresh logits and advance its position.
+    fn apply(&self, fresh: Vec<(BranchId, i32, Arc<[f32]>)>) {
+        let mut branches = lock(&self.shared.branches);
+        for (id, advance, logits) in fresh {
+            if let Ok(b) = branches.get_mut(id) {
+                b.position += advance;
+                b.set_logits(logits);
+            }
+        }
+    }
+
+    /// Decode the current batch; on failure undo everything in `undo`.
+    fn decode_or_undo(&mut self, undo: &mut Option<Vec<Undo>>) -> Result<()> {
+        let n = self.batch.n_tokens() as usize;
+        self.llama_decode(n).inspect_err(|_| {
+            if let Some(u) = undo.take() {
+                self.undo(u);
+            }
+        })
+    }
+
+    fn commit(&mut self, items: &[(BranchId, i32)]) -> Result<ItemResults> {
+        // Accept under the lock (the branches are busy: nobody else touches
+        // them), decode without it, then store the results under it again.
+        let mut undo = Vec::with_capacity(items.len());
+        let mut results: ItemResults = Vec::with_capacity(items.len());
+        let mut live: Vec<(BranchId, i32, i32, i32)> = Vec::new(); // (id, seq, pos, token)
+        {
+            let mut branches = lock(&self.shared.branches);
+            for &(id, token) in items {
+                let accepted = branches.get_mut(id).and_then(|b| {
+                    let saved = Undo::of(id, b);
+                    b.accept(token)?;
+                    Ok((saved, b.seq, b.position))
+                });
+                match accepted {
+                    Ok((saved, seq, pos)) => {
+                        undo.push(saved);
+                        live.push((id, seq, pos, token));
+                        results.push(Ok(()));
+                    }
+                    Err(e) => results.push(Err(e)),
+                }
+            }
+        }
+        let mut undo = Some(undo);
+        let mut fresh = Vec::with_capacity(live.len());
+        for chunk in live.chunks(self.n_batch) {
+            self.batch.clear();
+            for &(_, seq, pos, token) in chunk {
+                self.batch
+                    .add(LlamaToken(token), pos, &[seq], true)
+                    .map_err(|e| Error::Internal(format!("batch add: {e}")))?;
+            }
+            self.decode_or_undo(&mut undo)?;
+            for (row, &(id, ..)) in chunk.iter().enumerate() {
+                fresh.push((id, 1, Arc::from(self.ctx.get_logits_ith(row as i32))));
+            }
+        }
+        for &(_, seq, ..) in &live {
+            self.refresh_seq(seq);
+        }
+        self.apply(fresh);
+        Ok(results)
+    }
+
+    fn prefill(&mut self, items: &[(BranchId, Vec<i32>)]) -> Result<ItemResults> {
+        let mut undo = Vec::new();
+        let mut results: ItemResults = Vec::with_capacity(items.len());
+        // (id, seq, start position, tokens)
+        let mut work: Vec<(BranchId, i32, i32, &[i32])> = Vec::new();
+        {
+            let branches = lock(&self.shared.branches);
+            for (id, tokens) in items {
+                match branches.get(*id) {
+                    Ok(b) => {
+                        undo.push(Undo::of(*id, b));
+                        work.push((*id, b.seq, b.position, tokens));
+                        results.push(Ok(()));
+                    }
+                    Err(e) => results.push(Err(e)),
+                }
+            }
+        }
+        // Greedy bin packing: fill each batch to n_batch, splitting items
+        // across batches where needed; logits only for each item's last token.
+        let mut undo = Some(undo);
+        let mut fresh = Vec::with_capacity(work.len());
+        let mut rows: Vec<(BranchId, i32, i32)> = Vec::new(); // (id, advance, row)
+        let total: usize = work.iter().map(|w| w.3.len()).sum();
+        let mut added = 0usize;
+        self.batch.clear();
+        for &(id, seq, start, tokens) in &work {
+            for (j, &t) in tokens.iter().enumerate() {
+                let last = j + 1 == tokens.len();
+                if last {
+                    rows.push((id, tokens.len() as i32, self.batch.n_tokens()));
+                }
+                self.batch
+                    .add(LlamaToken(t), start + j as i32, &[seq], last)
+                    .map_err(|e| Error::Internal(format!("batch add: {e}")))?;
+                added += 1;
+                if self.batch.n_tokens() as usize == self.n_batch || added == total {
+                    self.decode_or_undo(&mut undo)?;
+                    for (id, advance, row) in rows.drain(..) {
+                        fresh.push((id, advance, Arc::from(self.ctx.get_logits_ith(row))));
+                    }
+                    self.batch.clear();
+                }
+            }
+        }
+        for &(_, seq, ..) in &work {
+            self.refresh_seq(seq);
+        }
+        self.apply(fresh);
+        Ok(results)
+    }
+}
+
+impl Undo {
+    fn of(id: BranchId, b: &BranchState) -> Self {
+        Undo {
+            id,
+            seq: b.seq,
+            position: b.position,
+            sampler: b.sampler().clone(),
+            perplexity: b.perplexity.clone(),
+            sampling_perplexity: b.sampling_perplexity.clone(),
+        }
+    }
+}

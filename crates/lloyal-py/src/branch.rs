@@ -1,0 +1,189 @@
+//! Branch operations on `NativeContext`. Branch handles cross into Python
+//! as plain integers (`BranchId::to_bits`); `lloyal.Branch` wraps them.
+
+use lloyal_core::store::ItemResults;
+use lloyal_core::{metrics, Base, BranchId};
+use numpy::{PyArray1, PyReadonlyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use crate::context::PyContext;
+use crate::errors::{to_pyerr, IntoPyResult};
+use crate::reply::{none, py_reply};
+use crate::sampling::params_from_py;
+
+fn id(bits: u64) -> BranchId {
+    BranchId::from_bits(bits)
+}
+
+fn branch_bits(py: Python<'_>, id: BranchId) -> PyResult<Py<PyAny>> {
+    Ok(id.to_bits().into_pyobject(py)?.into_any().unbind())
+}
+
+/// One entry per item: `None` or the exception for that item.
+fn item_errors(py: Python<'_>, results: ItemResults) -> PyResult<Py<PyAny>> {
+    let list = PyList::empty(py);
+    for r in results {
+        match r {
+            Ok(()) => list.append(py.None())?,
+            Err(e) => list.append(to_pyerr(e).into_value(py))?,
+        }
+    }
+    Ok(list.into_any().unbind())
+}
+
+fn slice<'a>(a: &'a PyReadonlyArray1<'_, f32>) -> PyResult<&'a [f32]> {
+    a.as_slice()
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
+}
+
+#[pymethods]
+impl PyContext {
+    fn branch_create(&self, params: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let params = params_from_py(params)?;
+        Ok(self.inner.branch_create(params).py_err()?.to_bits())
+    }
+
+    fn branch_fork(&self, branch: u64, done: Py<PyAny>) {
+        self.inner
+            .branch_fork(id(branch), py_reply(done, branch_bits));
+    }
+
+    fn branch_prune(&self, branch: u64, cascade: bool, done: Py<PyAny>) {
+        self.inner
+            .branch_prune(id(branch), cascade, py_reply(done, none));
+    }
+
+    fn branch_retain_only(&self, branch: u64, done: Py<PyAny>) {
+        self.inner
+            .branch_retain_only(id(branch), py_reply(done, none));
+    }
+
+    fn branch_commit(&self, items: Vec<(u64, i32)>, done: Py<PyAny>) {
+        let items = items.into_iter().map(|(b, t)| (id(b), t)).collect();
+        self.inner.branch_commit(items, py_reply(done, item_errors));
+    }
+
+    fn branch_prefill(&self, items: Vec<(u64, Vec<i32>)>, done: Py<PyAny>) {
+        let items = items.into_iter().map(|(b, t)| (id(b), t)).collect();
+        self.inner
+            .branch_prefill(items, py_reply(done, item_errors));
+    }
+
+    fn branch_produce(&self, py: Python<'_>, branch: u64) -> PyResult<i32> {
+        let inner = self.inner.clone();
+        py.detach(move || inner.branch_produce(id(branch))).py_err()
+    }
+
+    fn branch_accept(&self, branch: u64, token: i32) -> PyResult<()> {
+        self.inner.branch_accept(id(branch), token).py_err()
+    }
+
+    fn branch_set_params(&self, branch: u64, params: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let params = params_from_py(params)?;
+        self.inner.branch_set_params(id(branch), params).py_err()
+    }
+
+    fn branch_params<'py>(&self, py: Python<'py>, branch: u64) -> PyResult<Bound<'py, PyDict>> {
+        let p = self
+            .inner
+            .read_branch(id(branch), |b| b.sampler().params().clone())
+            .py_err()?;
+        let d = PyDict::new(py);
+        d.set_item("temperature", p.temperature)?;
+        d.set_item("top_k", p.top_k)?;
+        d.set_item("top_p", p.top_p)?;
+        d.set_item("min_p", p.min_p)?;
+        d.set_item("typical_p", p.typical_p)?;
+        d.set_item("repeat_penalty", p.repeat_penalty)?;
+        d.set_item("frequency_penalty", p.frequency_penalty)?;
+        d.set_item("presence_penalty", p.presence_penalty)?;
+        d.set_item("penalty_last_n", p.penalty_last_n)?;
+        d.set_item("seed", p.seed)?;
+        Ok(d)
+    }
+
+    fn branch_reseed(&self, branch: u64, seed: u64) -> PyResult<()> {
+        self.inner.branch_reseed(id(branch), seed).py_err()
+    }
+
+    fn branch_logits<'py>(
+        &self,
+        py: Python<'py>,
+        branch: u64,
+    ) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let logits = self
+            .inner
+            .with_branch(id(branch), |b| Ok(b.logits()?.clone()))
+            .py_err()?;
+        Ok(PyArray1::from_slice(py, &logits))
+    }
+
+    fn branch_set_logits(&self, branch: u64, logits: PyReadonlyArray1<'_, f32>) -> PyResult<()> {
+        self.inner
+            .branch_set_logits(id(branch), slice(&logits)?)
+            .py_err()
+    }
+
+    fn branch_set_logit_bias(&self, branch: u64, biases: Vec<(i32, f32)>) -> PyResult<()> {
+        self.inner
+            .branch_set_logit_bias(id(branch), biases)
+            .py_err()
+    }
+
+    fn branch_steer(&self, branch: u64, biases: Vec<(i32, f32)>) -> PyResult<()> {
+        self.inner.branch_steer(id(branch), biases).py_err()
+    }
+
+    fn branch_entropy(&self, branch: u64, base: &str) -> PyResult<f64> {
+        let base: Base = base.parse().py_err()?;
+        self.inner
+            .with_branch(id(branch), |b| metrics::entropy(b.logits()?, base))
+            .py_err()
+    }
+
+    fn branch_surprisal(&self, branch: u64, token: i32, base: &str) -> PyResult<f64> {
+        let base: Base = base.parse().py_err()?;
+        self.inner.model().check_token(token).py_err()?;
+        self.inner
+            .with_branch(id(branch), |b| metrics::surprisal(b.logits()?, token, base))
+            .py_err()
+    }
+
+    /// Everything cheap to read about a branch, in one call.
+    fn branch_info<'py>(&self, py: Python<'py>, branch: u64) -> PyResult<Bound<'py, PyDict>> {
+        let (position, fork_head, ppl, sppl, count, parent, children, busy) = self
+            .inner
+            .read_branch(id(branch), |b| {
+                (
+                    b.position,
+                    b.fork_head,
+                    b.perplexity.perplexity(),
+                    b.sampling_perplexity.perplexity(),
+                    b.perplexity.count(),
+                    b.parent.map(BranchId::to_bits),
+                    b.children.iter().map(|c| c.to_bits()).collect::<Vec<_>>(),
+                    b.is_busy(),
+                )
+            })
+            .py_err()?;
+        let d = PyDict::new(py);
+        d.set_item("position", position)?;
+        d.set_item("fork_head", fork_head)?;
+        d.set_item("perplexity", ppl)?;
+        d.set_item("sampling_perplexity", sppl)?;
+        d.set_item("accepted", count)?;
+        d.set_item("parent", parent)?;
+        d.set_item("children", children)?;
+        d.set_item("busy", busy)?;
+        Ok(d)
+    }
+
+    fn branch_alive(&self, branch: u64) -> bool {
+        self.inner.read_branch(id(branch), |_| ()).is_ok()
+    }
+
+    fn leases_available(&self) -> usize {
+        self.inner.leases_available()
+    }
+}

@@ -1,0 +1,376 @@
+"""Forkable decode state: Branch and BranchStore."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy.typing as npt
+
+from lloyal._bridge import Waiter, call_native, start_batch
+from lloyal.context import Base, Logits, _logits_arg, _token_id, _token_list
+from lloyal.errors import BranchDisposedError
+from lloyal.sampling import SamplingParams
+from lloyal.text import TextStream
+
+if TYPE_CHECKING:
+    from lloyal.context import Context
+
+
+@dataclass(frozen=True)
+class Produced:
+    """A token a branch would emit next (nothing written yet)."""
+
+    token: int
+    text: str
+    is_stop: bool
+
+
+@dataclass(frozen=True)
+class Token:
+    """A token a branch committed, with its exact text (see ``TextStream``)."""
+
+    token: int
+    text: str
+
+
+class _CommitQueue:
+    """Coalesces ``Branch.commit`` calls made in the same event-loop tick
+    into one native batch (one ``llama_decode`` for up to ``n_batch``
+    branches). The first commit of a tick waits one checkpoint -- every
+    task already runnable in this tick queues its commit meanwhile -- then
+    submits them all."""
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+        self._pending: list[tuple[int, int, Waiter]] = []
+
+    async def commit(self, handle: int, token: int) -> None:
+        waiter = Waiter()
+        self._pending.append((handle, token, waiter))
+        if len(self._pending) == 1:
+            try:
+                await anyio.lowlevel.checkpoint()
+            finally:
+                self._flush()
+        await waiter.wait()
+
+    def _flush(self) -> None:
+        items = [item for item in self._pending if not item[2].abandoned]
+        self._pending = []
+        if not items:
+            return
+        native = self._ctx._native
+        pairs = [(h, t) for h, t, _ in items]
+        start_batch(lambda done: native.branch_commit(pairs, done), [w for _, _, w in items])
+
+
+def _queue(ctx: Context) -> _CommitQueue:
+    queue: _CommitQueue | None = getattr(ctx, "_commit_queue", None)
+    if queue is None:
+        queue = _CommitQueue(ctx)
+        ctx._commit_queue = queue  # type: ignore[attr-defined]
+    return queue
+
+
+def _registry(ctx: Context) -> dict[int, Branch]:
+    reg: dict[int, Branch] | None = getattr(ctx, "_branch_objects", None)
+    if reg is None:
+        reg = {}
+        ctx._branch_objects = reg  # type: ignore[attr-defined]
+    return reg
+
+
+def _raise_first(errors: Sequence[BaseException | None]) -> None:
+    for e in errors:
+        if e is not None:
+            raise e
+
+
+class Branch:
+    """Forkable decode state: a KV sequence plus its own sampler (and random
+    stream), logits snapshot, perplexity trackers and logit biases.
+
+    ``fork()`` shares the KV prefix in memory (unified KV: only cell
+    metadata is copied) and clones everything else, so siblings diverge
+    independently. Commits from concurrent tasks are decoded together.
+
+    >>> import asyncio, lloyal
+    >>> async def main():
+    ...     async with await lloyal.create_context(MODEL, n_seq_max=4) as ctx:
+    ...         root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+    ...         await root.prefill(await ctx.tokenize("The capital of France is"))
+    ...         child = await root.fork()
+    ...         p = await child.produce()
+    ...         await child.commit(p.token)
+    ...         return p.text, child.position - root.position
+    >>> asyncio.run(main())
+    (' Paris', 1)
+    """
+
+    __slots__ = ("__weakref__", "_ctx", "_handle")
+
+    def __init__(self, ctx: Context, handle: int) -> None:
+        self._ctx = ctx
+        self._handle = handle
+        _registry(ctx)[handle] = self
+
+    @classmethod
+    def create(
+        cls,
+        ctx: Context,
+        params: SamplingParams | None = None,
+        grammar: object | None = None,
+    ) -> Branch:
+        """A new root branch with its own KV lease (empty until ``prefill``).
+
+        Raises :class:`NoLeaseError` when all ``n_seq_max`` leases are held.
+        """
+        if grammar is not None:
+            raise NotImplementedError("grammar-constrained branches are not implemented yet")
+        ctx._check_open()
+        return cls(ctx, ctx._native.branch_create(params or SamplingParams()))
+
+    def _wrap(self, handle: int) -> Branch:
+        obj = _registry(self._ctx).get(handle)
+        return obj if obj is not None else Branch(self._ctx, handle)
+
+    def _info(self) -> dict[str, Any]:
+        try:
+            return self._ctx._native.branch_info(self._handle)
+        except BranchDisposedError:
+            raise BranchDisposedError("the branch was pruned") from None
+
+    # -- decoding --------------------------------------------------------------
+
+    async def prefill(self, tokens: Sequence[int]) -> None:
+        """Decode ``tokens`` into this branch and keep the last logits. Does
+        not accept them (no penalty history, no perplexity)."""
+        ids = _token_list(tokens)
+        native = self._ctx._native
+        errors = await call_native(lambda done: native.branch_prefill([(self._handle, ids)], done))
+        _raise_first(errors)
+
+    async def fork(self) -> Branch:
+        """A child sharing this branch's KV prefix, with a clone of its
+        sampler (the random stream continues), logits, metrics and logit
+        bias (not its steer). Raises :class:`NoLeaseError` when no lease is free."""
+        native = self._ctx._native
+        handle = await call_native(lambda done: native.branch_fork(self._handle, done))
+        return Branch(self._ctx, handle)
+
+    async def produce(self) -> Produced:
+        """Sample the next token from this branch's logits. Writes nothing;
+        the random stream advances."""
+        token = int(self._ctx._native.branch_produce(self._handle))
+        return Produced(token, self._ctx.token_to_text(token), self._ctx.is_stop_token(token))
+
+    async def commit(self, token: int) -> None:
+        """Accept ``token`` and decode it. Concurrent commits (``gather``)
+        share one ``llama_decode``. On failure the branch is exactly as
+        before; cancelling the awaiting task leaves it exactly before or
+        exactly after the commit."""
+        t = _token_id(token)
+        self._ctx._check_open()
+        await _queue(self._ctx).commit(self._handle, t)
+
+    def accept(self, token: int) -> None:
+        """Record ``token`` as chosen (penalties, perplexities) without
+        decoding it."""
+        self._ctx._native.branch_accept(self._handle, _token_id(token))
+
+    async def __aiter__(self) -> AsyncIterator[Token]:
+        """Produce and commit until a stop token; yields exact text pieces."""
+        stream = TextStream(self._ctx)
+        while True:
+            p = await self.produce()
+            if p.is_stop:
+                return
+            await self.commit(p.token)
+            yield Token(p.token, stream.push(p.token))
+
+    # -- lifetime --------------------------------------------------------------
+
+    async def prune(self) -> None:
+        """Free this branch's KV lease. Refuses (``ValueError``) while it has
+        live children: prune them first, or use :meth:`prune_subtree`."""
+        native = self._ctx._native
+        await call_native(lambda done: native.branch_prune(self._handle, False, done))
+        _registry(self._ctx).pop(self._handle, None)
+
+    async def prune_subtree(self) -> None:
+        """Prune this branch and every descendant."""
+        native = self._ctx._native
+        await call_native(lambda done: native.branch_prune(self._handle, True, done))
+        _registry(self._ctx).pop(self._handle, None)
+
+    async def __aenter__(self) -> Branch:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self.disposed and not self._ctx.closed:
+            with anyio.CancelScope(shield=True):
+                await self.prune_subtree()
+
+    # -- sampling controls -----------------------------------------------------
+
+    def reseed_sampler(self, seed: int) -> None:
+        """Restart this branch's random stream from ``seed``."""
+        self._ctx._native.branch_reseed(self._handle, seed)
+
+    def set_sampler_params(self, params: SamplingParams) -> bool:
+        """Use new sampling parameters. Returns ``False`` (and changes nothing)
+        when they equal the current ones. A change keeps the penalty history;
+        the random stream restarts only when the seed changes."""
+        return bool(self._ctx._native.branch_set_params(self._handle, params))
+
+    @property
+    def sampler_params(self) -> SamplingParams:
+        return SamplingParams(**self._ctx._native.branch_params(self._handle))
+
+    @property
+    def logits(self) -> Logits:
+        """A read-only copy of the logits sampling starts from."""
+        arr: Logits = self._ctx._native.branch_logits(self._handle)
+        arr.flags.writeable = False
+        return arr
+
+    def set_logits(self, logits: npt.ArrayLike) -> None:
+        """Replace the logits snapshot (e.g. after custom scoring)."""
+        arr = _logits_arg(logits)
+        assert arr is not None
+        self._ctx._native.branch_set_logits(self._handle, arr)
+
+    def steer(self, biases: Mapping[int, float]) -> None:
+        """Biases for this branch only (forks do not inherit them)."""
+        self._ctx._native.branch_steer(self._handle, _biases(biases))
+
+    def set_logit_bias(self, biases: Mapping[int, float]) -> None:
+        """Biases added before sampling, inherited by forks."""
+        self._ctx._native.branch_set_logit_bias(self._handle, _biases(biases))
+
+    def model_entropy(self, base: Base = "nats") -> float:
+        return float(self._ctx._native.branch_entropy(self._handle, base))
+
+    def model_surprisal(self, token: int, base: Base = "nats") -> float:
+        return float(self._ctx._native.branch_surprisal(self._handle, _token_id(token), base))
+
+    # -- attributes ------------------------------------------------------------
+
+    @property
+    def position(self) -> int:
+        """Tokens in this branch's KV (the next position it decodes at)."""
+        return int(self._info()["position"])
+
+    @property
+    def fork_head(self) -> int:
+        """The position this branch was forked at (0 for a root)."""
+        return int(self._info()["fork_head"])
+
+    @property
+    def perplexity(self) -> float:
+        """Perplexity of accepted tokens under the model's raw distribution."""
+        return float(self._info()["perplexity"])
+
+    @property
+    def sampling_perplexity(self) -> float:
+        """Perplexity of accepted tokens under the sampling distribution
+        (after filters and temperature); ``inf`` if a token outside it was
+        forced."""
+        return float(self._info()["sampling_perplexity"])
+
+    @property
+    def parent(self) -> Branch | None:
+        handle = self._info()["parent"]
+        return None if handle is None else self._wrap(handle)
+
+    @property
+    def children(self) -> list[Branch]:
+        return [self._wrap(h) for h in self._info()["children"]]
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self._info()["children"]
+
+    @property
+    def is_active(self) -> bool:
+        """Whether the branch holds a KV lease (it does until pruned)."""
+        return not self.disposed
+
+    @property
+    def disposed(self) -> bool:
+        return self._ctx.closed or not self._ctx._native.branch_alive(self._handle)
+
+    def __repr__(self) -> str:
+        if self.disposed:
+            return "<lloyal.Branch disposed>"
+        info = self._info()
+        return f"<lloyal.Branch position={info['position']} children={len(info['children'])}>"
+
+
+def _biases(biases: Mapping[int, float]) -> list[tuple[int, float]]:
+    return [(_token_id(t), float(b)) for t, b in biases.items()]
+
+
+class BranchStore:
+    """Continuous tree batching: many branches, one ``llama_decode``.
+
+    >>> import asyncio, lloyal
+    >>> async def main():
+    ...     async with await lloyal.create_context(MODEL, n_seq_max=4) as ctx:
+    ...         store = lloyal.BranchStore(ctx)
+    ...         root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+    ...         await root.prefill(await ctx.tokenize("Once upon a time"))
+    ...         kids = [await root.fork() for _ in range(3)]
+    ...         before = ctx.stats.decode_calls
+    ...         await store.commit([(k, (await k.produce()).token) for k in kids])
+    ...         return ctx.stats.decode_calls - before, store.available
+    >>> asyncio.run(main())
+    (1, 0)
+    """
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+
+    async def commit(self, items: Sequence[tuple[Branch, int]]) -> None:
+        """Accept and decode one token per branch, in one ``llama_decode``
+        (more only past ``n_batch`` branches). Items that fail alone (a
+        pruned branch) do not stop the others; the first such error is
+        raised after the rest are committed."""
+        pairs = [(b._handle, _token_id(t)) for b, t in items]
+        native = self._ctx._native
+        errors = await call_native(lambda done: native.branch_commit(pairs, done))
+        _raise_first(errors)
+
+    async def prefill(self, items: Sequence[tuple[Branch, Sequence[int]]]) -> None:
+        """Decode a token list into each branch, packed into
+        ``ceil(total / n_batch)`` decodes (long lists are split)."""
+        pairs = [(b._handle, _token_list(t)) for b, t in items]
+        native = self._ctx._native
+        errors = await call_native(lambda done: native.branch_prefill(pairs, done))
+        _raise_first(errors)
+
+    async def retain_only(self, winner: Branch) -> None:
+        """Keep ``winner``'s KV and prune every other branch (one pass over
+        the cache). ``winner`` becomes a root."""
+        native = self._ctx._native
+        await call_native(lambda done: native.branch_retain_only(winner._handle, done))
+        reg = _registry(self._ctx)
+        for handle in [h for h in reg if h != winner._handle]:
+            reg.pop(handle, None)
+
+    @property
+    def available(self) -> int:
+        """KV leases free now."""
+        return int(self._ctx._native.leases_available())
+
+
+__all__ = ["Branch", "BranchStore", "Produced", "Token"]

@@ -1,0 +1,218 @@
+"""Branch: fork, produce/commit, topology, leases, errors -- on both models
+(Gemma 3 exercises sliding-window attention)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import lloyal
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = "The old lighthouse keeper climbed the stairs and"
+
+
+async def greedy_tokens(branch: lloyal.Branch, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        p = await branch.produce()
+        await branch.commit(p.token)
+        out.append(p.token)
+    return out
+
+
+async def test_fork_shares_prefix_and_continues_identically(model: Path) -> None:
+    async with await lloyal.create_context(model, n_ctx=512, n_seq_max=4) as ctx:
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        prompt = await ctx.tokenize(PROMPT)
+        await root.prefill(prompt)
+        assert root.position == len(prompt)
+        child = await root.fork()
+        assert child.position == root.position == child.fork_head
+        assert child.parent is root
+        assert root.children == [child]
+        assert not root.is_leaf
+        assert child.is_leaf
+        np.testing.assert_array_equal(child.logits, root.logits)
+        # Same greedy continuation from the shared prefix.
+        assert await greedy_tokens(child, 6) == await greedy_tokens(root, 6)
+        assert child.perplexity == pytest.approx(root.perplexity)
+
+
+async def test_forks_without_reseed_match_and_reseeded_forks_diverge(smollm2: Path) -> None:
+    params = lloyal.SamplingParams(temperature=1.2, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=5) as ctx:
+        root = lloyal.Branch.create(ctx, params=params)
+        await root.prefill(await ctx.tokenize(PROMPT))
+        a, b = await root.fork(), await root.fork()
+        assert await greedy_tokens(a, 12) == await greedy_tokens(b, 12)
+        c, d = await root.fork(), await root.fork()
+        c.reseed_sampler(1)
+        d.reseed_sampler(2)
+        assert await greedy_tokens(c, 12) != await greedy_tokens(d, 12)
+
+
+async def test_batched_decode_matches_decoding_alone(model: Path) -> None:
+    """A branch decoded with 7 siblings gets the logits and greedy text it
+    gets when decoded alone."""
+    async with await lloyal.create_context(model, n_ctx=1024, n_seq_max=9) as ctx:
+        store = lloyal.BranchStore(ctx)
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize(PROMPT))
+        alone = await root.fork()
+        alone_tokens, alone_logits = [], []
+        for _ in range(4):
+            p = await alone.produce()
+            await alone.commit(p.token)
+            alone_tokens.append(p.token)
+            alone_logits.append(alone.logits.copy())
+        await alone.prune()
+        family = [await root.fork() for _ in range(8)]
+        for b, word in zip(
+            family[1:], [" red", " blue", " seven", " ship", " and", " the", " x"], strict=True
+        ):
+            b.steer({(await ctx.tokenize(word, add_special=False))[0]: 50.0})
+        together_tokens = []
+        for step in range(4):
+            produced = [(b, (await b.produce()).token) for b in family]
+            await store.commit(produced)
+            together_tokens.append(produced[0][1])
+            p = np.exp(alone_logits[step] - alone_logits[step].max())
+            q = np.exp(family[0].logits - family[0].logits.max())
+            assert np.abs(p / p.sum() - q / q.sum()).max() < 0.05
+        assert together_tokens == alone_tokens
+
+
+async def test_async_iteration_stops_at_eog(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=2) as ctx:
+        chat = ctx.format_chat([{"role": "user", "content": "Say OK."}])
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize(chat.prompt))
+        pieces = []
+        async for tok in root:
+            pieces.append(tok.text)
+            if len(pieces) > 60:
+                break
+        assert 0 < len(pieces) <= 61
+        assert "".join(pieces).strip()
+
+
+async def test_prune_restrict_and_cascade(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=4) as ctx:
+        store = lloyal.BranchStore(ctx)
+        root = lloyal.Branch.create(ctx)
+        await root.prefill(await ctx.tokenize(PROMPT))
+        child = await root.fork()
+        grandchild = await child.fork()
+        assert store.available == 1
+        with pytest.raises(ValueError, match="live children"):
+            await root.prune()
+        assert not root.disposed
+        await root.prune_subtree()
+        assert root.disposed
+        assert child.disposed
+        assert grandchild.disposed
+        assert store.available == 4
+        for dead in (root, child, grandchild):
+            with pytest.raises(lloyal.BranchDisposedError):
+                await dead.produce()
+            with pytest.raises(lloyal.BranchDisposedError):
+                await dead.commit(5)
+            with pytest.raises(lloyal.BranchDisposedError):
+                _ = dead.position
+        # A new branch reuses the slot; the old handles stay dead.
+        fresh = lloyal.Branch.create(ctx)
+        assert root.disposed
+        assert not fresh.disposed
+
+
+async def test_retain_only_frees_every_other_lease(model: Path) -> None:
+    async with await lloyal.create_context(model, n_ctx=512, n_seq_max=6) as ctx:
+        store = lloyal.BranchStore(ctx)
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize(PROMPT))
+        kids = [await root.fork() for _ in range(5)]
+        assert store.available == 0
+        await store.commit([(k, (await k.produce()).token) for k in kids])
+        winner = kids[2]
+        await store.retain_only(winner)
+        assert store.available == ctx.n_seq_max - 1
+        assert winner.parent is None
+        assert all(b.disposed for b in [root, *kids] if b is not winner)
+        # The winner still decodes from its whole prefix.
+        assert len(await greedy_tokens(winner, 3)) == 3
+
+
+async def test_no_lease_error_says_how_to_free_one(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=256, n_seq_max=2) as ctx:
+        root = lloyal.Branch.create(ctx)
+        await root.prefill(await ctx.tokenize("hi"))
+        await root.fork()
+        with pytest.raises(lloyal.NoLeaseError, match="all 2 KV leases"):
+            await root.fork()
+        with pytest.raises(lloyal.NoLeaseError, match="prune"):
+            lloyal.Branch.create(ctx)
+        assert root.position == len(await ctx.tokenize("hi"))
+
+
+async def test_two_operations_in_flight_are_refused(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=1024, n_seq_max=2) as ctx:
+        root = lloyal.Branch.create(ctx)
+        prompt = await ctx.tokenize("word " * 200)
+        results: list[object] = []
+
+        async def prefill() -> None:
+            try:
+                await root.prefill(prompt)
+                results.append("ok")
+            except lloyal.BranchBusyError as e:
+                results.append(e)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(prefill)
+            tg.start_soon(prefill)
+        assert results.count("ok") == 1
+        assert sum(isinstance(r, lloyal.BranchBusyError) for r in results) == 1
+        assert root.position == len(prompt)
+
+
+async def test_sampler_controls(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=256, n_seq_max=3) as ctx:
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize(PROMPT))
+        best = (await root.produce()).token
+        assert not root.set_sampler_params(lloyal.GREEDY)
+        assert root.set_sampler_params(lloyal.GREEDY.with_(top_k=5))
+        assert root.sampler_params.top_k == 5
+        # Steering is per branch; a logit bias is inherited.
+        root.steer({best: -1000.0})
+        assert (await root.produce()).token != best
+        child = await root.fork()
+        assert (await child.produce()).token == best
+        root.steer({})
+        root.set_logit_bias({best: -1000.0})
+        grandchild = await root.fork()
+        assert (await grandchild.produce()).token != best
+        # Custom logits.
+        edited = np.full(ctx.vocab_size, -np.inf, dtype=np.float32)
+        edited[123] = 0.0
+        child.set_logits(edited)
+        assert (await child.produce()).token == 123
+        assert child.model_surprisal(123) == pytest.approx(0.0, abs=1e-6)
+        assert child.model_entropy("bits") == pytest.approx(0.0, abs=1e-6)
+
+
+async def test_perplexity_is_from_the_sampling_distribution(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=256, n_seq_max=2) as ctx:
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        tokens = await ctx.tokenize(PROMPT)
+        await root.prefill(tokens[:-1])
+        surprisal = root.model_surprisal(tokens[-1])
+        await root.commit(tokens[-1])
+        assert root.perplexity == pytest.approx(np.exp(surprisal), rel=1e-5)
+        # Greedy sampling puts all mass on the argmax: a forced other token is
+        # impossible under the sampling distribution.
+        assert root.sampling_perplexity in (1.0, float("inf"))

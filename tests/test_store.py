@@ -1,0 +1,157 @@
+"""BranchStore and implicit batching, proved with decode counters."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import anyio
+import lloyal
+import pytest
+
+pytestmark = pytest.mark.anyio
+
+
+async def fan_out(
+    ctx: lloyal.Context, n: int, prompt: str = "Once upon a time"
+) -> list[lloyal.Branch]:
+    root = lloyal.Branch.create(ctx, params=lloyal.SamplingParams(seed=3))
+    await root.prefill(await ctx.tokenize(prompt))
+    return [await root.fork() for _ in range(n)]
+
+
+async def test_store_commit_of_8_branches_is_one_decode(model: Path) -> None:
+    async with await lloyal.create_context(model, n_ctx=1024, n_seq_max=9) as ctx:
+        store = lloyal.BranchStore(ctx)
+        kids = await fan_out(ctx, 8)
+        items = [(k, (await k.produce()).token) for k in kids]
+        before = ctx.stats
+        await store.commit(items)
+        after = ctx.stats
+        assert after.decode_calls - before.decode_calls == 1
+        assert after.tokens_decoded - before.tokens_decoded == 8
+        assert all(k.position == kids[0].fork_head + 1 for k in kids)
+
+
+async def test_gathered_commits_from_8_tasks_are_one_decode(model: Path) -> None:
+    async with await lloyal.create_context(model, n_ctx=1024, n_seq_max=9) as ctx:
+        kids = await fan_out(ctx, 8)
+        tokens = [(await k.produce()).token for k in kids]
+        before = ctx.stats.decode_calls
+        async with anyio.create_task_group() as tg:
+            for k, t in zip(kids, tokens, strict=True):
+                tg.start_soon(k.commit, t)
+        assert ctx.stats.decode_calls - before == 1
+        # And again, for several steps of lockstep generation.
+        before = ctx.stats.decode_calls
+
+        async def step(b: lloyal.Branch) -> None:
+            await b.commit((await b.produce()).token)
+
+        for _ in range(3):
+            async with anyio.create_task_group() as tg:
+                for k in kids:
+                    tg.start_soon(step, k)
+        assert ctx.stats.decode_calls - before == 3
+
+
+async def test_prefill_packs_into_ceil_total_over_n_batch(model: Path) -> None:
+    async with await lloyal.create_context(model, n_ctx=1024, n_batch=16, n_seq_max=6) as ctx:
+        store = lloyal.BranchStore(ctx)
+        kids = await fan_out(ctx, 4, "Explain quantum entanglement")
+        prefixes = [
+            "Think of it like two coins that always land the same way",
+            "In quantum mechanics, the state of",
+            "What happens when you measure one particle",
+            "Imagine two particles",
+        ]
+        items = [
+            (k, await ctx.tokenize(p, add_special=False))
+            for k, p in zip(kids, prefixes, strict=True)
+        ]
+        total = sum(len(t) for _, t in items)
+        start = [k.position for k in kids]
+        before = ctx.stats.decode_calls
+        await store.prefill(items)
+        assert ctx.stats.decode_calls - before == math.ceil(total / ctx.n_batch)
+        for k, s, (_, t) in zip(kids, start, items, strict=True):
+            assert k.position == s + len(t)
+        # Each branch got the logits of its own last token: compare with a
+        # fork of the same prefix prefilled alone.
+        for k, (_, t) in zip(kids, items, strict=True):
+            solo = await k.parent.fork()  # type: ignore[union-attr]
+            await solo.prefill(t)
+            assert int(solo.logits.argmax()) == int(k.logits.argmax())
+            await solo.prune()
+
+
+async def test_a_pruned_branch_in_a_batch_does_not_sink_the_rest(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=5) as ctx:
+        store = lloyal.BranchStore(ctx)
+        kids = await fan_out(ctx, 3)
+        items = [(k, (await k.produce()).token) for k in kids]
+        await kids[1].prune()
+        with pytest.raises(lloyal.BranchDisposedError):
+            await store.commit(items)
+        assert kids[0].position == kids[2].position == kids[0].fork_head + 1
+
+
+async def test_kv_exhaustion_rolls_back_every_branch(model: Path) -> None:
+    async with await lloyal.create_context(model, n_ctx=256, n_batch=32, n_seq_max=8) as ctx:
+        store = lloyal.BranchStore(ctx)
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        await root.prefill((await ctx.tokenize("word " * 200))[:200])
+        kids = [await root.fork() for _ in range(7)]
+        # 7 branches x 10 private tokens = 70 cells, but only 56 are left:
+        # the first 32-token decode succeeds, the second fails, and the
+        # first one's cells must go again.
+        items = [(k, (await ctx.tokenize(" again" * 10, add_special=False))[:10]) for k in kids]
+        snapshot = [(k.position, k.perplexity, k.logits.copy()) for k in kids]
+        with pytest.raises(lloyal.KVCacheFullError):
+            await store.prefill(items)
+        for k, (pos, ppl, logits) in zip(kids, snapshot, strict=True):
+            assert k.position == pos
+            assert k.perplexity == ppl
+            assert (k.logits == logits).all()
+        # Fewer branches fit, and then work normally.
+        await store.prefill(items[:4])
+        assert all(k.position == 210 for k in kids[:4])
+        t = (await kids[0].produce()).token
+        await kids[0].commit(t)
+
+
+async def test_cancelled_commits_leave_branches_before_or_after(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=1024, n_seq_max=9) as ctx:
+        kids = await fan_out(ctx, 8)
+        start = kids[0].position
+        tokens = [(await k.produce()).token for k in kids]
+        async with anyio.create_task_group() as tg:
+            for i, (k, t) in enumerate(zip(kids, tokens, strict=True)):
+                tg.start_soon(k.commit, t)
+                if i % 2:
+                    await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.checkpoint()
+            tg.cancel_scope.cancel()
+        # Let submitted work finish, then check every branch is whole.
+        while any(k._info()["busy"] for k in kids):  # noqa: ASYNC110 - polling the worker
+            await anyio.sleep(0.01)
+        for k in kids:
+            assert k.position in (start, start + 1)
+            if k.position == start + 1:
+                assert not k.disposed
+        # Every branch is usable afterwards, whichever side it landed on.
+        store = lloyal.BranchStore(ctx)
+        await store.commit([(k, (await k.produce()).token) for k in kids])
+
+
+async def test_fork_prune_cycles_leak_no_lease(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=4) as ctx:
+        store = lloyal.BranchStore(ctx)
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize("A short prefix"))
+        for _ in range(200):
+            child = await root.fork()
+            await child.commit((await child.produce()).token)
+            await child.prune()
+        assert store.available == ctx.n_seq_max - 1
+        assert root.children == []
