@@ -55,6 +55,8 @@ fmt:
 
 bench: dev
 	$(PY) bench/decode.py
+	$(PY) bench/branching.py
+	$(PY) bench/soak.py
 
 demo: dev
 	lloyal generate "The three most important inventions in history are" --max-tokens 64

@@ -155,3 +155,22 @@ async def test_fork_prune_cycles_leak_no_lease(smollm2: Path) -> None:
             await child.prune()
         assert store.available == ctx.n_seq_max - 1
         assert root.children == []
+
+
+async def test_forks_share_prefix_cells(model: Path) -> None:
+    """Forking copies no KV cells: 8 forks of a 1000-token prefix fit in a
+    2048-cell cache with room for 960 more tokens. (Copied prefixes would
+    need 9 x 1000 cells.)"""
+    async with await lloyal.create_context(model, n_ctx=2048, n_batch=512, n_seq_max=9) as ctx:
+        assert ctx.n_ctx == 2048
+        store = lloyal.BranchStore(ctx)
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        prefix = (await ctx.tokenize("the cat sat on the mat " * 300))[:1000]
+        await store.prefill([(root, prefix)])
+        kids = [await root.fork() for _ in range(8)]
+        more = (await ctx.tokenize(" and then" * 100, add_special=False))[:120]
+        await store.prefill([(k, more) for k in kids])
+        assert all(k.position == 1120 for k in kids)
+        # The pool really is nearly full now: another 120 per branch is not.
+        with pytest.raises(lloyal.KVCacheFullError):
+            await store.prefill([(k, more) for k in kids])
