@@ -11,6 +11,11 @@ the development machine are printed beside ours).
 
     python bench/branching.py [--model smollm2|gemma3|PATH] [--steps 64] [--runs 3]
 
+With ``--llama-cpp-python`` it also runs best-of-N the way llama-cpp-python
+users must (save_state / load_state, one candidate after another), in a
+virtual environment it creates under ~/.cache/lloyal/bench-venv (building
+llama-cpp-python from source takes several minutes the first time).
+
 Targets (issue 3): Python >= 0.95x the raw loop at every N; fork latency
 <= raw seq copy + 50 us (reference on SmolLM2, unified KV: 6 us at 10
 tokens, 82 us at 1,000, 171 us at 3,000).
@@ -22,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -75,6 +81,24 @@ async def fork_latency(path: Path, prefix: int, threads: int, repeats: int = 50)
         return median(samples) * 1e6
 
 
+VENV = Path.home() / ".cache" / "lloyal" / "bench-venv"
+
+
+def llama_cpp_python() -> Path:
+    """A venv with llama-cpp-python, built for this CPU."""
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    probe = subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True)
+    if probe.returncode != 0:
+        print("building llama-cpp-python in", VENV, "(several minutes)", file=sys.stderr)
+        env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON"}
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "llama-cpp-python"], check=True, env=env
+        )
+    return python
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append")
@@ -82,9 +106,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--widths", default="1,2,4,8,16")
+    parser.add_argument(
+        "--llama-cpp-python", action="store_true", help="also time best-of-N in llama-cpp-python"
+    )
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
     raw_bin = build_example("raw_batched")
+    lcp = llama_cpp_python() if args.llama_cpp_python else None
+    lcp_script = Path(__file__).resolve().parent / "llama_cpp_python_best_of_n.py"
     print(f"threads={args.threads} prompt={PROMPT_TOKENS} steps={args.steps} runs={args.runs}")
     for name in args.model or list(KNOWN_MODELS):
         path = model_path(name) if name in KNOWN_MODELS else Path(name)
@@ -98,7 +127,8 @@ def main() -> None:
             json.dump(prompt, f)
             tokens_file = f.name
         print(f"\n{name}: aggregate tok/s, N branches in lockstep")
-        print(f"{'N':>4} {'raw Rust':>10} {'Python':>10} {'ratio':>7}")
+        extra = f" {'llama-cpp-python':>17} {'ours/lcp':>9}" if lcp else ""
+        print(f"{'N':>4} {'raw Rust':>10} {'Python':>10} {'ratio':>7}{extra}")
         for n in widths:
             raw, py = [], []
             for _ in range(args.runs):
@@ -117,7 +147,22 @@ def main() -> None:
                 seconds = asyncio.run(python_lockstep(path, prompt, n, args.steps, args.threads))
                 py.append(n * args.steps / seconds)
             r_med, p_med = median(raw), median(py)
-            print(f"{n:>4} {r_med:>10.1f} {p_med:>10.1f} {p_med / r_med:>6.3f}x")
+            line = f"{n:>4} {r_med:>10.1f} {p_med:>10.1f} {p_med / r_med:>6.3f}x"
+            if lcp:
+                out = run_json(
+                    [
+                        str(lcp),
+                        str(lcp_script),
+                        str(path),
+                        tokens_file,
+                        str(n),
+                        str(args.steps),
+                        str(args.threads),
+                    ]
+                )
+                lcp_tps = n * args.steps / out["seconds"]
+                line += f" {lcp_tps:>17.1f} {p_med / lcp_tps:>8.2f}x"
+            print(line)
         os.unlink(tokens_file)
         print(f"\n{name}: fork latency (median of 50)")
         print(f"{'prefix':>7} {'lloyal fork':>12} {'llama.cpp seq_cp (ref, SmolLM2)':>34}")

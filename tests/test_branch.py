@@ -216,3 +216,16 @@ async def test_perplexity_is_from_the_sampling_distribution(smollm2: Path) -> No
         # Greedy sampling puts all mass on the argmax: a forced other token is
         # impossible under the sampling distribution.
         assert root.sampling_perplexity in (1.0, float("inf"))
+
+
+async def test_async_with_prunes_the_subtree(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=256, n_seq_max=4) as ctx:
+        store = lloyal.BranchStore(ctx)
+        root = lloyal.Branch.create(ctx)
+        await root.prefill(await ctx.tokenize("hello"))
+        async with await root.fork() as child:
+            grandchild = await child.fork()
+            assert store.available == 1
+        assert child.disposed and grandchild.disposed
+        assert store.available == 3
+        assert root.children == []
