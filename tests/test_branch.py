@@ -226,6 +226,7 @@ async def test_async_with_prunes_the_subtree(smollm2: Path) -> None:
         async with await root.fork() as child:
             grandchild = await child.fork()
             assert store.available == 1
-        assert child.disposed and grandchild.disposed
+        assert child.disposed
+        assert grandchild.disposed
         assert store.available == 3
         assert root.children == []

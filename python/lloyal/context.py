@@ -422,6 +422,99 @@ class Context:
         self._check_open()
         return float(self._native.model_surprisal(_token_id(token), base, _logits_arg(logits)))
 
+    # -- KV cache --------------------------------------------------------------
+
+    def kv_cache_size(self, seq_id: int = 0) -> int:
+        """Tokens held by ``seq_id`` (``kv_seq_pos_max(seq_id) + 1``)."""
+        return int(self._native.kv_cache_size(int(seq_id)))
+
+    async def kv_cache_remove(self, seq_id: int, start: int, end: int = -1) -> None:
+        """Remove positions ``[start, end)`` of ``seq_id`` (``end=-1``: to the end)."""
+        self._check_open()
+        native = self._native
+        await call_native(lambda done: native.kv_cache_remove(seq_id, start, end, done))
+
+    def kv_seq_copy(self, src: int, dst: int) -> None:
+        """Share ``src``'s cells with ``dst`` (unified KV: metadata only, no
+        tensor copy). Queued on the worker: it takes effect before any later
+        operation on this context."""
+        self._check_open()
+        self._native.kv_seq_copy(int(src), int(dst))
+
+    def kv_seq_keep(self, seq_id: int) -> None:
+        """Drop every cell that ``seq_id`` does not hold. Queued like
+        :meth:`kv_seq_copy`; refused while branches hold KV."""
+        self._check_open()
+        self._native.kv_seq_keep(int(seq_id))
+
+    async def kv_cache_clear(self) -> None:
+        """Clear every sequence (refused while branches hold KV)."""
+        self._check_open()
+        await call_native(self._native.kv_cache_clear)
+
+    async def kv_cache_save(self, seq_id: int = 0, tokens: Sequence[int] = ()) -> bytes:
+        """Serialise ``seq_id``'s KV cells. ``tokens`` (what the sequence
+        holds) travel with the state. The bytes load only into a context of
+        the same model and KV types.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         tokens = await ctx.tokenize("Remember this")
+        ...         await ctx.decode(tokens, 0)
+        ...         state = await ctx.kv_cache_save(0, tokens)
+        ...     async with await lloyal.create_context(MODEL) as fresh:
+        ...         await fresh.kv_cache_load(0, state)
+        ...         return fresh.kv_cache_size(0) == len(tokens)
+        >>> asyncio.run(main())
+        True
+        """
+        self._check_open()
+        ids = _token_list(tokens)
+        native = self._native
+        data = await call_native(lambda done: native.kv_cache_save(seq_id, ids, done))
+        return bytes(data)
+
+    async def kv_cache_load(self, seq_id: int, data: bytes) -> list[int]:
+        """Replace ``seq_id`` with a state from :meth:`kv_cache_save`; returns
+        the tokens saved with it. Corrupt, truncated or foreign data raises
+        :class:`StateError` and leaves the sequence empty.
+
+        A state holds KV cells, not logits: to continue generating, save
+        before decoding the last token and decode it after loading."""
+        self._check_open()
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
+        native = self._native
+        raw = bytes(data)
+        return list(await call_native(lambda done: native.kv_cache_load(seq_id, raw, done)))
+
+    async def kv_cache_write_file(
+        self, seq_id: int, path: str | os.PathLike[str], tokens: Sequence[int]
+    ) -> int:
+        """Save ``seq_id`` (with ``tokens``) to a file; returns bytes written."""
+        data = await self.kv_cache_save(seq_id, tokens)
+        await anyio.Path(path).write_bytes(data)
+        return len(data)
+
+    async def kv_cache_read_file(self, seq_id: int, path: str | os.PathLike[str]) -> list[int]:
+        """Load ``seq_id`` from a file written by :meth:`kv_cache_write_file`;
+        returns the tokens saved with it."""
+        data = await anyio.Path(path).read_bytes()
+        return await self.kv_cache_load(seq_id, data)
+
+    async def clear_and_reseed(
+        self, sinks: Sequence[int], tail: Sequence[int], seq_id: int = 0
+    ) -> None:
+        """BlinkKV streaming past ``n_ctx``: clear ``seq_id``, then decode
+        ``sinks + tail`` at contiguous positions from 0 (the next position is
+        ``len(sinks) + len(tail)``). The flat sampler's penalty history is
+        kept; the last logits are those of the tail's last token."""
+        self._check_open()
+        s, t = _token_list(sinks), _token_list(tail)
+        native = self._native
+        await call_native(lambda done: native.clear_and_reseed(seq_id, s, t, done))
+
     def create_perplexity_tracker(self) -> _lloyal.PerplexityTracker:
         """A fresh :class:`PerplexityTracker`."""
         return _lloyal.PerplexityTracker()

@@ -42,6 +42,8 @@ pub(crate) enum Job {
     },
     /// Branch work (see `store.rs`).
     Branch(crate::store::BranchJob),
+    /// KV cache work of the flat API (see `kv_cache.rs`).
+    Kv(crate::kv_cache::KvJob),
     Close {
         reply: Reply<()>,
     },
@@ -52,6 +54,7 @@ impl Job {
         match self {
             Job::Decode { reply, .. } | Job::Close { reply } => reply(Err(error)),
             Job::Branch(job) => job.fail(error),
+            Job::Kv(job) => job.fail(error),
         }
     }
 }
@@ -416,6 +419,7 @@ pub(crate) struct Worker<'m> {
     pub(crate) ctx: LlamaContext<'m>,
     pub(crate) batch: LlamaBatch<'static>,
     pub(crate) n_batch: usize,
+    pub(crate) params: ContextParams,
     pub(crate) shared: Arc<Shared>,
 }
 
@@ -450,7 +454,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
     let n_batch = params.n_batch as usize;
     let handle = Context {
         model: Arc::clone(&model),
-        params,
+        params: params.clone(),
         sender: Mutex::new(Some(tx)),
         shared: Arc::clone(&shared),
         n_ctx: ctx.n_ctx(),
@@ -460,6 +464,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         ctx,
         batch: LlamaBatch::new(n_batch, 1),
         n_batch,
+        params,
         shared,
     };
     if let Some(ready) = on_ready.take() {
@@ -532,6 +537,7 @@ impl Worker<'_> {
                 reply(result);
             }
             Job::Branch(job) => self.execute_branch(job),
+            Job::Kv(job) => self.execute_kv(job),
             Job::Close { .. } => unreachable!("handled by run"),
         }
     }
@@ -575,7 +581,14 @@ impl Worker<'_> {
         Ok(slot)
     }
 
-    fn decode(&mut self, tokens: &[i32], pos: i32, seq: i32) -> Result<()> {
+    /// Re-read every sequence's largest position into the mirror.
+    pub(crate) fn refresh_all(&self) {
+        for slot in 0..self.shared.pos_max.len() {
+            self.refresh_pos(slot, slot as i32);
+        }
+    }
+
+    pub(crate) fn decode(&mut self, tokens: &[i32], pos: i32, seq: i32) -> Result<()> {
         let slot = self.check_decode(tokens, pos, seq)?;
         let mut next = pos;
         for (i, chunk) in tokens.chunks(self.n_batch).enumerate() {

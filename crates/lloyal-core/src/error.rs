@@ -28,6 +28,9 @@ pub enum Error {
     /// No free KV cell slot for the batch (llama_decode returned 1).
     #[error("KV cache is full: {0}")]
     KvCacheFull(String),
+    /// KV state data is corrupt, truncated, or from another model/context.
+    #[error("invalid KV state: {0}")]
+    State(String),
     /// A chat template could not be found, parsed or rendered.
     #[error("chat template error: {0}")]
     Template(String),

@@ -22,6 +22,8 @@ pub mod branch;
 pub mod chat;
 pub mod context;
 pub mod error;
+mod kv;
+pub mod kv_cache;
 pub mod metrics;
 pub mod model;
 pub mod params;

@@ -84,6 +84,7 @@ pub fn to_pyerr(error: Error) -> PyErr {
         Error::Decode(_) => DecodeError::new_err(message),
         Error::KvCacheFull(_) => KVCacheFullError::new_err(message),
         Error::Template(_) => ChatTemplateError::new_err(message),
+        Error::State(_) => StateError::new_err(message),
         Error::Internal(_) => InternalError::new_err(message),
         Error::BranchDisposed => BranchDisposedError::new_err(message),
         Error::BranchBusy => BranchBusyError::new_err(message),

@@ -4,6 +4,7 @@
 mod branch;
 mod context;
 mod errors;
+mod kv;
 mod reply;
 mod sampling;
 
