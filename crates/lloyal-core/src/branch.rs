@@ -137,8 +137,16 @@ impl BranchState {
 
     /// Sample the next token (the RNG advances; nothing is accepted).
     pub fn produce(&mut self) -> Result<i32> {
-        let logits = self.biased_logits()?.into_owned();
-        let (token, prob) = self.sampler.choose_with_probability(&logits)?;
+        // Borrow the snapshot (an Arc clone, not a copy) unless biases apply.
+        let snapshot = Arc::clone(self.logits()?);
+        let biased;
+        let logits: &[f32] = if self.logit_bias.is_empty() && self.steer.is_empty() {
+            &snapshot
+        } else {
+            biased = self.biased_logits()?.into_owned();
+            &biased
+        };
+        let (token, prob) = self.sampler.choose_with_probability(logits)?;
         self.last_produced = Some((token, prob));
         Ok(token)
     }
