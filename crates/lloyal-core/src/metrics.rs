@@ -52,7 +52,7 @@ fn exp_neg(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000e-1;
+    p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
     // 2^k without a float-to-int cast (Rust's saturating `as` does not
     // vectorise): adding 2^23 puts the integer k + 127 in the low mantissa
