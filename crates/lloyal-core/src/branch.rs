@@ -116,8 +116,13 @@ impl BranchState {
     }
 
     pub(crate) fn set_logits(&mut self, logits: Arc<[f32]>) {
-        self.logits = Some(logits);
+        self.replace_logits(logits);
+    }
+
+    /// Install a new snapshot and hand back the old one.
+    pub(crate) fn replace_logits(&mut self, logits: Arc<[f32]>) -> Option<Arc<[f32]>> {
         self.last_produced = None;
+        self.logits.replace(logits)
     }
 
     /// The logits sampling sees: the snapshot plus bias and steer.

@@ -421,6 +421,8 @@ pub(crate) struct Worker<'m> {
     pub(crate) n_batch: usize,
     pub(crate) params: ContextParams,
     pub(crate) shared: Arc<Shared>,
+    /// Branch logits buffers nobody holds any more, for reuse.
+    pub(crate) logit_pool: Vec<Arc<[f32]>>,
 }
 
 fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option<Reply<Context>>) {
@@ -466,6 +468,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         n_batch,
         params,
         shared,
+        logit_pool: Vec::new(),
     };
     if let Some(ready) = on_ready.take() {
         ready(Ok(handle));

@@ -346,15 +346,41 @@ fn argmax(cands: &[Candidate]) -> Option<i32> {
 }
 
 /// Index of the largest logit above `-inf` (lowest index on ties; NaN is
-/// skipped). `None` when there is no such logit.
+/// skipped). `None` when there is no such logit. Lane-wise so the scan over
+/// a whole vocabulary vectorises.
 pub fn greedy(logits: &[f32]) -> Option<i32> {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > f32::NEG_INFINITY && best.is_none_or(|(_, b)| l > b) {
-            best = Some((i, l));
+    const LANES: usize = 16;
+    let mut best = [f32::NEG_INFINITY; LANES];
+    let mut at = [u32::MAX; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let rest_start = logits.len() - chunks.remainder().len();
+    for (c, chunk) in chunks.enumerate() {
+        let base = (c * LANES) as u32;
+        for lane in 0..LANES {
+            let x = chunk[lane];
+            // Strictly greater: the first (lowest) index wins ties; NaN never wins.
+            let better = x > best[lane];
+            best[lane] = if better { x } else { best[lane] };
+            at[lane] = if better { base + lane as u32 } else { at[lane] };
         }
     }
-    best.map(|(i, _)| i as i32)
+    let mut winner: Option<(f32, u32)> = None;
+    let candidates = best.iter().zip(&at).map(|(&v, &i)| (v, i)).chain(
+        logits[rest_start..]
+            .iter()
+            .enumerate()
+            .map(|(j, &v)| (v, (rest_start + j) as u32)),
+    );
+    for (v, i) in candidates {
+        if i == u32::MAX || v.is_nan() || v == f32::NEG_INFINITY {
+            continue;
+        }
+        winner = match winner {
+            Some((bv, bi)) if bv > v || (bv == v && bi < i) => Some((bv, bi)),
+            _ => Some((v, i)),
+        };
+    }
+    winner.map(|(_, i)| i as i32)
 }
 
 /// Softmax of the candidates' logits divided by `temperature`, in f64.
@@ -404,6 +430,22 @@ mod tests {
 
     fn logits() -> Vec<f32> {
         vec![0.0, 3.0, 1.0, 2.5, -1.0]
+    }
+
+    #[test]
+    fn greedy_scan_matches_a_plain_argmax() {
+        let logits: Vec<f32> = (0..1000).map(|i| ((i * 37) % 101) as f32).collect();
+        let plain = logits
+            .iter()
+            .enumerate()
+            .fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b })
+            .0 as i32;
+        assert_eq!(greedy(&logits), Some(plain));
+        let mut tail = vec![0.0f32; 35];
+        tail[34] = 1.0;
+        assert_eq!(greedy(&tail), Some(34));
+        assert_eq!(greedy(&[f32::NAN, 2.0, 2.0]), Some(1));
+        assert_eq!(greedy(&[f32::NEG_INFINITY; 40]), None);
     }
 
     #[test]

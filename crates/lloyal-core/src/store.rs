@@ -479,14 +479,38 @@ impl Worker<'_> {
     }
 
     /// Store each item's fresh logits and advance its position.
-    fn apply(&self, fresh: Vec<(BranchId, i32, Arc<[f32]>)>) {
-        let mut branches = lock(&self.shared.branches);
+    fn apply(&mut self, fresh: Vec<(BranchId, i32, Arc<[f32]>)>) {
+        let shared = Arc::clone(&self.shared);
+        let mut branches = lock(&shared.branches);
         for (id, advance, logits) in fresh {
             if let Ok(b) = branches.get_mut(id) {
                 b.position += advance;
-                b.set_logits(logits);
+                if let Some(old) = b.replace_logits(logits) {
+                    self.recycle(old);
+                }
             }
         }
+    }
+
+    /// Keep a replaced snapshot for reuse if nobody else holds it (forks
+    /// share snapshots until they decode).
+    fn recycle(&mut self, old: Arc<[f32]>) {
+        if Arc::strong_count(&old) == 1 && self.logit_pool.len() < 256 {
+            self.logit_pool.push(old);
+        }
+    }
+
+    /// A copy of batch row `row`'s logits, in a recycled buffer when one is
+    /// free (a vocabulary-sized allocation per branch per step otherwise).
+    fn row_logits(&mut self, row: i32) -> Arc<[f32]> {
+        let fresh = self.ctx.get_logits_ith(row);
+        while let Some(mut buf) = self.logit_pool.pop() {
+            if let Some(slot) = Arc::get_mut(&mut buf).filter(|b| b.len() == fresh.len()) {
+                slot.copy_from_slice(fresh);
+                return buf;
+            }
+        }
+        Arc::from(fresh)
     }
 
     /// Decode the current batch; on failure undo everything in `undo`.
@@ -534,7 +558,8 @@ impl Worker<'_> {
             }
             self.decode_or_undo(&mut undo)?;
             for (row, &(id, ..)) in chunk.iter().enumerate() {
-                fresh.push((id, 1, Arc::from(self.ctx.get_logits_ith(row as i32))));
+                let logits = self.row_logits(row as i32);
+                fresh.push((id, 1, logits));
             }
         }
         for &(_, seq, ..) in &live {
@@ -583,7 +608,8 @@ impl Worker<'_> {
                 if self.batch.n_tokens() as usize == self.n_batch || added == total {
                     self.decode_or_undo(&mut undo)?;
                     for (id, advance, row) in rows.drain(..) {
-                        fresh.push((id, advance, Arc::from(self.ctx.get_logits_ith(row))));
+                        let logits = self.row_logits(row);
+                        fresh.push((id, advance, logits));
                     }
                     self.batch.clear();
                 }
