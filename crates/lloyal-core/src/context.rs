@@ -91,6 +91,21 @@ pub(crate) struct Shared {
     pub(crate) branches: Mutex<crate::branch::Branches>,
 }
 
+impl Shared {
+    /// Index of `seq` in the per-sequence tables, or an error naming the range.
+    fn seq_slot(&self, seq: i32) -> Result<usize> {
+        usize::try_from(seq)
+            .ok()
+            .filter(|&s| s < self.pos_max.len())
+            .ok_or_else(|| {
+                invalid(format!(
+                    "seq_id {seq} is out of range [0, {}) (n_seq_max)",
+                    self.pos_max.len()
+                ))
+            })
+    }
+}
+
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding these locks cannot leave their plain data
     // half-written, so a poisoned lock is still safe to use.
@@ -278,15 +293,7 @@ impl Context {
     }
 
     fn seq_slot(&self, seq: i32) -> Result<usize> {
-        usize::try_from(seq)
-            .ok()
-            .filter(|&s| s < self.shared.pos_max.len())
-            .ok_or_else(|| {
-                invalid(format!(
-                    "seq_id {seq} is out of range [0, {}) (n_seq_max)",
-                    self.shared.pos_max.len()
-                ))
-            })
+        self.shared.seq_slot(seq)
     }
 
     /// A copy of the last decoded token's logits.
@@ -550,15 +557,7 @@ impl Worker<'_> {
             return Err(invalid("cannot decode an empty token list"));
         }
         self.model.check_tokens(tokens)?;
-        let slot = usize::try_from(seq)
-            .ok()
-            .filter(|&s| s < self.shared.pos_max.len())
-            .ok_or_else(|| {
-                invalid(format!(
-                    "seq_id {seq} is out of range [0, {}) (n_seq_max)",
-                    self.shared.pos_max.len()
-                ))
-            })?;
+        let slot = self.shared.seq_slot(seq)?;
         if lock(&self.shared.branches).is_leased(seq) {
             return Err(invalid(format!(
                 "seq_id {seq} is leased by a branch; use the branch (or prune it) instead"
