@@ -137,3 +137,27 @@ async def test_clear_and_reseed_keeps_generating(model: Path) -> None:
         await ctx.decode([nxt], 104)
         with pytest.raises(ValueError, match="both empty"):
             await ctx.clear_and_reseed([], [])
+
+
+async def test_branch_snapshot_restores_as_a_new_branch(model: Path) -> None:
+    async with await lloyal.create_context(model, n_ctx=512, n_seq_max=3) as ctx:
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize(PROMPT))
+        snapshot = await root.save()
+        expected = []
+        for _ in range(5):
+            t = (await root.produce()).token
+            await root.commit(t)
+            expected.append(t)
+        await root.prune()
+        restored = await lloyal.Branch.restore(ctx, snapshot, params=lloyal.GREEDY)
+        assert restored.parent is None
+        got = []
+        for _ in range(5):
+            t = (await restored.produce()).token
+            await restored.commit(t)
+            got.append(t)
+        assert got == expected
+        with pytest.raises(lloyal.StateError):
+            await lloyal.Branch.restore(ctx, snapshot[:-10])
+        assert lloyal.BranchStore(ctx).available == 2

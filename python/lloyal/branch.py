@@ -192,6 +192,39 @@ class Branch:
             await self.commit(p.token)
             yield Token(p.token, stream.push(p.token))
 
+    async def save(self) -> bytes:
+        """Snapshot this branch: its KV cells, logits snapshot and position,
+        framed with a model fingerprint and checksum (see
+        :meth:`Context.kv_cache_save`). The sampler's state is not saved.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
+        ...         b = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        ...         await b.prefill(await ctx.tokenize("The capital of France is"))
+        ...         snapshot = await b.save()
+        ...         await b.prune()
+        ...         again = await lloyal.Branch.restore(ctx, snapshot, params=lloyal.GREEDY)
+        ...         return (await again.produce()).text
+        >>> asyncio.run(main())
+        ' Paris'
+        """
+        native = self._ctx._native
+        return bytes(await call_native(lambda done: native.branch_save(self._handle, done)))
+
+    @classmethod
+    async def restore(
+        cls, ctx: Context, data: bytes, params: SamplingParams | None = None
+    ) -> Branch:
+        """A new root branch (with its own lease) from :meth:`save` bytes.
+        Corrupt or foreign data raises :class:`StateError`."""
+        ctx._check_open()
+        raw = bytes(data)
+        native = ctx._native
+        p = params or SamplingParams()
+        handle = await call_native(lambda done: native.branch_restore(raw, p, done))
+        return cls(ctx, handle)
+
     # -- lifetime --------------------------------------------------------------
 
     async def prune(self) -> None:

@@ -47,6 +47,15 @@ pub(crate) enum BranchJob {
         keep: BranchId,
         reply: Reply<()>,
     },
+    Save {
+        id: BranchId,
+        reply: Reply<Vec<u8>>,
+    },
+    Restore {
+        data: Vec<u8>,
+        params: SamplingParams,
+        reply: Reply<BranchId>,
+    },
 }
 
 impl BranchJob {
@@ -58,6 +67,8 @@ impl BranchJob {
                 reply(Err(error))
             }
             BranchJob::Commit { reply, .. } => reply(Err(error)),
+            BranchJob::Save { reply, .. } => reply(Err(error)),
+            BranchJob::Restore { reply, .. } => reply(Err(error)),
             BranchJob::Prefill { reply, .. } => reply(Err(error)),
         }
     }
@@ -310,6 +321,58 @@ impl Context {
     pub fn branch_retain_only(&self, keep: BranchId, reply: Reply<()>) {
         self.submit_for(&[keep], BranchJob::RetainOnly { keep, reply });
     }
+
+    /// Snapshot a branch: its KV cells, logits and position, framed like
+    /// `kv_cache_save` (model fingerprint + CRC). Sampler state is not
+    /// included: a restored branch gets the parameters you give it.
+    pub fn branch_save(&self, id: BranchId, reply: Reply<Vec<u8>>) {
+        self.submit_for(&[id], BranchJob::Save { id, reply });
+    }
+
+    /// A new root branch (own lease) from a [`Context::branch_save`] snapshot.
+    pub fn branch_restore(&self, data: Vec<u8>, params: SamplingParams, reply: Reply<BranchId>) {
+        match self.check_open().and_then(|()| params.validate()) {
+            Ok(()) => self.submit(Job::Branch(BranchJob::Restore {
+                data,
+                params,
+                reply,
+            })),
+            Err(e) => reply(Err(e)),
+        }
+    }
+}
+
+/// Branch snapshot payload: `[u64 n_logits][f32 logits...][llama bytes]`.
+fn pack_branch(logits: Option<&[f32]>, llama: &[u8]) -> Vec<u8> {
+    let logits = logits.unwrap_or(&[]);
+    let mut out = Vec::with_capacity(8 + logits.len() * 4 + llama.len());
+    out.extend_from_slice(&(logits.len() as u64).to_le_bytes());
+    for l in logits {
+        out.extend_from_slice(&l.to_le_bytes());
+    }
+    out.extend_from_slice(llama);
+    out
+}
+
+fn unpack_branch(payload: &[u8], vocab: usize) -> Result<(Option<Vec<f32>>, &[u8])> {
+    let bad = || Error::State("the branch snapshot is malformed".into());
+    let n = payload
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .map(u64::from_le_bytes)
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or_else(bad)?;
+    if n != 0 && n != vocab {
+        return Err(bad());
+    }
+    let end = 8 + n * 4;
+    let body = payload.get(8..end).ok_or_else(bad)?;
+    let logits = (n > 0).then(|| {
+        body.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    });
+    Ok((logits, &payload[end..]))
 }
 
 /// What a commit may have to undo.
@@ -339,6 +402,16 @@ impl Worker<'_> {
                 clear_busy(&mut lock(&self.shared.branches), [id]);
                 reply(result);
             }
+            BranchJob::Save { id, reply } => {
+                let result = self.save_branch(id);
+                clear_busy(&mut lock(&self.shared.branches), [id]);
+                reply(result);
+            }
+            BranchJob::Restore {
+                data,
+                params,
+                reply,
+            } => reply(self.restore_branch(&data, params)),
             BranchJob::RetainOnly { keep, reply } => {
                 let result = self.retain_only(keep);
                 clear_busy(&mut lock(&self.shared.branches), [keep]);
@@ -451,6 +524,43 @@ impl Worker<'_> {
             self.refresh_seq(seq);
         }
         Ok(())
+    }
+
+    fn save_branch(&mut self, id: BranchId) -> Result<Vec<u8>> {
+        let (seq, logits) = {
+            let branches = lock(&self.shared.branches);
+            let b = branches.get(id)?;
+            (b.seq, b.logits.clone())
+        };
+        let llama = crate::kv::read_seq(&self.ctx, seq)?;
+        let fp = crate::kv::fingerprint(&self.model, &self.params);
+        Ok(crate::kv::encode(
+            fp,
+            &[],
+            &pack_branch(logits.as_deref(), &llama),
+        ))
+    }
+
+    fn restore_branch(&mut self, data: &[u8], params: SamplingParams) -> Result<BranchId> {
+        let fp = crate::kv::fingerprint(&self.model, &self.params);
+        let (_, payload) = crate::kv::decode(fp, data)?;
+        let (logits, llama) = unpack_branch(payload, self.model.vocab_size() as usize)?;
+        let mut state = BranchState::new(0, params)?;
+        let seq = lock(&self.shared.branches).lease()?;
+        let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
+        if let Err(e) = crate::kv::write_seq(&mut self.ctx, seq, llama) {
+            let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
+            lock(&self.shared.branches).release(seq);
+            self.refresh_seq(seq);
+            return Err(e);
+        }
+        self.refresh_seq(seq);
+        state.seq = seq;
+        state.position = self.ctx.kv_cache_seq_pos_max(seq) + 1;
+        if let Some(l) = logits {
+            state.set_logits(Arc::from(l));
+        }
+        Ok(lock(&self.shared.branches).insert(state))
     }
 
     fn shared_pos_len(&self) -> i32 {

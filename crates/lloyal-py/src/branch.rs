@@ -20,6 +20,10 @@ fn branch_bits(py: Python<'_>, id: BranchId) -> PyResult<Py<PyAny>> {
     Ok(id.to_bits().into_pyobject(py)?.into_any().unbind())
 }
 
+fn state_bytes(py: Python<'_>, data: Vec<u8>) -> PyResult<Py<PyAny>> {
+    Ok(pyo3::types::PyBytes::new(py, &data).into_any().unbind())
+}
+
 /// One entry per item: `None` or the exception for that item.
 fn item_errors(py: Python<'_>, results: ItemResults) -> PyResult<Py<PyAny>> {
     let list = PyList::empty(py);
@@ -181,6 +185,23 @@ impl PyContext {
 
     fn branch_alive(&self, branch: u64) -> bool {
         self.inner.read_branch(id(branch), |_| ()).is_ok()
+    }
+
+    fn branch_save(&self, branch: u64, done: Py<PyAny>) {
+        self.inner
+            .branch_save(id(branch), py_reply(done, state_bytes));
+    }
+
+    fn branch_restore(
+        &self,
+        data: &[u8],
+        params: &Bound<'_, PyAny>,
+        done: Py<PyAny>,
+    ) -> PyResult<()> {
+        let params = params_from_py(params)?;
+        self.inner
+            .branch_restore(data.to_vec(), params, py_reply(done, branch_bits));
+        Ok(())
     }
 
     fn leases_available(&self) -> usize {
