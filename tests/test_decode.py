@@ -183,3 +183,36 @@ async def test_sample_from_edited_logits(smollm2: Path) -> None:
         assert ctx.sample(lloyal.SamplingParams(seed=0), logits=edited) == 42
         # float64 and lists are converted.
         assert ctx.sample(lloyal.GREEDY, logits=edited.astype(np.float64)) == 42
+
+
+async def test_sampler_options_have_their_defining_effects(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=256) as ctx:
+        await ctx.decode(await ctx.tokenize(PROMPT), 0)
+        logits = ctx.get_logits()
+        order = np.argsort(logits)[::-1]
+        base = lloyal.SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=9)
+        # logit_bias: a large bias forces a token; dicts and pairs both work.
+        forced = int(order[500])
+        assert ctx.sample(base.with_(logit_bias={forced: 100.0}), logits=logits) == forced
+        assert lloyal.SamplingParams(logit_bias=[(3, 1.5)]).logit_bias == ((3, 1.5),)
+        with pytest.raises(ValueError, match="out of range"):
+            ctx.sample(base.with_(logit_bias={ctx.vocab_size + 1: 1.0}), logits=logits)
+        # top-n-sigma: only tokens within n standard deviations of the best.
+        finite = logits[np.isfinite(logits)]
+        allowed = set(np.nonzero(logits >= logits.max() - 1.0 * finite.std())[0].tolist())
+        tns = base.with_(top_n_sigma=1.0)
+        assert {ctx.sample(tns, logits=logits) for _ in range(40)} <= allowed
+        # XTC at probability 1: the top choices above the threshold are cut,
+        # so the argmax is never drawn when two or more tokens exceed it.
+        p = np.exp(logits - logits.max())
+        p /= p.sum()
+        threshold = float(np.sort(p)[-2]) * 0.99
+        xtc = base.with_(xtc_probability=1.0, xtc_threshold=threshold)
+        assert int(order[0]) not in {ctx.sample(xtc, logits=logits) for _ in range(40)}
+        # Mirostat 2.0 with a tiny target keeps only the near-certain head:
+        # the first draw is the argmax.
+        ctx.reset_sampler()
+        miro = base.with_(mirostat=2, mirostat_tau=0.05, mirostat_eta=0.1)
+        assert ctx.sample(miro, logits=logits) == int(order[0])
+        with pytest.raises(ValueError, match="mirostat"):
+            lloyal.SamplingParams(mirostat=1)

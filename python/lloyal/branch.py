@@ -267,7 +267,9 @@ class Branch:
 
     @property
     def sampler_params(self) -> SamplingParams:
-        return SamplingParams(**self._ctx._native.branch_params(self._handle))
+        d = self._ctx._native.branch_params(self._handle)
+        d["logit_bias"] = tuple(tuple(pair) for pair in d["logit_bias"])
+        return SamplingParams(**d)
 
     @property
     def logits(self) -> Logits:

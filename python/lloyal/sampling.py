@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -10,10 +11,15 @@ from dataclasses import dataclass
 class SamplingParams:
     """How to pick the next token. Defaults are llama.cpp's.
 
-    The chain runs penalties, top-k, typical-p, top-p, min-p, temperature,
-    then draws from the softmax. ``temperature <= 0`` is greedy (argmax after
-    penalties). ``seed=None`` seeds from the OS; a fixed seed makes sampling
-    reproducible.
+    The chain runs logit bias, penalties, top-n-sigma, top-k, typical-p,
+    top-p, min-p, XTC, temperature, then draws from the softmax.
+    ``temperature <= 0`` is greedy (argmax after bias and penalties).
+    ``mirostat=2`` (Mirostat 2.0) replaces the filters: after temperature it
+    keeps tokens whose surprise in bits is within a bound that it steers
+    toward ``mirostat_tau`` with rate ``mirostat_eta``. ``seed=None`` seeds
+    from the OS; a fixed seed makes sampling reproducible.
+
+    ``logit_bias`` maps token ids to additive biases (a dict or pairs).
 
     >>> from lloyal import SamplingParams
     >>> SamplingParams(temperature=0).is_greedy
@@ -32,8 +38,25 @@ class SamplingParams:
     presence_penalty: float = 0.0
     penalty_last_n: int = 64
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        normalised = tuple((int(t), float(b)) for t, b in pairs)
+        if any(t < 0 for t, _ in normalised):
+            raise ValueError("logit_bias token ids must be >= 0")
+        object.__setattr__(self, "logit_bias", normalised)
+        if self.mirostat not in (0, 2):
+            raise ValueError(f"mirostat must be 0 (off) or 2 (Mirostat 2.0), got {self.mirostat}")
+        if not 0.0 <= self.xtc_probability <= 1.0:
+            raise ValueError(f"xtc_probability must be in [0, 1], got {self.xtc_probability}")
         for name in ("top_p", "min_p", "typical_p"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -52,7 +75,7 @@ class SamplingParams:
         """Whether these parameters always pick the most likely token."""
         return self.temperature <= 0 or self.top_k == 1
 
-    def with_(self, **changes: float | int | None) -> SamplingParams:
+    def with_(self, **changes: object) -> SamplingParams:
         """A copy with some fields changed (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 

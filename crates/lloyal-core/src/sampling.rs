@@ -33,6 +33,19 @@ pub struct SamplingParams {
     pub penalty_last_n: i32,
     /// RNG seed; `None` draws one from the OS.
     pub seed: Option<u64>,
+    /// Added to these tokens' logits before anything else.
+    pub logit_bias: Vec<(i32, f32)>,
+    /// Keep tokens within `n` standard deviations of the top logit; `<= 0` disables.
+    pub top_n_sigma: f32,
+    /// XTC: with this probability, drop every token above `xtc_threshold`
+    /// except the least likely of them; `0` disables.
+    pub xtc_probability: f32,
+    pub xtc_threshold: f32,
+    /// Mirostat: `0` off, `2` = Mirostat 2.0 (replaces top-k/p, min-p, typical).
+    pub mirostat: u8,
+    /// Mirostat target surprise (bits) and learning rate.
+    pub mirostat_tau: f32,
+    pub mirostat_eta: f32,
 }
 
 impl Default for SamplingParams {
@@ -48,6 +61,13 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             penalty_last_n: 64,
             seed: None,
+            logit_bias: Vec::new(),
+            top_n_sigma: -1.0,
+            xtc_probability: 0.0,
+            xtc_threshold: 0.1,
+            mirostat: 0,
+            mirostat_tau: 5.0,
+            mirostat_eta: 0.1,
         }
     }
 }
@@ -86,6 +106,31 @@ impl SamplingParams {
                 return Err(invalid(format!("{name} must be in [0, 1], got {value}")));
             }
         }
+        for (name, value) in [
+            ("top_n_sigma", self.top_n_sigma),
+            ("xtc_probability", self.xtc_probability),
+            ("xtc_threshold", self.xtc_threshold),
+            ("mirostat_tau", self.mirostat_tau),
+            ("mirostat_eta", self.mirostat_eta),
+        ] {
+            if !value.is_finite() {
+                return Err(invalid(format!("{name} must be finite, got {value}")));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.xtc_probability) {
+            return Err(invalid("xtc_probability must be in [0, 1]"));
+        }
+        if self.mirostat != 0 && self.mirostat != 2 {
+            return Err(invalid(format!(
+                "mirostat must be 0 (off) or 2 (Mirostat 2.0), got {}",
+                self.mirostat
+            )));
+        }
+        if self.logit_bias.iter().any(|&(t, b)| t < 0 || b.is_nan()) {
+            return Err(invalid(
+                "logit_bias needs token ids >= 0 and non-NaN biases",
+            ));
+        }
         if self.top_k < 0 {
             return Err(invalid(format!("top_k must be >= 0, got {}", self.top_k)));
         }
@@ -102,6 +147,14 @@ impl SamplingParams {
             )));
         }
         Ok(())
+    }
+
+    /// Whether this is plain argmax with nothing that edits the logits.
+    fn is_plain_greedy(&self) -> bool {
+        self.temperature <= 0.0
+            && !self.has_penalties()
+            && self.logit_bias.is_empty()
+            && self.mirostat == 0
     }
 
     fn has_penalties(&self) -> bool {
@@ -128,6 +181,8 @@ pub struct Sampler {
     history: VecDeque<i32>,
     counts: HashMap<i32, u32>,
     rng: ChaCha8Rng,
+    /// Mirostat 2.0's running surprise bound (starts at `2 * tau`).
+    mu: f32,
 }
 
 /// How much history is kept when `penalty_last_n == -1` (all tokens).
@@ -138,6 +193,7 @@ impl Sampler {
         params.validate()?;
         let rng = seeded_rng(params.seed);
         Ok(Self {
+            mu: 2.0 * params.mirostat_tau,
             params,
             history: VecDeque::new(),
             counts: HashMap::new(),
@@ -155,6 +211,11 @@ impl Sampler {
         params.validate()?;
         if params.seed != self.params.seed {
             self.rng = seeded_rng(params.seed);
+        }
+        if params.mirostat_tau != self.params.mirostat_tau
+            || params.mirostat != self.params.mirostat
+        {
+            self.mu = 2.0 * params.mirostat_tau;
         }
         self.params = params;
         self.trim_history();
@@ -217,30 +278,48 @@ impl Sampler {
     /// had in the distribution it was drawn from (after every filter and the
     /// temperature). Greedy choices have probability 1.
     pub fn choose_with_probability(&mut self, logits: &[f32]) -> Result<(i32, f64)> {
-        let dist = self.distribution(logits)?;
-        if dist.len() == 1 {
-            return Ok(dist[0]);
-        }
-        let r: f64 = self.rng.random();
-        let mut cum = 0.0;
-        for &(id, pr) in &dist {
-            cum += pr;
-            if r < cum {
-                return Ok((id, pr));
+        let p = &self.params;
+        // XTC flips its coin before the chain runs, so `distribution` stays pure.
+        let xtc = p.xtc_probability > 0.0 && self.rng.random::<f32>() < p.xtc_probability;
+        let dist = self.chain(logits, xtc)?;
+        let chosen = if dist.len() == 1 {
+            dist[0]
+        } else {
+            let r: f64 = self.rng.random();
+            let mut cum = 0.0;
+            let mut chosen = dist[dist.len() - 1];
+            for &(id, pr) in &dist {
+                cum += pr;
+                if r < cum {
+                    chosen = (id, pr);
+                    break;
+                }
             }
+            chosen
+        };
+        if self.params.mirostat == 2 {
+            // Move the bound towards the target surprise (in bits).
+            let observed = -(chosen.1.max(f64::MIN_POSITIVE)).log2() as f32;
+            self.mu -= self.params.mirostat_eta * (observed - self.params.mirostat_tau);
         }
-        Ok(dist[dist.len() - 1])
+        Ok(chosen)
     }
 
     /// The distribution a draw would come from: `(token, probability)` pairs
-    /// after penalties, the filters and the temperature, most likely first.
-    /// Greedy parameters give a single pair with probability 1.
+    /// after bias, penalties, the filters and the temperature, most likely
+    /// first (XTC, which is random per draw, is left out). Greedy parameters
+    /// give a single pair with probability 1.
     pub fn distribution(&self, logits: &[f32]) -> Result<Vec<(i32, f64)>> {
+        self.chain(logits, false)
+    }
+
+    fn chain(&self, logits: &[f32], xtc: bool) -> Result<Vec<(i32, f64)>> {
         let nothing = || invalid("every logit is -inf or NaN: nothing can be sampled");
         if logits.is_empty() {
             return Err(invalid("cannot sample from empty logits"));
         }
-        if self.params.temperature <= 0.0 && !self.params.has_penalties() {
+        let p = &self.params;
+        if p.is_plain_greedy() {
             return greedy(logits).map(|t| vec![(t, 1.0)]).ok_or_else(nothing);
         }
         let mut cands: Vec<Candidate> = logits
@@ -251,14 +330,31 @@ impl Sampler {
                 logit,
             })
             .collect();
+        for &(t, b) in &p.logit_bias {
+            let c = usize::try_from(t)
+                .ok()
+                .and_then(|i| cands.get_mut(i))
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "logit_bias token {t} is out of range [0, {})",
+                        logits.len()
+                    ))
+                })?;
+            c.logit += b;
+        }
         self.apply_penalties(&mut cands);
-        let p = &self.params;
         if p.temperature <= 0.0 {
             return argmax(&cands).map(|t| vec![(t, 1.0)]).ok_or_else(nothing);
         }
         cands.retain(|c| c.logit.is_finite() || c.logit == f32::INFINITY);
         if cands.is_empty() {
             return Err(nothing());
+        }
+        if p.mirostat == 2 {
+            return Ok(self.mirostat_v2(cands));
+        }
+        if p.top_n_sigma > 0.0 {
+            top_n_sigma(&mut cands, p.top_n_sigma);
         }
         let top_k = usize::try_from(p.top_k).unwrap_or(0);
         if top_k > 0 && top_k < cands.len() {
@@ -288,8 +384,43 @@ impl Sampler {
             let keep = cands.iter().take_while(|c| c.logit >= threshold).count();
             cands.truncate(keep.max(1));
         }
+        if xtc {
+            // Drop every token above the threshold but the least likely one.
+            let probs = softmax(&cands, 1.0);
+            let above = probs
+                .iter()
+                .take_while(|&&q| q >= f64::from(p.xtc_threshold))
+                .count();
+            if above >= 2 {
+                cands.drain(..above - 1);
+            }
+        }
         let probs = softmax(&cands, p.temperature);
         Ok(cands.iter().map(|c| c.id).zip(probs).collect())
+    }
+
+    /// Mirostat 2.0: after temperature, keep the tokens whose surprise
+    /// (bits) is within the running bound `mu`.
+    fn mirostat_v2(&self, mut cands: Vec<Candidate>) -> Vec<(i32, f64)> {
+        cands.sort_unstable_by(|a, b| b.logit.total_cmp(&a.logit).then(a.id.cmp(&b.id)));
+        let probs = softmax(&cands, self.params.temperature);
+        let keep = probs
+            .iter()
+            .take_while(|&&q| -q.log2() <= f64::from(self.mu))
+            .count()
+            .max(1);
+        let kept = &probs[..keep];
+        let total: f64 = kept.iter().sum();
+        cands[..keep]
+            .iter()
+            .zip(kept)
+            .map(|(c, &q)| (c.id, q / total))
+            .collect()
+    }
+
+    /// Mirostat's current surprise bound, in bits.
+    pub fn mirostat_mu(&self) -> f32 {
+        self.mu
     }
 
     fn apply_penalties(&self, cands: &mut [Candidate]) {
@@ -381,6 +512,24 @@ pub fn greedy(logits: &[f32]) -> Option<i32> {
         };
     }
     winner.map(|(_, i)| i as i32)
+}
+
+/// Keep candidates whose logit is within `n` standard deviations of the
+/// best (top-n-sigma, Tang et al. 2024).
+fn top_n_sigma(cands: &mut Vec<Candidate>, n: f32) {
+    let len = cands.len() as f64;
+    let mean = cands.iter().map(|c| f64::from(c.logit)).sum::<f64>() / len;
+    let var = cands
+        .iter()
+        .map(|c| (f64::from(c.logit) - mean).powi(2))
+        .sum::<f64>()
+        / len;
+    let max = cands
+        .iter()
+        .map(|c| c.logit)
+        .fold(f32::NEG_INFINITY, f32::max);
+    let threshold = f64::from(max) - f64::from(n) * var.sqrt();
+    cands.retain(|c| f64::from(c.logit) >= threshold);
 }
 
 /// Softmax of the candidates' logits divided by `temperature`, in f64.
@@ -517,6 +666,89 @@ mod tests {
             let t = s.choose(&logits()).unwrap();
             assert!(t == 1 || t == 3, "got {t}");
         }
+    }
+
+    fn wide() -> Vec<f32> {
+        (0..100).map(|i| i as f32 / 10.0).collect()
+    }
+
+    #[test]
+    fn logit_bias_moves_the_argmax() {
+        let mut s = Sampler::new(SamplingParams {
+            logit_bias: vec![(0, 100.0)],
+            ..SamplingParams::greedy()
+        })
+        .unwrap();
+        assert_eq!(s.choose(&logits()).unwrap(), 0);
+        let mut bad = Sampler::new(SamplingParams {
+            logit_bias: vec![(99, 1.0)],
+            ..SamplingParams::greedy()
+        })
+        .unwrap();
+        assert!(bad.choose(&logits()).is_err());
+    }
+
+    #[test]
+    fn top_n_sigma_keeps_only_the_head() {
+        let s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            top_n_sigma: 0.5,
+            ..SamplingParams::default()
+        })
+        .unwrap();
+        let dist = s.distribution(&wide()).unwrap();
+        // Logits 0..9.9 have std ~2.89: keep those >= 9.9 - 1.44.
+        assert!(dist.iter().all(|&(t, _)| t >= 85), "{dist:?}");
+        assert!(dist.len() >= 10);
+    }
+
+    #[test]
+    fn xtc_removes_the_top_choices() {
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            xtc_probability: 1.0,
+            xtc_threshold: 0.1,
+            seed: Some(3),
+            ..SamplingParams::default()
+        };
+        let mut s = Sampler::new(params).unwrap();
+        let logits = [5.0f32, 4.9, 4.8, 0.0, 0.0];
+        // The three ~33% tokens are above 0.1; only the least likely stays.
+        for _ in 0..50 {
+            let t = s.choose(&logits).unwrap();
+            assert!(t == 2 || t >= 3, "got {t}");
+        }
+    }
+
+    #[test]
+    fn mirostat_v2_tracks_its_target() {
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            mirostat: 2,
+            mirostat_tau: 3.0,
+            mirostat_eta: 0.5,
+            seed: Some(5),
+            ..SamplingParams::default()
+        })
+        .unwrap();
+        assert_eq!(s.mirostat_mu(), 6.0);
+        let logits = wide();
+        let mut surprise = 0.0;
+        let n = 400;
+        for _ in 0..n {
+            let (_, p) = s.choose_with_probability(&logits).unwrap();
+            surprise += -p.log2();
+        }
+        let mean = surprise / n as f64;
+        assert!((mean - 3.0).abs() < 0.5, "mean surprise {mean}");
+        // Every draw stays under the bound: the truncation is real.
+        assert!(s.distribution(&logits).unwrap().len() < 100);
     }
 
     #[test]

@@ -104,6 +104,13 @@ impl PyContext {
         d.set_item("presence_penalty", p.presence_penalty)?;
         d.set_item("penalty_last_n", p.penalty_last_n)?;
         d.set_item("seed", p.seed)?;
+        d.set_item("logit_bias", p.logit_bias)?;
+        d.set_item("top_n_sigma", p.top_n_sigma)?;
+        d.set_item("xtc_probability", p.xtc_probability)?;
+        d.set_item("xtc_threshold", p.xtc_threshold)?;
+        d.set_item("mirostat", p.mirostat)?;
+        d.set_item("mirostat_tau", p.mirostat_tau)?;
+        d.set_item("mirostat_eta", p.mirostat_eta)?;
         Ok(d)
     }
 

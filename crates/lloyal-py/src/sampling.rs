@@ -19,6 +19,13 @@ pub fn params_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SamplingParams> {
         presence_penalty: obj.getattr("presence_penalty")?.extract()?,
         penalty_last_n: obj.getattr("penalty_last_n")?.extract()?,
         seed,
+        logit_bias: obj.getattr("logit_bias")?.extract()?,
+        top_n_sigma: obj.getattr("top_n_sigma")?.extract()?,
+        xtc_probability: obj.getattr("xtc_probability")?.extract()?,
+        xtc_threshold: obj.getattr("xtc_threshold")?.extract()?,
+        mirostat: obj.getattr("mirostat")?.extract()?,
+        mirostat_tau: obj.getattr("mirostat_tau")?.extract()?,
+        mirostat_eta: obj.getattr("mirostat_eta")?.extract()?,
     };
     params.validate().py_err()?;
     Ok(params)
