@@ -165,8 +165,8 @@ class Branch:
     async def produce(self) -> Produced:
         """Sample the next token from this branch's logits. Writes nothing;
         the random stream advances."""
-        token = int(self._ctx._native.branch_produce(self._handle))
-        return Produced(token, self._ctx.token_to_text(token), self._ctx.is_stop_token(token))
+        token, piece, stop = self._ctx._native.branch_produce(self._handle)
+        return Produced(token, piece.decode("utf-8", errors="replace"), stop)
 
     async def commit(self, token: int) -> None:
         """Accept ``token`` and decode it. Concurrent commits (``gather``)

@@ -5,12 +5,12 @@ use lloyal_core::store::ItemResults;
 use lloyal_core::{metrics, Base, BranchId};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
-use crate::context::PyContext;
+use crate::context::{f32_slice, PyContext};
 use crate::errors::{to_pyerr, IntoPyResult};
 use crate::reply::{none, py_reply};
-use crate::sampling::params_from_py;
+use crate::sampling::{params_from_py, params_to_dict};
 
 fn id(bits: u64) -> BranchId {
     BranchId::from_bits(bits)
@@ -34,11 +34,6 @@ fn item_errors(py: Python<'_>, results: ItemResults) -> PyResult<Py<PyAny>> {
         }
     }
     Ok(list.into_any().unbind())
-}
-
-fn slice<'a>(a: &'a PyReadonlyArray1<'_, f32>) -> PyResult<&'a [f32]> {
-    a.as_slice()
-        .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
 }
 
 #[pymethods]
@@ -74,9 +69,25 @@ impl PyContext {
             .branch_prefill(items, py_reply(done, item_errors));
     }
 
-    fn branch_produce(&self, py: Python<'_>, branch: u64) -> PyResult<i32> {
+    /// ``(token, piece bytes, is_stop)``: one call per branch per step.
+    fn branch_produce<'py>(
+        &self,
+        py: Python<'py>,
+        branch: u64,
+    ) -> PyResult<(i32, Bound<'py, PyBytes>, bool)> {
         let inner = self.inner.clone();
-        py.detach(move || inner.branch_produce(id(branch))).py_err()
+        let (token, piece, stop) = py
+            .detach(move || {
+                let token = inner.branch_produce(id(branch))?;
+                let model = inner.model();
+                Ok::<_, lloyal_core::Error>((
+                    token,
+                    model.token_bytes(token, false)?,
+                    model.is_stop_token(token)?,
+                ))
+            })
+            .py_err()?;
+        Ok((token, PyBytes::new(py, &piece), stop))
     }
 
     fn branch_accept(&self, branch: u64, token: i32) -> PyResult<()> {
@@ -93,25 +104,7 @@ impl PyContext {
             .inner
             .read_branch(id(branch), |b| b.sampler().params().clone())
             .py_err()?;
-        let d = PyDict::new(py);
-        d.set_item("temperature", p.temperature)?;
-        d.set_item("top_k", p.top_k)?;
-        d.set_item("top_p", p.top_p)?;
-        d.set_item("min_p", p.min_p)?;
-        d.set_item("typical_p", p.typical_p)?;
-        d.set_item("repeat_penalty", p.repeat_penalty)?;
-        d.set_item("frequency_penalty", p.frequency_penalty)?;
-        d.set_item("presence_penalty", p.presence_penalty)?;
-        d.set_item("penalty_last_n", p.penalty_last_n)?;
-        d.set_item("seed", p.seed)?;
-        d.set_item("logit_bias", p.logit_bias)?;
-        d.set_item("top_n_sigma", p.top_n_sigma)?;
-        d.set_item("xtc_probability", p.xtc_probability)?;
-        d.set_item("xtc_threshold", p.xtc_threshold)?;
-        d.set_item("mirostat", p.mirostat)?;
-        d.set_item("mirostat_tau", p.mirostat_tau)?;
-        d.set_item("mirostat_eta", p.mirostat_eta)?;
-        Ok(d)
+        params_to_dict(py, &p)
     }
 
     fn branch_reseed(&self, branch: u64, seed: u64) -> PyResult<()> {
@@ -132,7 +125,7 @@ impl PyContext {
 
     fn branch_set_logits(&self, branch: u64, logits: PyReadonlyArray1<'_, f32>) -> PyResult<()> {
         self.inner
-            .branch_set_logits(id(branch), slice(&logits)?)
+            .branch_set_logits(id(branch), f32_slice(&logits)?)
             .py_err()
     }
 

@@ -32,17 +32,17 @@ fn wrap_context(py: Python<'_>, ctx: Context) -> PyResult<Py<PyAny>> {
     .into_any())
 }
 
+/// A contiguous float32 array as a slice (the Python side makes it contiguous).
+pub(crate) fn f32_slice<'a>(a: &'a PyReadonlyArray1<'_, f32>) -> PyResult<&'a [f32]> {
+    a.as_slice()
+        .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
+}
+
 impl PyContext {
     fn logits_arg<'a>(
         logits: &'a Option<PyReadonlyArray1<'_, f32>>,
     ) -> PyResult<Option<&'a [f32]>> {
-        logits
-            .as_ref()
-            .map(|a| {
-                a.as_slice()
-                    .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
-            })
-            .transpose()
+        logits.as_ref().map(f32_slice).transpose()
     }
 }
 

@@ -2,6 +2,7 @@
 
 use lloyal_core::{PerplexityTracker, SamplingParams};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use crate::errors::IntoPyResult;
 
@@ -29,6 +30,29 @@ pub fn params_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SamplingParams> {
     };
     params.validate().py_err()?;
     Ok(params)
+}
+
+/// The inverse of [`params_from_py`]: keyword arguments for `lloyal.SamplingParams`.
+pub fn params_to_dict<'py>(py: Python<'py>, p: &SamplingParams) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("temperature", p.temperature)?;
+    d.set_item("top_k", p.top_k)?;
+    d.set_item("top_p", p.top_p)?;
+    d.set_item("min_p", p.min_p)?;
+    d.set_item("typical_p", p.typical_p)?;
+    d.set_item("repeat_penalty", p.repeat_penalty)?;
+    d.set_item("frequency_penalty", p.frequency_penalty)?;
+    d.set_item("presence_penalty", p.presence_penalty)?;
+    d.set_item("penalty_last_n", p.penalty_last_n)?;
+    d.set_item("seed", p.seed)?;
+    d.set_item("logit_bias", p.logit_bias.clone())?;
+    d.set_item("top_n_sigma", p.top_n_sigma)?;
+    d.set_item("xtc_probability", p.xtc_probability)?;
+    d.set_item("xtc_threshold", p.xtc_threshold)?;
+    d.set_item("mirostat", p.mirostat)?;
+    d.set_item("mirostat_tau", p.mirostat_tau)?;
+    d.set_item("mirostat_eta", p.mirostat_eta)?;
+    Ok(d)
 }
 
 /// Native half of `lloyal.PerplexityTracker`.
