@@ -1,0 +1,202 @@
+"""lloyal.strategies on real models: each strategy's defining property,
+its decode count, and that it gives every lease back."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import lloyal
+import numpy as np
+import pytest
+from lloyal import strategies
+from lloyal.models import model_path
+
+from tests.conftest import open_sync
+
+# Prompts whose greedy continuations have no near-ties in the first tokens:
+# llama.cpp's CPU kernels are not batch- or cell-layout-invariant, so a
+# near-tie may resolve differently in a verification batch than in
+# one-token decoding (see docs/determinism.md).
+CHAT = "Name the largest planet in the solar system."
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
+
+
+@pytest.fixture(scope="module")
+def smol() -> Iterator[lloyal.Context]:
+    ctx = open_sync(model_path("smollm2"), n_ctx=1024, n_seq_max=8)
+    yield ctx
+    ctx.close()
+
+
+@pytest.fixture(scope="module")
+def smol_draft() -> Iterator[lloyal.Context]:
+    ctx = open_sync(model_path("smollm2"), n_ctx=1024)
+    yield ctx
+    ctx.close()
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Iterator[lloyal.Context]:
+    ctx = open_sync(model_path("gemma3"), n_ctx=1024, n_seq_max=8)
+    yield ctx
+    ctx.close()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def chat_prompt(ctx: lloyal.Context, text: str) -> tuple[str, tuple[int, ...]]:
+    template = None if ctx.model_info.has_chat_template else "gemma"
+    chat = ctx.format_chat([{"role": "user", "content": text}], template=template)
+    return chat.prompt, chat.stop_tokens
+
+
+def all_leases_free(ctx: lloyal.Context) -> bool:
+    return lloyal.BranchStore(ctx).available == ctx.n_seq_max
+
+
+@pytest.mark.parametrize("which", ["smol", "gemma"])
+def test_beam_width_1_is_greedy(which: str, request: pytest.FixtureRequest) -> None:
+    ctx: lloyal.Context = request.getfixturevalue(which)
+    prompt, stop = chat_prompt(ctx, CHAT)
+    greedy = run(strategies.generate(ctx, prompt, max_tokens=12, stop=stop))
+    beam = run(strategies.beam_search(ctx, prompt, width=1, max_tokens=12, stop=stop))
+    assert beam.tokens == greedy.tokens
+    assert beam.text == greedy.text
+    assert beam.output.surprisals == pytest.approx(greedy.output.surprisals, abs=1e-4)
+    assert beam.decode_calls == greedy.decode_calls
+    assert beam.peak_leases == 1
+    assert all_leases_free(ctx)
+
+
+def test_wider_beams_find_likelier_continuations(smol: lloyal.Context) -> None:
+    prompt, stop = chat_prompt(smol, CHAT)
+    greedy = run(strategies.beam_search(smol, prompt, width=1, max_tokens=8, stop=stop))
+    wide = run(strategies.beam_search(smol, prompt, width=3, max_tokens=8, stop=stop))
+    assert len(wide.beams) == 3
+    # (Up to float noise: the same tokens scored in forks with another KV
+    # cell layout differ in the third decimal.)
+    assert wide.output.log_prob >= greedy.output.log_prob - 0.05
+    scores = [b.log_prob for b in wide.beams]
+    assert scores == sorted(scores, reverse=True)
+    # One decode per step for all beams: the prefill plus 7 commits.
+    assert wide.decode_calls <= 8
+    assert all_leases_free(smol)
+
+
+def test_speculative_with_a_draft_model_is_the_targets_greedy_output(
+    smol: lloyal.Context, smol_draft: lloyal.Context
+) -> None:
+    prompt, stop = chat_prompt(smol, CHAT)
+    greedy = run(strategies.generate(smol, prompt, max_tokens=16, stop=stop))
+    spec = run(
+        strategies.speculative_decode(smol, prompt, draft=smol_draft, k=4, max_tokens=16, stop=stop)
+    )
+    assert spec.tokens == greedy.tokens
+    assert 0.0 <= spec.acceptance_rate <= 1.0
+    # The same model drafts: every draft is accepted, 5 tokens per round.
+    assert spec.acceptance_rate == 1.0
+    assert spec.rounds == math.ceil(16 / 5)
+    assert spec.decode_calls == spec.rounds + 1  # the prompt prefill, then one per round
+    assert spec.draft_decode_calls > 0
+    assert all_leases_free(smol)
+    assert smol_draft.kv_cache_size(0) == 0
+
+
+@pytest.mark.parametrize("which", ["smol", "gemma"])
+def test_speculative_with_prompt_lookup_is_greedy(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    ctx: lloyal.Context = request.getfixturevalue(which)
+    greedy = run(strategies.generate(ctx, COUNTING, max_tokens=16))
+    spec = run(strategies.speculative_decode(ctx, COUNTING, k=4, max_tokens=16))
+    assert spec.tokens == greedy.tokens
+    assert 0.0 <= spec.acceptance_rate <= 1.0
+    assert spec.accepted <= spec.drafted
+    assert spec.rounds < 16  # lookup drafts some of the counting
+    assert spec.draft_decode_calls == 0
+    assert spec.output.surprisals == pytest.approx(greedy.output.surprisals, abs=0.05)
+    assert all_leases_free(ctx)
+
+
+def test_speculative_sampling_is_seeded(smol: lloyal.Context, smol_draft: lloyal.Context) -> None:
+    def once(seed: int) -> strategies.Speculative:
+        return run(  # type: ignore[no-any-return]
+            strategies.speculative_decode(
+                smol, CHAT, draft=smol_draft, k=3, max_tokens=8, temperature=0.8, seed=seed
+            )
+        )
+
+    a, b = once(1), once(1)
+    assert a.tokens == b.tokens
+    assert 0.0 <= a.acceptance_rate <= 1.0
+    assert len(a.tokens) == 8 or a.output.stopped
+
+
+def test_speculative_needs_leases_and_a_free_target(smol: lloyal.Context) -> None:
+    with pytest.raises(ValueError, match="n_seq_max >= 9"):
+        run(strategies.speculative_decode(smol, CHAT, k=8))
+    with pytest.raises(ValueError, match="different context"):
+        run(strategies.speculative_decode(smol, CHAT, draft=smol))
+
+
+@pytest.mark.parametrize("which", ["smol", "gemma"])
+def test_best_of_n_picks_the_lowest_perplexity(which: str, request: pytest.FixtureRequest) -> None:
+    ctx: lloyal.Context = request.getfixturevalue(which)
+    prompt, stop = chat_prompt(ctx, "Write a one-line motto.")
+    params = lloyal.SamplingParams(temperature=1.0)
+    result = run(strategies.best_of_n(ctx, prompt, n=3, max_tokens=8, params=params, stop=stop))
+    ppl = [c.perplexity for c in result.candidates]
+    assert len(set(ppl)) == 3  # independent random streams
+    assert result.best_index == int(np.argmin(ppl))
+    assert result.output is result.candidates[result.best_index]
+    for c in result.candidates:
+        assert c.perplexity == pytest.approx(math.exp(np.mean(c.surprisals)))
+        assert len(c.entropies) == len(c.tokens)
+    # Lockstep: one decode per step for all candidates.
+    assert result.decode_calls <= 8
+    assert all_leases_free(ctx)
+
+
+def test_best_of_n_is_reproducible_and_checks_leases(smol: lloyal.Context) -> None:
+    a = run(strategies.best_of_n(smol, "Once upon a time", n=2, max_tokens=6, seed=7))
+    b = run(strategies.best_of_n(smol, "Once upon a time", n=2, max_tokens=6, seed=7))
+    assert [c.tokens for c in a.candidates] == [c.tokens for c in b.candidates]
+    with pytest.raises(ValueError, match="n_seq_max >= 9"):
+        run(strategies.best_of_n(smol, "x", n=8))
+
+
+def test_sample_tree_decodes_one_batch_per_level(smol: lloyal.Context) -> None:
+    tree = run(strategies.sample_tree(smol, "The capital of France is", width=2, depth=3))
+    paths = tree.paths()
+    assert len(paths) == 8
+    assert tree.decode_calls == 3  # prefill + 2 levels; the leaves need no decode
+    first = [n.log_prob for n in tree.roots]
+    assert first == sorted(first, reverse=True)
+    best = max(paths, key=lambda p: p[-1].log_prob)
+    assert tree.output.tokens == tuple(n.token for n in best)
+    assert tree.output.log_prob == pytest.approx(best[-1].log_prob)
+    assert all_leases_free(smol)
+
+
+def test_mcts_scores_rollouts_and_returns_the_best(smol: lloyal.Context) -> None:
+    seen: list[str] = []
+
+    async def score(text: str) -> float:
+        seen.append(text)
+        return float(text.count("e"))
+
+    result = run(
+        strategies.mcts(
+            smol, "My favourite word is", score, iterations=3, width=2, rollout_tokens=4
+        )
+    )
+    assert result.rollouts == len(seen) == 6
+    assert result.score == max(s.count("e") for s in seen)
+    assert result.text in seen
+    assert sum(r.visits for r in result.roots) == 6
+    assert all_leases_free(smol)
