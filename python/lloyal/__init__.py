@@ -40,6 +40,7 @@ from lloyal.errors import (
     NoLeaseError,
     StateError,
 )
+from lloyal.grammar import Grammar, json_schema_to_grammar
 from lloyal.sampling import GREEDY, SamplingParams
 from lloyal.text import TextStream
 
@@ -56,6 +57,7 @@ __all__ = [
     "ContextClosedError",
     "ContextStats",
     "DecodeError",
+    "Grammar",
     "GrammarError",
     "InternalError",
     "KVCacheFullError",
@@ -70,5 +72,6 @@ __all__ = [
     "TextStream",
     "Token",
     "create_context",
+    "json_schema_to_grammar",
     "supports_gpu_offload",
 ]

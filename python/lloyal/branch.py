@@ -13,6 +13,7 @@ import numpy.typing as npt
 from lloyal._bridge import Waiter, call_native, start_batch
 from lloyal.context import Base, Logits, _logits_arg, _token_id, _token_list
 from lloyal.errors import BranchDisposedError
+from lloyal.grammar import Grammar, _compile
 from lloyal.sampling import SamplingParams
 from lloyal.text import TextStream
 
@@ -123,16 +124,37 @@ class Branch:
         cls,
         ctx: Context,
         params: SamplingParams | None = None,
-        grammar: object | None = None,
+        grammar: str | Grammar | None = None,
+        *,
+        json_schema: Mapping[str, Any] | str | bool | None = None,
+        lark: str | None = None,
     ) -> Branch:
-        """A new root branch with its own KV lease (empty until ``prefill``).
+        """A new root branch with its own KV lease (empty until ``prefill``),
+        optionally constrained by a grammar: GBNF text or a :class:`Grammar`
+        (copied) as ``grammar=``, a JSON schema, or a Lark grammar (see
+        :mod:`lloyal.grammar`). Forks clone the grammar's state.
 
-        Raises :class:`NoLeaseError` when all ``n_seq_max`` leases are held.
+        Raises :class:`NoLeaseError` when all ``n_seq_max`` leases are held,
+        :class:`GrammarError` for an invalid grammar (and then holds no lease).
+
+        >>> import asyncio, json, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+        ...                   "required": ["ok"], "additionalProperties": False}
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY, json_schema=schema)
+        ...         await b.prefill(await ctx.tokenize("JSON:"))
+        ...         text = "".join([t.text async for t in b])
+        ...         return json.loads(text)["ok"] in (True, False)
+        >>> asyncio.run(main())
+        True
         """
-        if grammar is not None:
-            raise NotImplementedError("grammar-constrained branches are not implemented yet")
         ctx._check_open()
-        return cls(ctx, ctx._native.branch_create(params or SamplingParams()))
+        compiled = _compile(ctx, grammar, json_schema, lark)
+        handle = ctx._native.branch_create(params or SamplingParams())
+        if compiled is not None:
+            ctx._native.branch_set_grammar(handle, compiled._native)
+        return cls(ctx, handle)
 
     def _wrap(self, handle: int) -> Branch:
         obj = _registry(self._ctx).get(handle)
@@ -258,6 +280,32 @@ class Branch:
     def reseed_sampler(self, seed: int) -> None:
         """Restart this branch's random stream from ``seed``."""
         self._ctx._native.branch_reseed(self._handle, seed)
+
+    def set_grammar(
+        self,
+        grammar: str | Grammar | None = None,
+        *,
+        json_schema: Mapping[str, Any] | str | bool | None = None,
+        lark: str | None = None,
+    ) -> None:
+        """Constrain this branch from now on (replacing any grammar), or
+        remove the constraint when called with no grammar. The grammar
+        starts fresh: it constrains what this branch produces next, not the
+        text already in its KV. Children forked earlier keep theirs."""
+        compiled = _compile(self._ctx, grammar, json_schema, lark)
+        self._ctx._native.branch_set_grammar(
+            self._handle, None if compiled is None else compiled._native
+        )
+
+    @property
+    def has_grammar(self) -> bool:
+        return bool(self._ctx._native.branch_has_grammar(self._handle))
+
+    @property
+    def grammar_accepting(self) -> bool | None:
+        """Whether the branch's grammar would accept a stop token now
+        (``None`` without a grammar)."""
+        return self._ctx._native.branch_grammar_accepting(self._handle)
 
     def set_sampler_params(self, params: SamplingParams) -> bool:
         """Use new sampling parameters. Returns ``False`` (and changes nothing)

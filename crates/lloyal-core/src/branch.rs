@@ -10,6 +10,7 @@
 use std::sync::Arc;
 
 use crate::error::{invalid, Error, Result};
+use crate::grammar::Grammar;
 use crate::metrics::{self, Base, PerplexityTracker};
 use crate::sampling::{Sampler, SamplingParams};
 
@@ -51,6 +52,8 @@ pub struct BranchState {
     pub logit_bias: Arc<Vec<(i32, f32)>>,
     /// Biases for this branch only; not inherited.
     pub steer: Vec<(i32, f32)>,
+    /// The grammar constraining what this branch may produce; forks clone it.
+    pub(crate) grammar: Option<Grammar>,
     /// Model perplexity: surprisal of accepted tokens under the raw logits.
     pub perplexity: PerplexityTracker,
     /// Surprisal of accepted tokens under the sampling distribution.
@@ -74,6 +77,7 @@ impl BranchState {
             logits: None,
             logit_bias: Arc::new(Vec::new()),
             steer: Vec::new(),
+            grammar: None,
             perplexity: PerplexityTracker::new(),
             sampling_perplexity: PerplexityTracker::new(),
             last_produced: None,
@@ -125,10 +129,14 @@ impl BranchState {
         self.logits.replace(logits)
     }
 
-    /// The logits sampling sees: the snapshot plus bias and steer.
-    fn biased_logits(&self) -> Result<std::borrow::Cow<'_, [f32]>> {
-        let logits = self.logits()?;
-        if self.logit_bias.is_empty() && self.steer.is_empty() {
+    /// The logits sampling sees: the snapshot plus bias and steer, with
+    /// the tokens the grammar forbids at -inf.
+    fn sampling_logits(&mut self) -> Result<std::borrow::Cow<'_, [f32]>> {
+        let logits = self
+            .logits
+            .as_ref()
+            .ok_or_else(|| invalid("the branch has no logits yet: prefill it first"))?;
+        if self.logit_bias.is_empty() && self.steer.is_empty() && self.grammar.is_none() {
             return Ok(std::borrow::Cow::Borrowed(logits));
         }
         let mut edited = logits.to_vec();
@@ -137,23 +145,45 @@ impl BranchState {
                 *l += b;
             }
         }
+        if let Some(g) = self.grammar.as_mut() {
+            g.apply(&mut edited)?;
+        }
         Ok(std::borrow::Cow::Owned(edited))
     }
 
     /// Sample the next token (the RNG advances; nothing is accepted).
     pub fn produce(&mut self) -> Result<i32> {
-        // Borrow the snapshot (an Arc clone, not a copy) unless biases apply.
-        let snapshot = Arc::clone(self.logits()?);
-        let biased;
-        let logits: &[f32] = if self.logit_bias.is_empty() && self.steer.is_empty() {
-            &snapshot
-        } else {
-            biased = self.biased_logits()?.into_owned();
-            &biased
+        // Borrow the snapshot (an Arc clone, not a copy) unless it is edited.
+        let logits = match self.sampling_logits()? {
+            std::borrow::Cow::Owned(edited) => Some(edited),
+            std::borrow::Cow::Borrowed(_) => None,
         };
-        let (token, prob) = self.sampler.choose_with_probability(logits)?;
+        let snapshot;
+        let view: &[f32] = match &logits {
+            Some(edited) => edited,
+            None => {
+                snapshot = Arc::clone(self.logits()?);
+                &snapshot
+            }
+        };
+        let (token, prob) = self.sampler.choose_with_probability(view)?;
         self.last_produced = Some((token, prob));
         Ok(token)
+    }
+
+    pub fn grammar(&self) -> Option<&Grammar> {
+        self.grammar.as_ref()
+    }
+
+    pub fn grammar_mut(&mut self) -> Option<&mut Grammar> {
+        self.last_produced = None;
+        self.grammar.as_mut()
+    }
+
+    /// Replace (or remove) the grammar.
+    pub fn set_grammar(&mut self, grammar: Option<Grammar>) {
+        self.last_produced = None;
+        self.grammar = grammar;
     }
 
     /// Record `token` as chosen: penalty history and both perplexities.
@@ -162,12 +192,19 @@ impl BranchState {
     pub fn accept(&mut self, token: i32) -> Result<()> {
         let logits = self.logits()?;
         let model_surprisal = metrics::surprisal(logits, token, Base::Nats)?;
+        if let Some(g) = self.grammar.as_mut() {
+            if !g.allows(token)? {
+                return Err(Error::Grammar(format!(
+                    "token {token} is not allowed by the branch's grammar here"
+                )));
+            }
+        }
         let sampling_prob = match self.last_produced {
             Some((t, p)) if t == token => p,
             _ => {
-                let biased = self.biased_logits()?;
+                let edited = self.sampling_logits()?.into_owned();
                 self.sampler
-                    .distribution(&biased)?
+                    .distribution(&edited)?
                     .into_iter()
                     .find(|&(t, _)| t == token)
                     .map_or(0.0, |(_, p)| p)
@@ -175,6 +212,9 @@ impl BranchState {
         };
         self.perplexity.add(model_surprisal)?;
         self.sampling_perplexity.add(-sampling_prob.ln())?;
+        if let Some(g) = self.grammar.as_mut() {
+            g.accept(token)?;
+        }
         self.sampler.accept(token);
         self.last_produced = None;
         Ok(())

@@ -34,6 +34,10 @@ pub enum Error {
     /// A chat template could not be found, parsed or rendered.
     #[error("chat template error: {0}")]
     Template(String),
+    /// A grammar or JSON schema could not be compiled, or a token it
+    /// forbids was accepted.
+    #[error("grammar error: {0}")]
+    Grammar(String),
     /// The branch was pruned (or its handle is stale).
     #[error("the branch was pruned; its handle is no longer valid")]
     BranchDisposed,

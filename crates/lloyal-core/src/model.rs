@@ -38,6 +38,7 @@ pub struct Model {
     eog_token: i32,
     bos_token: Option<i32>,
     add_bos: bool,
+    pub(crate) grammar_factory: crate::grammar::GrammarFactory,
 }
 
 impl std::fmt::Debug for Model {
@@ -114,6 +115,7 @@ impl Model {
             eog_token,
             bos_token,
             add_bos,
+            grammar_factory: Default::default(),
         }
     }
 

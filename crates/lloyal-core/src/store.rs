@@ -16,6 +16,7 @@ use llama_cpp_2::token::LlamaToken;
 use crate::branch::{BranchId, BranchState, Branches};
 use crate::context::{lock, Context, Job, Reply, Worker};
 use crate::error::{invalid, Error, Result};
+use crate::grammar::Grammar;
 use crate::sampling::{Sampler, SamplingParams};
 
 /// One result per item of a batched operation.
@@ -206,6 +207,15 @@ impl Context {
     }
 
     /// Accept a token without decoding it (penalties and metrics).
+    /// Replace (or remove) a branch's grammar. Compile it first with
+    /// [`crate::Grammar::new`] on this context's model.
+    pub fn branch_set_grammar(&self, id: BranchId, grammar: Option<Grammar>) -> Result<()> {
+        self.with_branch(id, |b| {
+            b.set_grammar(grammar);
+            Ok(())
+        })
+    }
+
     pub fn branch_accept(&self, id: BranchId, token: i32) -> Result<()> {
         self.model().check_token(token)?;
         self.with_branch(id, |b| b.accept(token))
@@ -383,6 +393,8 @@ struct Undo {
     sampler: Sampler,
     perplexity: crate::metrics::PerplexityTracker,
     sampling_perplexity: crate::metrics::PerplexityTracker,
+    /// Tokens the branch's grammar had consumed before the commit.
+    grammar_consumed: Option<usize>,
 }
 
 impl Worker<'_> {
@@ -584,6 +596,9 @@ impl Worker<'_> {
                 *b.sampler_mut() = u.sampler;
                 b.perplexity = u.perplexity;
                 b.sampling_perplexity = u.sampling_perplexity;
+                if let (Some(count), Some(g)) = (u.grammar_consumed, b.grammar.as_mut()) {
+                    let _ = g.rewind(count);
+                }
             }
         }
     }
@@ -742,6 +757,7 @@ impl Undo {
             sampler: b.sampler().clone(),
             perplexity: b.perplexity.clone(),
             sampling_perplexity: b.sampling_perplexity.clone(),
+            grammar_consumed: b.grammar().map(Grammar::consumed),
         }
     }
 }

@@ -12,7 +12,7 @@ use crate::errors::{to_pyerr, IntoPyResult};
 use crate::reply::{none, py_reply};
 use crate::sampling::{params_from_py, params_to_dict};
 
-fn id(bits: u64) -> BranchId {
+pub(crate) fn id(bits: u64) -> BranchId {
     BranchId::from_bits(bits)
 }
 

@@ -89,6 +89,7 @@ pub fn to_pyerr(error: Error) -> PyErr {
         Error::BranchDisposed => BranchDisposedError::new_err(message),
         Error::BranchBusy => BranchBusyError::new_err(message),
         Error::NoLease(_) => NoLeaseError::new_err(message),
+        Error::Grammar(_) => GrammarError::new_err(message),
     }
 }
 

@@ -4,6 +4,7 @@
 mod branch;
 mod context;
 mod errors;
+mod grammar;
 mod kv;
 mod reply;
 mod sampling;
@@ -16,6 +17,8 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<context::PyContext>()?;
     m.add_class::<sampling::PyPerplexityTracker>()?;
     m.add_class::<reply::Completion>()?;
+    m.add_class::<grammar::PyGrammar>()?;
+    m.add_function(wrap_pyfunction!(grammar::json_schema_to_grammar, m)?)?;
     m.add_function(wrap_pyfunction!(context::validate_chat_template, m)?)?;
     m.add_function(wrap_pyfunction!(context::builtin_chat_templates, m)?)?;
     m.add_function(wrap_pyfunction!(context::supports_gpu_offload, m)?)?;

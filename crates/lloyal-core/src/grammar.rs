@@ -1,0 +1,295 @@
+//! Grammar-constrained decoding with llguidance.
+//!
+//! A [`Grammar`] is a matcher over one model's vocabulary: it masks the
+//! logits of tokens the grammar forbids next and advances on the tokens a
+//! branch accepts. It is plain data that clones cheaply (the compiled
+//! grammar and lexer are shared), so a branch's grammar forks with it.
+//!
+//! The token environment (a byte trie of the vocabulary, with every
+//! end-of-generation token as llguidance's EOS) is built once per model and
+//! kept in the model. End-of-generation tokens are allowed exactly where the
+//! grammar accepts.
+
+use std::sync::{Arc, OnceLock};
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+
+use crate::error::{Error, Result};
+use crate::gbnf::gbnf_to_lark;
+use crate::model::Model;
+
+/// How a grammar is written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GrammarSpec {
+    /// llama.cpp's GBNF (the subset documented in [`crate::gbnf`]).
+    Gbnf(String),
+    /// llguidance's Lark syntax (<https://github.com/guidance-ai/llguidance>).
+    Lark(String),
+    /// A JSON schema, as JSON text.
+    JsonSchema(String),
+}
+
+/// The compiled-grammar factory of one model, built on first use.
+#[derive(Default)]
+pub(crate) struct GrammarFactory(OnceLock<std::result::Result<Arc<TokenEnv>, String>>);
+
+/// What every grammar of one model shares.
+struct TokenEnv {
+    factory: ParserFactory,
+    /// `is_eog[t]`: llguidance's EOS set (end-of-generation tokens).
+    is_eog: Vec<bool>,
+}
+
+impl std::fmt::Debug for GrammarFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GrammarFactory")
+    }
+}
+
+fn grammar_error(message: impl std::fmt::Display) -> Error {
+    Error::Grammar(message.to_string())
+}
+
+fn token_env(model: &Model) -> Result<Arc<TokenEnv>> {
+    model
+        .grammar_factory
+        .0
+        .get_or_init(|| build_env(model).map(Arc::new))
+        .clone()
+        .map_err(grammar_error)
+}
+
+/// The vocabulary as llguidance sees it: each token's bytes, special tokens
+/// (those that render only as special) marked with TokTrie's 0xFF prefix.
+fn build_env(model: &Model) -> std::result::Result<TokenEnv, String> {
+    let n_vocab = model.vocab_size();
+    let mut words = Vec::with_capacity(n_vocab as usize);
+    let mut eog = Vec::new();
+    let mut is_eog = vec![false; n_vocab as usize];
+    for token in 0..n_vocab as i32 {
+        let plain = model.token_bytes(token, false).map_err(|e| e.to_string())?;
+        let word = if plain.is_empty() {
+            let special = model.token_bytes(token, true).map_err(|e| e.to_string())?;
+            if special.is_empty() {
+                special
+            } else {
+                let mut marked = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                marked.extend_from_slice(&special);
+                marked
+            }
+        } else {
+            plain
+        };
+        words.push(word);
+        if model.is_stop_token(token).unwrap_or(false) {
+            eog.push(token as u32);
+            is_eog[token as usize] = true;
+        }
+    }
+    if eog.is_empty() {
+        return Err("the model has no end-of-generation token".to_owned());
+    }
+    let trie = TokTrie::from(&TokRxInfo::new(n_vocab, eog[0]), &words).with_eos_tokens(&eog);
+    let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+    let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+    factory.quiet();
+    Ok(TokenEnv { factory, is_eog })
+}
+
+/// Compact JSON unless the schema says otherwise: small models given free
+/// whitespace tend to emit runs of newlines.
+fn with_json_defaults(mut schema: serde_json::Value) -> serde_json::Value {
+    if let Some(object) = schema.as_object_mut() {
+        object.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({
+                "whitespace_flexible": false,
+                "item_separator": ", ",
+                "key_separator": ": ",
+            })
+        });
+    }
+    schema
+}
+
+fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar> {
+    Ok(match spec {
+        GrammarSpec::Gbnf(text) => {
+            TopLevelGrammar::from_lark(gbnf_to_lark(text).map_err(grammar_error)?)
+        }
+        GrammarSpec::Lark(text) => TopLevelGrammar::from_lark(text.clone()),
+        GrammarSpec::JsonSchema(text) => {
+            let schema: serde_json::Value = serde_json::from_str(text)
+                .map_err(|e| grammar_error(format!("the JSON schema is not valid JSON: {e}")))?;
+            if !(schema.is_object() || schema.is_boolean()) {
+                return Err(grammar_error(
+                    "a JSON schema must be an object or a boolean",
+                ));
+            }
+            TopLevelGrammar::from_json_schema(with_json_defaults(schema))
+        }
+    })
+}
+
+/// A grammar matcher for one model. See the module docs.
+#[derive(Clone)]
+pub struct Grammar {
+    matcher: Matcher,
+    env: Arc<TokenEnv>,
+    /// Tokens the matcher has consumed since the start (for rollback).
+    consumed: usize,
+}
+
+impl std::fmt::Debug for Grammar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grammar")
+            .field("stopped", &self.matcher.is_stopped())
+            .finish()
+    }
+}
+
+impl Grammar {
+    /// Compile `spec` for `model`. An invalid grammar or schema is an
+    /// [`Error::Grammar`] here, never an unconstrained matcher later.
+    pub fn new(model: &Model, spec: &GrammarSpec) -> Result<Self> {
+        let env = token_env(model)?;
+        let parser = env
+            .factory
+            .create_parser(top_level(spec)?)
+            .map_err(|e| grammar_error(first_line(&e.to_string())))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(grammar_error(e));
+        }
+        Ok(Self {
+            matcher,
+            env,
+            consumed: 0,
+        })
+    }
+
+    fn check(&self, result: anyhow::Result<()>) -> Result<()> {
+        result.map_err(|e| grammar_error(format!("grammar matcher failed: {e}")))
+    }
+
+    /// Set the logit of every token the grammar forbids next to -inf.
+    /// Once the grammar is complete only end-of-generation tokens remain.
+    pub fn apply(&mut self, logits: &mut [f32]) -> Result<()> {
+        let vocab = self.env.is_eog.len();
+        if logits.len() != vocab {
+            return Err(crate::error::invalid(format!(
+                "logits have {} entries; the vocabulary has {vocab}",
+                logits.len(),
+            )));
+        }
+        let mask = self
+            .matcher
+            .compute_mask_or_eos()
+            .map_err(|e| grammar_error(format!("grammar matcher failed: {e}")))?;
+        // Walk the bitmask a word at a time: most words are all-zero or
+        // all-one, and those need no per-bit test.
+        for (w, chunk) in logits.chunks_mut(32).enumerate() {
+            let bits = mask.as_slice().get(w).copied().unwrap_or(0);
+            if bits == u32::MAX {
+                continue;
+            }
+            for (i, l) in chunk.iter_mut().enumerate() {
+                if bits & (1 << i) == 0 {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the grammar allows `token` next (nothing changes).
+    pub fn allows(&mut self, token: i32) -> Result<bool> {
+        let Some(&is_eog) = usize::try_from(token)
+            .ok()
+            .and_then(|t| self.env.is_eog.get(t))
+        else {
+            return Ok(false);
+        };
+        if is_eog {
+            return Ok(self.is_accepting());
+        }
+        if self.matcher.is_stopped() {
+            return Ok(false);
+        }
+        let t = token as u32;
+        self.matcher
+            .validate_tokens(&[t])
+            .map(|n| n == 1)
+            .map_err(|e| grammar_error(format!("grammar matcher failed: {e}")))
+    }
+
+    /// Advance past `token`. A token the grammar forbids is an
+    /// [`Error::Grammar`] and leaves the matcher as it was. An
+    /// end-of-generation token (allowed once the grammar accepts) leaves
+    /// the matcher as it is.
+    pub fn accept(&mut self, token: i32) -> Result<()> {
+        if !self.allows(token)? {
+            return Err(grammar_error(format!(
+                "token {token} is not allowed by the grammar here"
+            )));
+        }
+        if self.env.is_eog[token as usize] {
+            return Ok(());
+        }
+        let r = self.matcher.consume_token(token as u32);
+        self.check(r)?;
+        self.consumed += 1;
+        Ok(())
+    }
+
+    /// How many tokens the matcher has consumed (see [`Grammar::rewind`]).
+    pub fn consumed(&self) -> usize {
+        self.consumed
+    }
+
+    /// Undo accepted tokens until [`Grammar::consumed`] is `count` again.
+    pub fn rewind(&mut self, count: usize) -> Result<()> {
+        let n = self.consumed.saturating_sub(count);
+        if n > 0 {
+            let r = self.matcher.rollback(n);
+            self.check(r)?;
+            self.consumed = count;
+        }
+        Ok(())
+    }
+
+    /// Back to the start of the grammar.
+    pub fn reset(&mut self) -> Result<()> {
+        let r = self.matcher.reset();
+        self.check(r)?;
+        self.consumed = 0;
+        Ok(())
+    }
+
+    /// Whether the text so far is a complete match (an end-of-generation
+    /// token would be allowed now).
+    pub fn is_accepting(&mut self) -> bool {
+        self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false)
+    }
+
+    /// Whether nothing but end-of-generation can follow.
+    pub fn is_stopped(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+}
+
+fn first_line(message: &str) -> String {
+    // llguidance errors can carry long context dumps; the first lines say
+    // what is wrong.
+    message.lines().take(6).collect::<Vec<_>>().join("\n")
+}
+
+/// llama.cpp's JSON-schema-to-GBNF conversion (the text a user can inspect
+/// or pass back as a GBNF grammar).
+pub fn json_schema_to_grammar(schema: &str) -> Result<String> {
+    serde_json::from_str::<serde_json::Value>(schema)
+        .map_err(|e| grammar_error(format!("the JSON schema is not valid JSON: {e}")))?;
+    llama_cpp_2::json_schema_to_grammar(schema)
+        .map_err(|e| grammar_error(format!("llama.cpp could not convert the schema: {e}")))
+}

@@ -1,0 +1,119 @@
+//! `lloyal._lloyal.NativeGrammar`: a grammar matcher handle for the flat
+//! loop, and grammar creation on `NativeContext`. The matcher itself is
+//! `lloyal_core::Grammar`.
+
+use std::sync::{Mutex, MutexGuard};
+
+use lloyal_core::{Grammar, GrammarSpec};
+use numpy::{PyArray1, PyArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::branch::id;
+use crate::context::PyContext;
+use crate::errors::IntoPyResult;
+
+#[pyclass(name = "NativeGrammar", module = "lloyal._lloyal", frozen)]
+pub struct PyGrammar {
+    inner: Mutex<Grammar>,
+}
+
+impl PyGrammar {
+    fn lock(&self) -> MutexGuard<'_, Grammar> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn spec(kind: &str, text: String) -> PyResult<GrammarSpec> {
+    Ok(match kind {
+        "gbnf" => GrammarSpec::Gbnf(text),
+        "lark" => GrammarSpec::Lark(text),
+        "json_schema" => GrammarSpec::JsonSchema(text),
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "unknown grammar kind {other:?}"
+            )))
+        }
+    })
+}
+
+#[pymethods]
+impl PyGrammar {
+    fn clone_grammar(&self) -> Self {
+        Self {
+            inner: Mutex::new(self.lock().clone()),
+        }
+    }
+
+    /// Mask `logits` in place (forbidden tokens -> -inf).
+    fn apply(&self, py: Python<'_>, logits: &Bound<'_, PyArray1<f32>>) -> PyResult<()> {
+        let mut view = logits.try_readwrite()?;
+        let slice = view
+            .as_slice_mut()
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        py.detach(|| self.lock().apply(slice)).py_err()
+    }
+
+    fn allows(&self, token: i32) -> PyResult<bool> {
+        self.lock().allows(token).py_err()
+    }
+
+    fn accept(&self, token: i32) -> PyResult<()> {
+        self.lock().accept(token).py_err()
+    }
+
+    fn reset(&self) -> PyResult<()> {
+        self.lock().reset().py_err()
+    }
+
+    fn is_accepting(&self) -> bool {
+        self.lock().is_accepting()
+    }
+
+    fn is_stopped(&self) -> bool {
+        self.lock().is_stopped()
+    }
+}
+
+#[pymethods]
+impl PyContext {
+    /// Compile a grammar for this context's model (`kind`: gbnf, lark or
+    /// json_schema). The first grammar of a model also builds its token
+    /// trie, so this runs without the GIL.
+    fn create_grammar(&self, py: Python<'_>, kind: &str, text: String) -> PyResult<PyGrammar> {
+        let spec = spec(kind, text)?;
+        let model = self.inner.model().clone();
+        let grammar = py.detach(move || Grammar::new(&model, &spec)).py_err()?;
+        Ok(PyGrammar {
+            inner: Mutex::new(grammar),
+        })
+    }
+
+    /// Give the branch a copy of `grammar` (or none).
+    #[pyo3(signature = (branch, grammar=None))]
+    fn branch_set_grammar(&self, branch: u64, grammar: Option<&PyGrammar>) -> PyResult<()> {
+        let grammar = grammar.map(|g| g.lock().clone());
+        self.inner.branch_set_grammar(id(branch), grammar).py_err()
+    }
+
+    fn branch_has_grammar(&self, branch: u64) -> PyResult<bool> {
+        self.inner
+            .read_branch(id(branch), |b| b.grammar().is_some())
+            .py_err()
+    }
+
+    fn branch_grammar_accepting(&self, branch: u64) -> PyResult<Option<bool>> {
+        self.inner
+            .with_branch(id(branch), |b| {
+                Ok(b.grammar_mut().map(Grammar::is_accepting))
+            })
+            .py_err()
+    }
+}
+
+/// llama.cpp's JSON schema to GBNF conversion.
+#[pyfunction]
+pub fn json_schema_to_grammar(py: Python<'_>, schema: String) -> PyResult<String> {
+    py.detach(move || lloyal_core::json_schema_to_grammar(&schema))
+        .py_err()
+}

@@ -1,0 +1,156 @@
+"""Grammar-constrained decoding (llguidance).
+
+A grammar is written as GBNF text (llama.cpp's format), as a Lark grammar
+(llguidance's dialect) or as a JSON schema. It compiles against one model's
+vocabulary; an invalid grammar or schema raises :class:`GrammarError` when it
+is created, never later and never silently unconstrained.
+
+Branches carry a grammar (``Branch.create(..., json_schema=...)``,
+``branch.set_grammar(...)``) and clone it on fork. The flat loop uses a
+:class:`Grammar` handle directly: ``apply`` masks logits, ``accept`` advances.
+End-of-generation tokens are allowed exactly where the grammar accepts.
+
+JSON schemas default to compact output (``", "`` and ``": "`` separators, no
+free whitespace); give the schema an ``"x-guidance"`` object to override
+(llguidance's ``whitespace_flexible``, ``item_separator``, ``key_separator``).
+
+Supported GBNF: rules (continued after ``|`` or inside parentheses),
+``root``, string literals, character classes, ``.``, grouping, alternation,
+``* + ? {m} {m,} {m,n} {,n}``, the escapes ``\\n \\r \\t \\\\ \\" \\xHH
+\\uHHHH \\UHHHHHHHH`` and ``#`` comments. Token references (``<...>``) and
+``!`` raise :class:`GrammarError`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lloyal import _lloyal
+
+if TYPE_CHECKING:
+    from lloyal.context import Context
+
+__all__ = ["Grammar", "json_schema_to_grammar"]
+
+
+def json_schema_to_grammar(schema: Mapping[str, Any] | str) -> str:
+    """GBNF text for a JSON schema, from llama.cpp's own converter (the text
+    can be read, edited and passed back as ``grammar=``).
+
+    >>> import lloyal
+    >>> print(lloyal.json_schema_to_grammar({"type": "boolean"}).splitlines()[0])
+    root ::= ("true" | "false")
+    """
+    return _lloyal.json_schema_to_grammar(_schema_text(schema))
+
+
+def _schema_text(schema: Mapping[str, Any] | str | bool) -> str:
+    if isinstance(schema, str):
+        return schema
+    if isinstance(schema, (Mapping, bool)):
+        return json.dumps(schema)
+    raise TypeError(f"a JSON schema is a dict or JSON text, got {type(schema).__name__}")
+
+
+def _source(
+    grammar: str | Grammar | None,
+    json_schema: Mapping[str, Any] | str | bool | None,
+    lark: str | None,
+) -> tuple[str, str] | Grammar | None:
+    """Which one grammar the caller gave: (kind, text), a handle, or None."""
+    given = [g for g in (grammar, json_schema, lark) if g is not None]
+    if len(given) > 1:
+        raise ValueError("give at most one of grammar=, json_schema= and lark=")
+    if isinstance(grammar, Grammar):
+        return grammar
+    if grammar is not None:
+        if not isinstance(grammar, str):
+            raise TypeError(f"grammar= takes GBNF text or a Grammar, got {type(grammar).__name__}")
+        return ("gbnf", grammar)
+    if json_schema is not None:
+        return ("json_schema", _schema_text(json_schema))
+    if lark is not None:
+        if not isinstance(lark, str):
+            raise TypeError(f"lark= takes Lark text, got {type(lark).__name__}")
+        return ("lark", lark)
+    return None
+
+
+def _compile(
+    ctx: Context,
+    grammar: str | Grammar | None,
+    json_schema: Mapping[str, Any] | str | bool | None,
+    lark: str | None,
+) -> Grammar | None:
+    source = _source(grammar, json_schema, lark)
+    if source is None or isinstance(source, Grammar):
+        return source
+    ctx._check_open()
+    return Grammar(ctx._native.create_grammar(*source))
+
+
+class Grammar:
+    """A grammar matcher for the flat decode loop (create it with
+    :meth:`Context.create_grammar`).
+
+    >>> import asyncio, lloyal
+    >>> async def main():
+    ...     async with await lloyal.create_context(MODEL) as ctx:
+    ...         g = ctx.create_grammar('root ::= "yes" | "no"')
+    ...         await ctx.decode(await ctx.tokenize("Is water wet? Answer:"), 0)
+    ...         logits = ctx.get_logits().copy()
+    ...         g.apply(logits)  # forbidden tokens -> -inf
+    ...         token = int(logits.argmax())
+    ...         g.accept(token)
+    ...         return ctx.token_to_text(token), g.is_accepting
+    >>> asyncio.run(main())
+    ('yes', True)
+    """
+
+    __slots__ = ("_native",)
+
+    def __init__(self, native: _lloyal.NativeGrammar) -> None:
+        self._native = native
+
+    def clone(self) -> Grammar:
+        """An independent copy in the same state."""
+        return Grammar(self._native.clone_grammar())
+
+    def apply(self, logits: np.ndarray[Any, np.dtype[np.float32]]) -> None:
+        """Set forbidden tokens' logits to ``-inf``, in place. ``logits`` must
+        be a writable, contiguous float32 array of vocabulary size."""
+        if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or logits.ndim != 1:
+            raise TypeError("logits must be a 1-D float32 numpy array")
+        if not logits.flags.c_contiguous or not logits.flags.writeable:
+            raise ValueError("logits must be contiguous and writable (use .copy())")
+        self._native.apply(logits)
+
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next (changes nothing)."""
+        return bool(self._native.allows(int(token)))
+
+    def accept(self, token: int) -> None:
+        """Advance past ``token``. A token the grammar forbids raises
+        :class:`GrammarError` and changes nothing."""
+        self._native.accept(int(token))
+
+    def reset(self) -> None:
+        """Back to the start of the grammar."""
+        self._native.reset()
+
+    @property
+    def is_accepting(self) -> bool:
+        """Whether the text so far is complete (a stop token is allowed)."""
+        return bool(self._native.is_accepting())
+
+    @property
+    def is_stopped(self) -> bool:
+        """Whether nothing but a stop token can follow."""
+        return bool(self._native.is_stopped())
+
+    def __repr__(self) -> str:
+        return f"<Grammar accepting={self.is_accepting}>"
