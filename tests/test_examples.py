@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +26,91 @@ def test_flat_loop_on_both_models(gemma3: Path) -> None:
     )
     assert gemma.returncode == 0, gemma.stderr
     assert "perplexity" in gemma.stdout
+
+
+def example(name: str, script: str) -> str:
+    return str(ROOT / "examples" / name / script)
+
+
+def test_chat_appends_turns_to_one_branch() -> None:
+    result = subprocess.run(
+        [sys.executable, example("chat", "chat.py"), "--max-tokens", "6"],
+        input="What is the capital of France?\nAnd of Italy?\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("bot> ") == 2
+    turns = [line for line in result.stderr.splitlines() if "prompt tokens decoded" in line]
+    assert len(turns) == 2
+    # The second turn decodes only the new user message, not the history.
+    first, second = (int(re.findall(r"\d+", t)[0]) for t in turns)
+    assert second < first
+
+
+def test_speculative_reports_acceptance_and_speed_up(smollm2: Path) -> None:
+    result = run_example(
+        example("speculative", "speculative.py"),
+        "--target", str(smollm2), "--max-tokens", "8", "--runs", "1", "-k", "3",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "speed-up" in result.stdout
+    assert "draft model" in result.stdout
+    assert "prompt lookup" in result.stdout
+    assert "100%" in result.stdout  # the target drafting for itself agrees with itself
+
+
+def test_best_of_n_marks_a_winner() -> None:
+    result = run_example(example("best_of_n", "best_of_n.py"), "-n", "2", "--max-tokens", "6")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("perplexity") == 2
+    assert "* [" in result.stdout
+
+
+def test_streaming_reseeds_past_the_window() -> None:
+    result = run_example(
+        example("streaming", "streaming.py"),
+        "--window", "48", "--tail", "8", "--max-tokens", "16",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "[reseed 1:" in result.stdout
+    assert "perplexity" in result.stdout
+
+
+def test_entropy_reports_its_decisions() -> None:
+    result = run_example(
+        example("entropy", "entropy.py"), "--max-tokens", "6", "--threshold", "0.5"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "retrieved" in result.stdout
+    assert "mean entropy" in result.stdout
+
+
+def test_beam_search_prints_beams() -> None:
+    result = run_example(
+        example("beam_search", "beam_search.py"), "--width", "2", "--max-tokens", "4"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "greedy" in result.stdout
+    assert "beam 1" in result.stdout
+
+
+def test_mcts_prints_the_tree_and_the_best_rollout() -> None:
+    result = run_example(
+        example("mcts", "mcts.py"),
+        "--iterations", "2", "--width", "2", "--rollout-tokens", "3",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "visits" in result.stdout
+    assert "best (score" in result.stdout
+
+
+def test_trio_best_of_n_batches_commits() -> None:
+    result = run_example(example("trio", "trio_best_of_n.py"), "-n", "3", "--max-tokens", "4")
+    assert result.returncode == 0, result.stderr
+    m = re.search(r"(\d+) tokens, (\d+) decode calls", result.stdout)
+    assert m is not None, result.stdout
+    tokens, decodes = int(m[1]), int(m[2])
+    assert decodes <= 4 < tokens  # 3 tasks, one decode per step

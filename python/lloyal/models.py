@@ -23,6 +23,7 @@ import functools
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
 
 KNOWN_MODELS = ("smollm2", "gemma3")
 DEFAULT_MODEL = "smollm2"
@@ -77,6 +78,52 @@ def model_path(name: str | None = None) -> Path:
     if name == "gemma3":
         return _gemma3()
     raise ValueError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
+
+
+def smollm2_f16() -> Path:
+    """An F16 copy of SmolLM2-135M-Instruct, written once into
+    :func:`cache_dir` with the ``gguf`` package (``pip install gguf``).
+
+    Its weights are the Q4_1 file's, dequantized: the same model with the
+    same vocabulary, about three times the bytes to read per token. The
+    speculative decoding example uses it as a slower target for the Q4_1
+    draft.
+    """
+    target = cache_dir() / "SmolLM2-135M-Instruct.F16.gguf"
+    if target.is_file():
+        return target
+    try:
+        # Optional, and typed only in some versions: keep mypy out of it.
+        gguf: Any = importlib.import_module("gguf")
+    except ImportError:
+        raise ModelNotInstalledError("writing the F16 copy needs gguf: pip install gguf") from None
+    import numpy as np
+
+    reader = gguf.GGUFReader(_smollm2())
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    partial = target.with_suffix(f".{os.getpid()}.part")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(partial, arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            value = gguf.LlamaFileType.MOSTLY_F16
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, kind, sub_type=sub)
+    for tensor in reader.tensors:
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if data.ndim > 1:  # matrices to F16; norms stay F32
+            data = data.astype(np.float16)
+        writer.add_tensor(tensor.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.replace(target)
+    return target
 
 
 def default_model_path() -> Path:
