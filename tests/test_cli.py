@@ -64,3 +64,57 @@ def test_bad_input_exits_non_zero(tmp_path: Path) -> None:
     assert lloyal("generate", "x", "--max-tokens", "-1").returncode == 2
     assert lloyal("generate", "x", "--top-p", "7").returncode == 1
     assert lloyal("bogus-command").returncode == 2
+
+
+def test_best_of_n_prints_the_winner_and_every_candidate() -> None:
+    result = lloyal("best-of-n", "Once upon a time", "-n", "2", "--max-tokens", "4", "--seed", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert result.stderr.count("perplexity") == 2
+    assert "* [" in result.stderr
+    assert "\r" not in result.stderr  # no progress line when stderr is not a terminal
+
+
+def test_beam_with_width_1_is_generate_at_temperature_0() -> None:
+    beam = lloyal("beam", "The capital of France is", "--width", "1", "--max-tokens", "4")
+    assert beam.returncode == 0, beam.stderr
+    greedy = lloyal(
+        "generate", "The capital of France is", "--max-tokens", "4",
+        "--temperature", "0", "--repeat-penalty", "1",
+    )  # fmt: skip
+    assert beam.stdout.strip() == greedy.stdout.strip()
+    assert "log p" in beam.stderr
+
+
+def test_speculative_reports_acceptance_and_compares(smollm2: Path) -> None:
+    result = lloyal(
+        "speculative", "1, 2, 3, 1, 2, 3, 1, 2, 3,", "--max-tokens", "6", "--compare",
+        "--draft", str(smollm2), "-k", "2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "accepted" in result.stderr
+    assert "speed-up" in result.stderr
+    assert "the same text" in result.stderr
+    lookup = lloyal("speculative", "1, 2, 3, 1, 2, 3, 1, 2, 3,", "--max-tokens", "4")
+    assert lookup.returncode == 0, lookup.stderr
+    assert "0 draft decode calls" in lookup.stderr
+
+
+def test_chat_reads_turns_from_stdin() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "lloyal", "chat", "--max-tokens", "4", "--seed", "0", "--verbose"],
+        input="Hi!\nWho are you?\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.strip().splitlines()) == 2
+    assert result.stderr.count("new prompt tokens") == 2
+
+
+def test_strategy_commands_reject_bad_input() -> None:
+    assert lloyal("best-of-n", "x", "-n", "0").returncode == 1
+    assert lloyal("beam", "x", "--width", "0").returncode == 1
+    assert lloyal("speculative", "x", "-k", "0").returncode == 1

