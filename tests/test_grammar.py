@@ -29,7 +29,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "object",
         "properties": {
             "age": {"type": "integer", "minimum": 18, "maximum": 99},
-            "score": {"type": "number", "minimum": 0, "maximum": 1},
+            # multipleOf bounds the decimals: without it a small model can
+            # extend a valid number forever ("0.12121212...").
+            "score": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.01},
         },
         "required": ["age", "score"],
         "additionalProperties": False,

@@ -516,6 +516,61 @@ class Context:
         native = self._native
         await call_native(lambda done: native.clear_and_reseed(seq_id, s, t, done))
 
+    # -- embeddings ------------------------------------------------------------
+
+    @property
+    def has_pooling(self) -> bool:
+        """Whether this is an embedding context that pools (mean, cls, last)."""
+        return bool(self._native.has_pooling())
+
+    async def encode(self, tokens: Sequence[int]) -> None:
+        """Run ``tokens`` through an embedding context (``embeddings=True``)
+        and keep their embeddings for :meth:`get_embeddings`. Uses a free KV
+        sequence for the call and clears it afterwards."""
+        self._check_open()
+        ids = _token_list(tokens)
+        native = self._native
+        await call_native(lambda done: native.encode(ids, done))
+
+    def get_embeddings(self, normalize: bool = True) -> npt.NDArray[np.float32]:
+        """The last :meth:`encode`'s embeddings: shape ``(dim,)`` when the
+        context pools, ``(n_tokens, dim)`` with ``pooling="none"``. Rows are
+        L2-normalized unless ``normalize=False``."""
+        self._check_open()
+        rows: npt.NDArray[np.float32] = self._native.get_embeddings()
+        if normalize:
+            rows = _unit_rows(rows)
+        return rows[0] if self.has_pooling else rows
+
+    async def embed(
+        self, text: str | Sequence[str], normalize: bool = True
+    ) -> npt.NDArray[np.float32]:
+        """Pooled embeddings of one text (shape ``(dim,)``) or of several
+        (``(n, dim)``), computed in as few decodes as ``n_batch`` allows:
+        each text gets its own KV sequence in the same batch. Needs a
+        context created with ``embeddings=True`` and a pooling other than
+        ``"none"``; a text longer than ``n_batch`` tokens raises ``ValueError``.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, embeddings=True) as ctx:
+        ...         v = await ctx.embed(["a cat sat", "a kitten sat", "tax law"])
+        ...         return v.shape == (3, ctx.embedding_dim), bool(v[0] @ v[1] > v[0] @ v[2])
+        >>> asyncio.run(main())
+        (True, True)
+        """
+        self._check_open()
+        single = isinstance(text, str)
+        texts = [text] if isinstance(text, str) else list(text)
+        if not all(isinstance(t, str) for t in texts):
+            raise TypeError("embed() takes a string or a sequence of strings")
+        inputs = [await self.tokenize(t) for t in texts]
+        native = self._native
+        rows: npt.NDArray[np.float32] = await call_native(lambda done: native.embed(inputs, done))
+        if normalize:
+            rows = _unit_rows(rows)
+        return rows[0] if single else rows
+
     def create_grammar(
         self,
         grammar: str | None = None,
@@ -545,6 +600,11 @@ class Context:
     def create_perplexity_tracker(self) -> _lloyal.PerplexityTracker:
         """A fresh :class:`PerplexityTracker`."""
         return _lloyal.PerplexityTracker()
+
+
+def _unit_rows(rows: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    norms = np.linalg.norm(rows, axis=-1, keepdims=True)
+    return (rows / np.where(norms == 0, 1, norms)).astype(np.float32)
 
 
 async def create_context(

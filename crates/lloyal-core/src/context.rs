@@ -44,6 +44,8 @@ pub(crate) enum Job {
     Branch(crate::store::BranchJob),
     /// KV cache work of the flat API (see `kv_cache.rs`).
     Kv(crate::kv_cache::KvJob),
+    /// Embeddings (see `embed.rs`).
+    Embed(crate::embed::EmbedJob),
     Close {
         reply: Reply<()>,
     },
@@ -55,6 +57,7 @@ impl Job {
             Job::Decode { reply, .. } | Job::Close { reply } => reply(Err(error)),
             Job::Branch(job) => job.fail(error),
             Job::Kv(job) => job.fail(error),
+            Job::Embed(job) => job.fail(error),
         }
     }
 }
@@ -89,6 +92,8 @@ pub(crate) struct Shared {
     sampler: Mutex<Option<Sampler>>,
     /// Every branch and the free KV leases.
     pub(crate) branches: Mutex<crate::branch::Branches>,
+    /// Embeddings of the last `encode`.
+    pub(crate) embeddings: Mutex<Option<crate::embed::Embeddings>>,
 }
 
 impl Shared {
@@ -148,10 +153,15 @@ impl std::fmt::Debug for Context {
 impl Context {
     /// Load the model and create the context on a new worker thread.
     /// `on_ready` is called from that thread with the handle or the error.
-    pub fn open(model_path: PathBuf, params: ContextParams, on_ready: Reply<Context>) {
+    pub fn open(model_path: PathBuf, mut params: ContextParams, on_ready: Reply<Context>) {
         if let Err(e) = params.validate() {
             on_ready(Err(e));
             return;
+        }
+        if params.embeddings {
+            // llama.cpp splits embedding batches evenly across sequences and
+            // asserts (aborts) when n_batch is not a multiple of n_seq_max.
+            params.n_batch = params.n_batch.div_ceil(params.n_seq_max) * params.n_seq_max;
         }
         let spawned = std::thread::Builder::new()
             .name("lloyal-worker".into())
@@ -459,6 +469,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         logits: Mutex::new(None),
         sampler: Mutex::new(None),
         branches: Mutex::new(crate::branch::Branches::new(params.n_seq_max)),
+        embeddings: Mutex::new(None),
     });
     let n_batch = params.n_batch as usize;
     let handle = Context {
@@ -548,6 +559,7 @@ impl Worker<'_> {
             }
             Job::Branch(job) => self.execute_branch(job),
             Job::Kv(job) => self.execute_kv(job),
+            Job::Embed(job) => self.execute_embed(job),
             Job::Close { .. } => unreachable!("handled by run"),
         }
     }

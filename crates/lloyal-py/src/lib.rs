@@ -3,6 +3,7 @@
 
 mod branch;
 mod context;
+mod embed;
 mod errors;
 mod grammar;
 mod kv;

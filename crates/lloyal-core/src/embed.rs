@@ -1,0 +1,252 @@
+//! Embeddings on a context created with `embeddings = true`.
+//!
+//! `embed` runs many inputs through as few `llama_decode` calls as the batch
+//! allows: each input gets its own KV sequence (borrowed from the free
+//! leases for the duration of the call), whole inputs are packed into a
+//! batch up to `n_batch` tokens, and every borrowed sequence is cleared
+//! again afterwards. `encode` runs one input and keeps its embeddings as the
+//! context's current ones (`embeddings()`), pooled or per token.
+
+use crate::context::{lock, Context, Job, Reply, Worker};
+use crate::error::{invalid, Error, Result};
+use crate::params::Pooling;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use llama_cpp_2::token::LlamaToken;
+
+pub(crate) enum EmbedJob {
+    Embed {
+        inputs: Vec<Vec<i32>>,
+        reply: Reply<Vec<Vec<f32>>>,
+    },
+    Encode {
+        tokens: Vec<i32>,
+        reply: Reply<()>,
+    },
+}
+
+impl EmbedJob {
+    pub(crate) fn fail(self, error: Error) {
+        match self {
+            EmbedJob::Embed { reply, .. } => reply(Err(error)),
+            EmbedJob::Encode { reply, .. } => reply(Err(error)),
+        }
+    }
+}
+
+/// The embeddings of the last `encode`: one row when pooled, one row per
+/// token otherwise.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Embeddings {
+    pub rows: usize,
+    pub dim: usize,
+    pub data: Vec<f32>,
+}
+
+impl Context {
+    fn check_embedding_context(&self, pooled: bool) -> Result<()> {
+        let params = self.params();
+        if !params.embeddings {
+            return Err(invalid(
+                "this context computes logits, not embeddings: create it with embeddings=True",
+            ));
+        }
+        if params.pooling == Pooling::Rank {
+            return Err(invalid(
+                "rank pooling (rerankers) is not supported for embeddings; use mean, cls or last",
+            ));
+        }
+        if pooled && params.pooling == Pooling::None {
+            return Err(invalid(
+                "embed() needs a pooled context (pooling mean, cls or last); with pooling \
+                 none use encode() and get_embeddings() for per-token vectors",
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_input(&self, tokens: &[i32]) -> Result<()> {
+        if tokens.is_empty() {
+            return Err(invalid("cannot embed an empty input"));
+        }
+        self.model().check_tokens(tokens)?;
+        let n_batch = self.params().n_batch as usize;
+        if tokens.len() > n_batch {
+            return Err(invalid(format!(
+                "an input of {} tokens does not fit one batch (n_batch={n_batch}); \
+                 create the context with a larger n_batch",
+                tokens.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Pooled embeddings of each input, in order.
+    pub fn embed(&self, inputs: Vec<Vec<i32>>, reply: Reply<Vec<Vec<f32>>>) {
+        let checked = self
+            .check_embedding_context(true)
+            .and_then(|()| inputs.iter().try_for_each(|t| self.check_input(t)));
+        match checked {
+            Err(e) => reply(Err(e)),
+            Ok(()) if inputs.is_empty() => reply(Ok(Vec::new())),
+            Ok(()) => self.submit(Job::Embed(EmbedJob::Embed { inputs, reply })),
+        }
+    }
+
+    /// Run `tokens` through the model and keep their embeddings as the
+    /// current ones (see [`Context::embeddings`]).
+    pub fn encode(&self, tokens: Vec<i32>, reply: Reply<()>) {
+        match self
+            .check_embedding_context(false)
+            .and_then(|()| self.check_input(&tokens))
+        {
+            Err(e) => reply(Err(e)),
+            Ok(()) => self.submit(Job::Embed(EmbedJob::Encode { tokens, reply })),
+        }
+    }
+
+    /// The embeddings of the last `encode`.
+    pub fn embeddings(&self) -> Result<Embeddings> {
+        lock(&self.shared.embeddings)
+            .clone()
+            .ok_or_else(|| invalid("no embeddings yet: call encode() first"))
+    }
+}
+
+impl Worker<'_> {
+    pub(crate) fn execute_embed(&mut self, job: EmbedJob) {
+        match job {
+            EmbedJob::Embed { inputs, reply } => {
+                let result = catch_unwind(AssertUnwindSafe(|| self.embed(&inputs)))
+                    .unwrap_or_else(|p| Err(Error::from_panic(p)));
+                reply(result);
+            }
+            EmbedJob::Encode { tokens, reply } => {
+                let result = catch_unwind(AssertUnwindSafe(|| self.encode(&tokens)))
+                    .unwrap_or_else(|p| Err(Error::from_panic(p)));
+                reply(result);
+            }
+        }
+    }
+
+    /// Borrow up to `want` free sequences (never the flat API's sequence 0
+    /// while it holds cells).
+    fn borrow_seqs(&mut self, want: usize) -> Result<Vec<i32>> {
+        let mut branches = lock(&self.shared.branches);
+        let mut seqs = Vec::new();
+        while seqs.len() < want {
+            let Ok(seq) = branches.lease() else { break };
+            if seq == 0 && self.ctx.kv_cache_seq_pos_max(0) >= 0 {
+                branches.release(seq);
+                break;
+            }
+            seqs.push(seq);
+        }
+        if seqs.is_empty() {
+            return Err(Error::NoLease(
+                "embedding needs a free KV sequence, and every one is held by a branch \
+                 (or sequence 0 by the flat API); prune a branch or clear sequence 0"
+                    .to_owned(),
+            ));
+        }
+        Ok(seqs)
+    }
+
+    fn return_seqs(&mut self, seqs: Vec<i32>) {
+        let mut branches = lock(&self.shared.branches);
+        for seq in seqs {
+            let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
+            self.refresh_pos(seq as usize, seq);
+            branches.release(seq);
+        }
+    }
+
+    fn embed(&mut self, inputs: &[Vec<i32>]) -> Result<Vec<Vec<f32>>> {
+        let seqs = self.borrow_seqs(inputs.len())?;
+        let result = self.embed_with(inputs, &seqs);
+        self.return_seqs(seqs);
+        result
+    }
+
+    /// Pack whole inputs into batches of at most `n_batch` tokens and one
+    /// borrowed sequence each; read each input's pooled vector.
+    fn embed_with(&mut self, inputs: &[Vec<i32>], seqs: &[i32]) -> Result<Vec<Vec<f32>>> {
+        let mut out = Vec::with_capacity(inputs.len());
+        let mut start = 0;
+        while start < inputs.len() {
+            let mut end = start;
+            let mut tokens = 0;
+            while end < inputs.len()
+                && end - start < seqs.len()
+                && tokens + inputs[end].len() <= self.n_batch
+            {
+                tokens += inputs[end].len();
+                end += 1;
+            }
+            self.batch.clear();
+            for (input, &seq) in inputs[start..end].iter().zip(seqs) {
+                let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
+                for (pos, &t) in input.iter().enumerate() {
+                    self.batch
+                        .add(LlamaToken(t), pos as i32, &[seq], true)
+                        .map_err(|e| Error::Internal(format!("batch add: {e}")))?;
+                }
+            }
+            self.llama_decode(tokens)?;
+            for &seq in &seqs[..end - start] {
+                let v = self
+                    .ctx
+                    .embeddings_seq_ith(seq)
+                    .map_err(|e| Error::Internal(format!("pooled embeddings: {e}")))?;
+                out.push(v.to_vec());
+            }
+            start = end;
+        }
+        Ok(out)
+    }
+
+    fn encode(&mut self, tokens: &[i32]) -> Result<()> {
+        let seqs = self.borrow_seqs(1)?;
+        let result = self.encode_with(tokens, seqs[0]);
+        self.return_seqs(seqs);
+        let embeddings = result?;
+        *lock(&self.shared.embeddings) = Some(embeddings);
+        Ok(())
+    }
+
+    fn encode_with(&mut self, tokens: &[i32], seq: i32) -> Result<Embeddings> {
+        self.batch.clear();
+        for (pos, &t) in tokens.iter().enumerate() {
+            self.batch
+                .add(LlamaToken(t), pos as i32, &[seq], true)
+                .map_err(|e| Error::Internal(format!("batch add: {e}")))?;
+        }
+        self.llama_decode(tokens.len())?;
+        if self.params.pooling == Pooling::None {
+            let mut data = Vec::new();
+            for row in 0..tokens.len() {
+                let v = self
+                    .ctx
+                    .embeddings_ith(row as i32)
+                    .map_err(|e| Error::Internal(format!("token embeddings: {e}")))?;
+                data.extend_from_slice(v);
+            }
+            let dim = data.len() / tokens.len();
+            Ok(Embeddings {
+                rows: tokens.len(),
+                dim,
+                data,
+            })
+        } else {
+            let v = self
+                .ctx
+                .embeddings_seq_ith(seq)
+                .map_err(|e| Error::Internal(format!("pooled embeddings: {e}")))?;
+            Ok(Embeddings {
+                rows: 1,
+                dim: v.len(),
+                data: v.to_vec(),
+            })
+        }
+    }
+}

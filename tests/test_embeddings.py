@@ -1,0 +1,98 @@
+"""Embeddings: batched equals one at a time, similarity, pooling modes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lloyal
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.anyio
+
+TEXTS = [
+    "The cat sat on the mat.",
+    "A kitten was sitting on the rug.",
+    "Quarterly tax filings are due in April.",
+    "Interest rates rose again this year.",
+]
+
+
+async def test_batched_equals_one_at_a_time(model: Path) -> None:
+    async with await lloyal.create_context(model, embeddings=True, n_seq_max=8) as ctx:
+        before = ctx.stats.decode_calls
+        batched = await ctx.embed(TEXTS)
+        assert ctx.stats.decode_calls - before == 1  # four texts, one decode
+        assert batched.shape == (len(TEXTS), ctx.embedding_dim)
+        assert batched.dtype == np.float32
+        singles = np.stack([await ctx.embed(t) for t in TEXTS])
+        np.testing.assert_allclose(batched, singles, atol=2e-3)
+
+
+async def test_similar_sentences_score_closer(model: Path) -> None:
+    async with await lloyal.create_context(model, embeddings=True, n_seq_max=4) as ctx:
+        v = await ctx.embed(TEXTS)
+        sim = v @ v.T
+        assert sim[0, 1] > sim[0, 2]
+        assert sim[0, 1] > sim[0, 3]
+        assert sim[2, 3] > sim[2, 0]
+
+
+async def test_normalization(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, embeddings=True) as ctx:
+        unit = await ctx.embed(TEXTS[:2])
+        np.testing.assert_allclose(np.linalg.norm(unit, axis=1), 1.0, rtol=1e-5)
+        raw = await ctx.embed(TEXTS[:2], normalize=False)
+        assert not np.allclose(np.linalg.norm(raw, axis=1), 1.0)
+        np.testing.assert_allclose(
+            raw / np.linalg.norm(raw, axis=1, keepdims=True), unit, atol=1e-5
+        )
+        assert ctx.has_pooling
+        await ctx.encode(await ctx.tokenize(TEXTS[0]))
+        one = ctx.get_embeddings()
+        assert one.shape == (ctx.embedding_dim,)
+        np.testing.assert_allclose(one, unit[0], atol=2e-3)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "last"])
+async def test_other_poolings(smollm2: Path, pooling: str) -> None:
+    async with await lloyal.create_context(smollm2, embeddings=True, pooling=pooling) as ctx:  # type: ignore[arg-type]
+        v = await ctx.embed(TEXTS)
+        assert v.shape == (len(TEXTS), ctx.embedding_dim)
+        assert np.isfinite(v).all()
+
+
+async def test_pooling_none_gives_token_rows(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, embeddings=True, pooling="none") as ctx:
+        assert not ctx.has_pooling
+        tokens = await ctx.tokenize(TEXTS[0])
+        await ctx.encode(tokens)
+        rows = ctx.get_embeddings()
+        assert rows.shape == (len(tokens), ctx.embedding_dim)
+        np.testing.assert_allclose(np.linalg.norm(rows, axis=1), 1.0, rtol=1e-5)
+        with pytest.raises(ValueError, match="pooled"):
+            await ctx.embed("x")
+
+
+async def test_misuse_raises_and_leaves_context_usable(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_batch=32, n_seq_max=3) as ctx:
+        with pytest.raises(ValueError, match="embeddings=True"):
+            await ctx.embed("not an embedding context")
+    async with await lloyal.create_context(
+        smollm2, embeddings=True, n_batch=32, n_seq_max=3
+    ) as ctx:
+        with pytest.raises(ValueError, match="no embeddings yet"):
+            ctx.get_embeddings()
+        with pytest.raises(ValueError, match="n_batch"):
+            await ctx.embed("word " * 100)
+        with pytest.raises(ValueError, match="empty"):
+            await ctx.encode([])
+        with pytest.raises(TypeError):
+            await ctx.embed([1, 2])  # type: ignore[list-item]
+        store = lloyal.BranchStore(ctx)
+        available = store.available
+        # More texts than sequences: several decodes, same answers.
+        v = await ctx.embed(TEXTS + TEXTS)
+        np.testing.assert_allclose(v[:4], v[4:], atol=2e-3)
+        assert store.available == available  # borrowed sequences came back
+        assert ctx.kv_cache_size() == 0
