@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import lloyal
 import numpy as np
 import pytest
@@ -200,3 +201,50 @@ def test_mcts_scores_rollouts_and_returns_the_best(smol: lloyal.Context) -> None
     assert result.text in seen
     assert sum(r.visits for r in result.roots) == 6
     assert all_leases_free(smol)
+
+
+AFTER = (1, 3)  # cancel after this many decodes
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_cancelled_strategies_give_every_lease_back(
+    backend: str, smol: lloyal.Context, smol_draft: lloyal.Context
+) -> None:
+    prompt = "Once upon a time"
+    calls = [
+        lambda: strategies.best_of_n(smol, prompt, n=3, max_tokens=16),
+        lambda: strategies.beam_search(smol, prompt, width=2, max_tokens=16),
+        lambda: strategies.speculative_decode(smol, prompt, draft=smol_draft, max_tokens=40),
+        lambda: strategies.mcts(smol, prompt, len, iterations=4, rollout_tokens=8),
+    ]
+
+    async def cancel_mid_run(start: Any, after: int) -> bool:
+        """Cancel once the strategy has made ``after`` decodes; True if it was cut short."""
+        begin = smol.stats.decode_calls
+        finished = False
+        async with anyio.create_task_group() as tg:
+
+            async def strategy() -> None:
+                nonlocal finished
+                await start()
+                finished = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(strategy)
+            # Poll the native decode counter (there is no event to wait on).
+            while smol.stats.decode_calls < begin + after:  # noqa: ASYNC110
+                await anyio.sleep(0.005)
+            tg.cancel_scope.cancel()
+        return not finished
+
+    async def main() -> None:
+        for start in calls:
+            for after in AFTER:
+                assert await cancel_mid_run(start, after)
+                assert all_leases_free(smol)
+                assert smol_draft.kv_cache_size(0) == 0
+        # And the context still works.
+        result = await strategies.generate(smol, prompt, max_tokens=2)
+        assert len(result.tokens) == 2
+
+    anyio.run(main, backend=backend)

@@ -33,11 +33,13 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 
 from lloyal.branch import Branch, BranchStore
 from lloyal.context import Context
+from lloyal.errors import BranchBusyError
 from lloyal.sampling import GREEDY, SamplingParams
 
 Prompt = str | Sequence[int]
@@ -317,6 +319,19 @@ class _Recorder:
         )
 
 
+async def _prune_all(branch: Branch) -> None:
+    """Prune ``branch`` and its subtree, also while the caller is being
+    cancelled (shielded, so the leases come back under trio too)."""
+    with anyio.CancelScope(shield=True):
+        while not branch.disposed:
+            try:
+                await branch.prune_subtree()
+            except BranchBusyError:
+                # A cancelled prefill or commit is still running on the
+                # worker; it ends soon, and the prune must come after it.
+                await anyio.sleep(0.001)
+
+
 def _stopper(ctx: Context, stop: Iterable[int]) -> Callable[[int], bool]:
     extra = frozenset(int(t) for t in stop)
     return lambda t: t in extra or ctx.is_stop_token(t)
@@ -354,7 +369,8 @@ async def generate(
     is_stop = _stopper(ctx, stop)
     calls, started = ctx.stats.decode_calls, time.perf_counter()
     rec = _Recorder()
-    async with Branch.create(ctx, params=params) as branch:
+    branch = Branch.create(ctx, params=params)
+    try:
         await branch.prefill(tokens)
         while len(rec.tokens) < max_tokens:
             p = await branch.produce()
@@ -364,6 +380,8 @@ async def generate(
             rec.add(p.token, branch.model_surprisal(p.token), branch.model_entropy())
             if len(rec.tokens) < max_tokens:
                 await branch.commit(p.token)
+    finally:
+        await _prune_all(branch)
     out = await rec.finish(ctx)
     return Generated(out, ctx.stats.decode_calls - calls, time.perf_counter() - started)
 
@@ -410,7 +428,8 @@ async def best_of_n(
     _need_leases(store, ctx, n + 1, f"best_of_n(n={n})")
     calls, started = ctx.stats.decode_calls, time.perf_counter()
     recs = [_Recorder() for _ in range(n)]
-    async with Branch.create(ctx, params=params) as root:
+    root = Branch.create(ctx, params=params)
+    try:
         await root.prefill(tokens)
         branches = [await root.fork() for _ in range(n)]
         for i, b in enumerate(branches):
@@ -434,6 +453,8 @@ async def best_of_n(
                 progress(step + 1, max_tokens)
             if not live:
                 break
+    finally:
+        await _prune_all(root)
     candidates = tuple([await r.finish(ctx) for r in recs])
     best = min(range(n), key=lambda i: (candidates[i].perplexity, i))
     return BestOfN(
@@ -582,8 +603,7 @@ async def beam_search(
         hypotheses = [await rec.finish(ctx) for _, rec in finished]
         hypotheses += [await rec.finish(ctx) for rec in final]
     finally:
-        if not root.disposed:
-            await root.prune_subtree()
+        await _prune_all(root)
     ranked = sorted(hypotheses, key=lambda c: -rank(c))[:width]
     return BeamSearch(
         ranked[0],
@@ -641,8 +661,9 @@ class _ModelDrafter:
         self.kv: list[int] = []  # the tokens sequence 0 holds
 
     async def reset(self) -> None:
-        if self.ctx.kv_cache_size(0):
-            await self.ctx.kv_cache_remove(0, 0)
+        # Unconditional: a cancelled decode may still be queued, and removal
+        # runs after it (kv_cache_size would be read before it lands).
+        await self.ctx.kv_cache_remove(0, 0)
         self.kv = []
 
     async def propose(
@@ -769,6 +790,7 @@ async def speculative_decode(
     rec = _Recorder()
     rounds = drafted = accepted = 0
     trunk = Branch.create(target, params=GREEDY)  # holds history[:-1]
+    forks: list[Branch] = []
     try:
         if len(history) > 1:
             await trunk.prefill(history[:-1])
@@ -782,7 +804,9 @@ async def speculative_decode(
                 qs = [None] * len(guesses)
             else:
                 guesses, qs = await drafter.propose(history, min(k, room), temperature, rng)
-            forks = [await trunk.fork() for _ in guesses]
+            forks = []
+            for _ in guesses:
+                forks.append(await trunk.fork())
             pending = history[-1]
             await store.prefill(
                 [(trunk, [pending])]
@@ -841,10 +865,12 @@ async def speculative_decode(
                 )
                 history.append(token)
     finally:
-        if not trunk.disposed:
-            await trunk.prune_subtree()
+        # After a cancelled retain_only the new trunk may be any fork.
+        for b in (trunk, *forks):
+            await _prune_all(b)
         if isinstance(drafter, _ModelDrafter):
-            await drafter.reset()
+            with anyio.CancelScope(shield=True):
+                await drafter.reset()
     if isinstance(draft, Context):
         draft_calls = draft.stats.decode_calls - draft_calls
     return Speculative(
@@ -991,8 +1017,7 @@ async def sample_tree(
             if items:
                 await store.commit(items)
     finally:
-        if not top_branch.disposed:
-            await top_branch.prune_subtree()
+        await _prune_all(top_branch)
     leaves: list[_Node] = []
     stack = [root]
     while stack:
@@ -1131,25 +1156,24 @@ async def mcts(
                 if fork is not None:
                     fork.reseed_sampler(seed + rollouts + j)
                 forks.append(fork)
-            try:
-                for step in range(rollout_tokens):
-                    commits: list[tuple[Branch, int]] = []
-                    for fork, rec in zip(forks, recs, strict=True):
-                        if fork is None or rec.stopped:
-                            continue
-                        p = await fork.produce()
-                        if p.is_stop or is_stop(p.token):
-                            rec.stopped = True
-                            continue
-                        rec.add(p.token, fork.model_surprisal(p.token), fork.model_entropy())
-                        commits.append((fork, p.token))
-                    if not commits or step + 1 == rollout_tokens:
-                        break
-                    await store.commit(commits)
-            finally:
-                for fork in forks:
-                    if fork is not None and not fork.disposed:
-                        await fork.prune()
+            for step in range(rollout_tokens):
+                commits: list[tuple[Branch, int]] = []
+                for fork, rec in zip(forks, recs, strict=True):
+                    if fork is None or rec.stopped:
+                        continue
+                    p = await fork.produce()
+                    if p.is_stop or is_stop(p.token):
+                        rec.stopped = True
+                        continue
+                    rec.add(p.token, fork.model_surprisal(p.token), fork.model_entropy())
+                    commits.append((fork, p.token))
+                if not commits or step + 1 == rollout_tokens:
+                    break
+                await store.commit(commits)
+            # (On an error the final prune_subtree takes the forks too.)
+            for fork in forks:
+                if fork is not None:
+                    await fork.prune()
             for kid, rec in zip(kids, recs, strict=True):
                 out = await rec.finish(ctx)
                 value = await evaluate(out.text)
@@ -1160,8 +1184,7 @@ async def mcts(
             if progress is not None:
                 progress(it + 1, iterations)
     finally:
-        if not top_branch.disposed:
-            await top_branch.prune_subtree()
+        await _prune_all(top_branch)
     assert best is not None
     return MCTS(
         best[1],
