@@ -216,3 +216,30 @@ async def test_sampler_options_have_their_defining_effects(smollm2: Path) -> Non
         assert ctx.sample(miro, logits=logits) == int(order[0])
         with pytest.raises(ValueError, match="mirostat"):
             lloyal.SamplingParams(mirostat=1)
+
+
+async def test_dry_breaks_a_verbatim_loop(model: Path) -> None:
+    """DRY's defining effect: the token that would extend a repeat loses."""
+    async with await lloyal.create_context(model, n_ctx=256) as ctx:
+        tokens = await ctx.tokenize(
+            "red green blue cyan red green blue cyan red green blue cyan red"
+        )
+        b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await b.prefill(tokens[:1])
+        for t in tokens[1:]:
+            await b.commit(t)  # accepted: the history DRY reads
+        # The token that extends the loop (" green" after " red"), made the
+        # greedy choice by a steer so the test does not hang on the model.
+        loop = tokens[tokens.index(tokens[-1]) + 1]
+        b.steer({loop: 8.0})
+        assert (await b.produce()).token == loop
+        b.set_sampler_params(lloyal.GREEDY.with_(dry_multiplier=2.0))
+        assert (await b.produce()).token != loop
+        # Breakers end repeats: if every token containing a space breaks
+        # them, nothing repeats long enough and the loop wins again.
+        b.set_sampler_params(lloyal.GREEDY.with_(dry_multiplier=2.0, dry_sequence_breakers=(" ",)))
+        assert (await b.produce()).token == loop
+        with pytest.raises(ValueError, match="dry_base"):
+            lloyal.SamplingParams(dry_base=0.5)
+        with pytest.raises(TypeError):
+            lloyal.SamplingParams(dry_sequence_breakers="\n")

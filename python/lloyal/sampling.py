@@ -21,6 +21,12 @@ class SamplingParams:
 
     ``logit_bias`` maps token ids to additive biases (a dict or pairs).
 
+    DRY (``dry_multiplier > 0``) runs after the penalties: a token that would
+    extend a repeat of ``n >= dry_allowed_length`` earlier tokens loses
+    ``dry_multiplier * dry_base ** (n - dry_allowed_length)``; tokens whose
+    text contains one of ``dry_sequence_breakers`` end a repeat.
+    ``dry_penalty_last_n=-1`` looks at the whole history.
+
     >>> from lloyal import SamplingParams
     >>> SamplingParams(temperature=0).is_greedy
     True
@@ -45,6 +51,11 @@ class SamplingParams:
     mirostat: int = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", '"', "*")
 
     def __post_init__(self) -> None:
         bias = self.logit_bias
@@ -67,6 +78,18 @@ class SamplingParams:
             raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
         if self.penalty_last_n < -1:
             raise ValueError(f"penalty_last_n must be >= -1, got {self.penalty_last_n}")
+        breakers = self.dry_sequence_breakers
+        if isinstance(breakers, str) or not all(isinstance(b, str) for b in breakers):
+            raise TypeError("dry_sequence_breakers must be a sequence of strings")
+        object.__setattr__(self, "dry_sequence_breakers", tuple(breakers))
+        if self.dry_multiplier < 0:
+            raise ValueError(f"dry_multiplier must be >= 0, got {self.dry_multiplier}")
+        if self.dry_base < 1:
+            raise ValueError(f"dry_base must be >= 1, got {self.dry_base}")
+        if self.dry_allowed_length < 1:
+            raise ValueError(f"dry_allowed_length must be >= 1, got {self.dry_allowed_length}")
+        if self.dry_penalty_last_n < -1:
+            raise ValueError(f"dry_penalty_last_n must be >= -1, got {self.dry_penalty_last_n}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
 

@@ -335,10 +335,15 @@ impl Context {
             Some(s) => {
                 if s.params() != params {
                     s.set_params(params.clone())?;
+                    self.model.bind_sampler(s);
                 }
                 s
             }
-            None => guard.insert(Sampler::new(params.clone())?),
+            None => {
+                let s = guard.insert(Sampler::new(params.clone())?);
+                self.model.bind_sampler(s);
+                s
+            }
         };
         sampler.sample(logits)
     }

@@ -3,6 +3,7 @@
 //! shared (`Arc`) between the worker that decodes and the threads that
 //! tokenize, which llama.cpp allows: the model is read-only after load.
 
+use std::collections::{HashMap, HashSet};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -13,6 +14,7 @@ use llama_cpp_2::token::LlamaToken;
 
 use crate::backend::backend;
 use crate::error::{invalid, Error, Result};
+use crate::sampling::Sampler;
 
 /// Facts about a model, read once at load time.
 #[derive(Debug, Clone, PartialEq)]
@@ -39,6 +41,8 @@ pub struct Model {
     bos_token: Option<i32>,
     add_bos: bool,
     pub(crate) grammar_factory: crate::grammar::GrammarFactory,
+    /// DRY breaker token sets, by breaker strings.
+    dry_breakers: std::sync::Mutex<HashMap<Vec<String>, Arc<HashSet<i32>>>>,
 }
 
 impl std::fmt::Debug for Model {
@@ -116,6 +120,7 @@ impl Model {
             bos_token,
             add_bos,
             grammar_factory: Default::default(),
+            dry_breakers: Default::default(),
         }
     }
 
@@ -214,6 +219,42 @@ impl Model {
             .llama
             .vocab()
             .token_to_piece(LlamaToken(token), render_special, None))
+    }
+
+    /// Give `sampler` this vocabulary's DRY breaker tokens: every token whose
+    /// text contains one of its `dry_sequence_breakers` (computed once per
+    /// set of breakers).
+    pub fn bind_sampler(&self, sampler: &mut Sampler) {
+        let p = sampler.params();
+        if p.dry_multiplier <= 0.0 {
+            return;
+        }
+        let key = p.dry_sequence_breakers.clone();
+        let mut cache = self
+            .dry_breakers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let set = cache
+            .entry(key)
+            .or_insert_with_key(|breakers| {
+                let needles: Vec<&[u8]> = breakers
+                    .iter()
+                    .map(|b| b.as_bytes())
+                    .filter(|b| !b.is_empty())
+                    .collect();
+                let tokens = (0..self.info.vocab_size as i32)
+                    .filter(|&t| {
+                        let piece = self.token_bytes(t, false).unwrap_or_default();
+                        needles
+                            .iter()
+                            .any(|n| piece.windows(n.len()).any(|w| w == *n))
+                    })
+                    .collect();
+                Arc::new(tokens)
+            })
+            .clone();
+        drop(cache);
+        sampler.set_dry_breakers(set);
     }
 
     /// The text of `text` when it is exactly one token, else `None`.

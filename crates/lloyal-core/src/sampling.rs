@@ -6,7 +6,8 @@
 //! top-p, min-p, temperature, then a draw from the softmax. A temperature of
 //! zero or below is greedy (argmax after penalties).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -46,6 +47,16 @@ pub struct SamplingParams {
     /// Mirostat target surprise (bits) and learning rate.
     pub mirostat_tau: f32,
     pub mirostat_eta: f32,
+    /// DRY ("don't repeat yourself"): a token that would extend a repeat of
+    /// an earlier sequence of `n >= dry_allowed_length` tokens loses
+    /// `dry_multiplier * dry_base^(n - dry_allowed_length)` logits; `0` disables.
+    pub dry_multiplier: f32,
+    pub dry_base: f32,
+    pub dry_allowed_length: i32,
+    /// How far back DRY looks; `-1` = all kept history, `0` disables.
+    pub dry_penalty_last_n: i32,
+    /// Text that ends a repeat (tokens containing it break matching).
+    pub dry_sequence_breakers: Vec<String>,
 }
 
 impl Default for SamplingParams {
@@ -68,6 +79,11 @@ impl Default for SamplingParams {
             mirostat: 0,
             mirostat_tau: 5.0,
             mirostat_eta: 0.1,
+            dry_multiplier: 0.0,
+            dry_base: 1.75,
+            dry_allowed_length: 2,
+            dry_penalty_last_n: -1,
+            dry_sequence_breakers: ["\n", ":", "\"", "*"].map(String::from).to_vec(),
         }
     }
 }
@@ -131,6 +147,21 @@ impl SamplingParams {
                 "logit_bias needs token ids >= 0 and non-NaN biases",
             ));
         }
+        if !self.dry_multiplier.is_finite() || self.dry_multiplier < 0.0 {
+            return Err(invalid("dry_multiplier must be finite and >= 0"));
+        }
+        if !self.dry_base.is_finite() || self.dry_base < 1.0 {
+            return Err(invalid(format!(
+                "dry_base must be >= 1, got {}",
+                self.dry_base
+            )));
+        }
+        if self.dry_allowed_length < 1 {
+            return Err(invalid("dry_allowed_length must be >= 1"));
+        }
+        if self.dry_penalty_last_n < -1 {
+            return Err(invalid("dry_penalty_last_n must be >= -1"));
+        }
         if self.top_k < 0 {
             return Err(invalid(format!("top_k must be >= 0, got {}", self.top_k)));
         }
@@ -153,8 +184,13 @@ impl SamplingParams {
     fn is_plain_greedy(&self) -> bool {
         self.temperature <= 0.0
             && !self.has_penalties()
+            && !self.has_dry()
             && self.logit_bias.is_empty()
             && self.mirostat == 0
+    }
+
+    fn has_dry(&self) -> bool {
+        self.dry_multiplier > 0.0 && self.dry_penalty_last_n != 0
     }
 
     fn has_penalties(&self) -> bool {
@@ -183,6 +219,8 @@ pub struct Sampler {
     rng: ChaCha8Rng,
     /// Mirostat 2.0's running surprise bound (starts at `2 * tau`).
     mu: f32,
+    /// Tokens that end a DRY match (see [`Sampler::set_dry_breakers`]).
+    dry_breakers: Arc<HashSet<i32>>,
 }
 
 /// How much history is kept when `penalty_last_n == -1` (all tokens).
@@ -198,7 +236,15 @@ impl Sampler {
             history: VecDeque::new(),
             counts: HashMap::new(),
             rng,
+            dry_breakers: Arc::default(),
         })
+    }
+
+    /// The token ids that end a DRY match. The context computes them from
+    /// `dry_sequence_breakers` and the vocabulary (every token whose text
+    /// contains a breaker); a bare sampler has none.
+    pub fn set_dry_breakers(&mut self, tokens: Arc<HashSet<i32>>) {
+        self.dry_breakers = tokens;
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -248,8 +294,18 @@ impl Sampler {
         }
     }
 
+    fn dry_window(&self) -> usize {
+        if !self.params.has_dry() {
+            return 0;
+        }
+        match self.params.dry_penalty_last_n {
+            -1 => UNBOUNDED_HISTORY,
+            n => usize::try_from(n).unwrap_or(0),
+        }
+    }
+
     fn trim_history(&mut self) {
-        let cap = self.history_cap().max(64);
+        let cap = self.history_cap().max(self.dry_window()).max(64);
         while self.history.len() > cap {
             if let Some(old) = self.history.pop_front() {
                 if let Some(c) = self.counts.get_mut(&old) {
@@ -343,6 +399,7 @@ impl Sampler {
             c.logit += b;
         }
         self.apply_penalties(&mut cands);
+        self.apply_dry(&mut cands);
         if p.temperature <= 0.0 {
             return argmax(&cands).map(|t| vec![(t, 1.0)]).ok_or_else(nothing);
         }
@@ -421,6 +478,47 @@ impl Sampler {
     /// Mirostat's current surprise bound, in bits.
     pub fn mirostat_mu(&self) -> f32 {
         self.mu
+    }
+
+    /// DRY: for each earlier occurrence of a token, how many tokens before
+    /// it repeat the tokens before now; the longest repeat each token would
+    /// extend sets its penalty. Breaker tokens stop a match.
+    fn apply_dry(&self, cands: &mut [Candidate]) {
+        let p = &self.params;
+        let window = self.dry_window();
+        let n = self.history.len().min(window);
+        let allowed = p.dry_allowed_length as usize;
+        if n < allowed + 1 {
+            return;
+        }
+        let start = self.history.len() - n;
+        let h: Vec<i32> = self.history.iter().skip(start).copied().collect();
+        let last = n - 1;
+        if self.dry_breakers.contains(&h[last]) {
+            return;
+        }
+        let mut longest: HashMap<i32, usize> = HashMap::new();
+        for i in 1..n {
+            // h[..i] ends with k tokens equal to the end of h.
+            let mut k = 0;
+            while k < i && h[i - 1 - k] == h[last - k] && !self.dry_breakers.contains(&h[last - k])
+            {
+                k += 1;
+            }
+            if k >= allowed {
+                let e = longest.entry(h[i]).or_insert(0);
+                *e = (*e).max(k);
+            }
+        }
+        for (token, k) in longest {
+            if self.dry_breakers.contains(&token) {
+                continue;
+            }
+            if let Some(c) = usize::try_from(token).ok().and_then(|i| cands.get_mut(i)) {
+                let exponent = (k - allowed) as i32;
+                c.logit -= p.dry_multiplier * p.dry_base.powi(exponent.min(64));
+            }
+        }
     }
 
     fn apply_penalties(&self, cands: &mut [Candidate]) {
@@ -771,5 +869,34 @@ mod tests {
         assert!(s.choose(&[f32::NEG_INFINITY; 3]).is_err());
         let mut g = Sampler::new(SamplingParams::greedy()).unwrap();
         assert!(g.choose(&[f32::NEG_INFINITY; 3]).is_err());
+    }
+
+    #[test]
+    fn dry_penalizes_the_token_that_extends_a_repeat() {
+        let params = SamplingParams {
+            dry_multiplier: 1.0,
+            dry_allowed_length: 2,
+            ..SamplingParams::greedy()
+        };
+        let mut logits = vec![0.0f32; 16];
+        logits[8] = 1.0; // would continue 5 6 7 -> 8
+        logits[9] = 0.9;
+        let mut s = Sampler::new(params.clone()).unwrap();
+        for t in [5, 6, 7, 8, 5, 6, 7] {
+            s.accept(t);
+        }
+        assert_eq!(s.choose(&logits).unwrap(), 9);
+        // Without DRY, or with 6 as a breaker (the repeat is then 1 token), 8 wins.
+        let mut plain = Sampler::new(SamplingParams::greedy()).unwrap();
+        assert_eq!(plain.choose(&logits).unwrap(), 8);
+        s.set_dry_breakers(Arc::new([6].into_iter().collect()));
+        assert_eq!(s.choose(&logits).unwrap(), 8);
+        // The penalty grows with the repeat's length.
+        let mut long = Sampler::new(params).unwrap();
+        for t in [1, 2, 3, 4, 8, 1, 2, 3, 4] {
+            long.accept(t);
+        }
+        let d = long.distribution(&logits).unwrap();
+        assert_eq!(d[0].0, 9);
     }
 }

@@ -104,7 +104,10 @@ impl Context {
         let mut branches = lock(&self.shared.branches);
         let seq = branches.lease()?;
         let state = match BranchState::new(seq, params) {
-            Ok(s) => s,
+            Ok(mut s) => {
+                self.model().bind_sampler(s.sampler_mut());
+                s
+            }
             Err(e) => {
                 branches.release(seq);
                 return Err(e);
@@ -155,6 +158,7 @@ impl Context {
                 return Ok(false);
             }
             b.sampler_mut().set_params(params)?;
+            self.model().bind_sampler(b.sampler_mut());
             Ok(true)
         })
     }
@@ -558,6 +562,7 @@ impl Worker<'_> {
         let (_, payload) = crate::kv::decode(fp, data)?;
         let (logits, llama) = unpack_branch(payload, self.model.vocab_size() as usize)?;
         let mut state = BranchState::new(0, params)?;
+        self.model.bind_sampler(state.sampler_mut());
         let seq = lock(&self.shared.branches).lease()?;
         let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
         if let Err(e) = crate::kv::write_seq(&mut self.ctx, seq, llama) {

@@ -27,6 +27,11 @@ pub fn params_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SamplingParams> {
         mirostat: obj.getattr("mirostat")?.extract()?,
         mirostat_tau: obj.getattr("mirostat_tau")?.extract()?,
         mirostat_eta: obj.getattr("mirostat_eta")?.extract()?,
+        dry_multiplier: obj.getattr("dry_multiplier")?.extract()?,
+        dry_base: obj.getattr("dry_base")?.extract()?,
+        dry_allowed_length: obj.getattr("dry_allowed_length")?.extract()?,
+        dry_penalty_last_n: obj.getattr("dry_penalty_last_n")?.extract()?,
+        dry_sequence_breakers: obj.getattr("dry_sequence_breakers")?.extract()?,
     };
     params.validate().py_err()?;
     Ok(params)
@@ -52,6 +57,11 @@ pub fn params_to_dict<'py>(py: Python<'py>, p: &SamplingParams) -> PyResult<Boun
     d.set_item("mirostat", p.mirostat)?;
     d.set_item("mirostat_tau", p.mirostat_tau)?;
     d.set_item("mirostat_eta", p.mirostat_eta)?;
+    d.set_item("dry_multiplier", p.dry_multiplier)?;
+    d.set_item("dry_base", p.dry_base)?;
+    d.set_item("dry_allowed_length", p.dry_allowed_length)?;
+    d.set_item("dry_penalty_last_n", p.dry_penalty_last_n)?;
+    d.set_item("dry_sequence_breakers", p.dry_sequence_breakers.clone())?;
     Ok(d)
 }
 
