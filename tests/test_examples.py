@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -114,3 +116,17 @@ def test_trio_best_of_n_batches_commits() -> None:
     assert m is not None, result.stdout
     tokens, decodes = int(m[1]), int(m[2])
     assert decodes <= 4 < tokens  # 3 tasks, one decode per step
+
+
+DOC_BLOCKS = [
+    pytest.param(code, id=f"{page.stem}-{i}")
+    for page in sorted((ROOT / "docs").glob("*.md"))
+    for i, code in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S))
+]
+
+
+@pytest.mark.parametrize("code", DOC_BLOCKS)
+def test_docs_examples_run(code: str) -> None:
+    result = run_example("-c", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
