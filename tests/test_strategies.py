@@ -82,8 +82,10 @@ def test_wider_beams_find_likelier_continuations(smol: lloyal.Context) -> None:
     # (Up to float noise: the same tokens scored in forks with another KV
     # cell layout differ in the third decimal.)
     assert wide.output.log_prob >= greedy.output.log_prob - 0.05
-    scores = [b.log_prob for b in wide.beams]
-    assert scores == sorted(scores, reverse=True)
+    assert list(wide.scores) == sorted(wide.scores, reverse=True)
+    for beam, score in zip(wide.beams, wide.scores, strict=True):
+        if not beam.stopped:
+            assert beam.log_prob == pytest.approx(score)
     # One decode per step for all beams: the prefill plus 7 commits.
     assert wide.decode_calls <= 8
     assert all_leases_free(smol)

@@ -132,11 +132,15 @@ class BestOfN(_Output):
 @dataclass(frozen=True)
 class BeamSearch(_Output):
     """What :func:`beam_search` returns. ``beams`` are the final
-    hypotheses (finished and unfinished), best first; ``output`` is
-    ``beams[0]``. ``peak_leases`` is the most KV leases held at once."""
+    hypotheses (finished and unfinished), best first, and ``scores`` their
+    search scores: summed log-probability, including the stop token for a
+    finished hypothesis (which its ``Continuation`` leaves out), divided by
+    ``len ** length_penalty``. ``output`` is ``beams[0]``.
+    ``peak_leases`` is the most KV leases held at once."""
 
     output: Continuation
     beams: tuple[Continuation, ...]
+    scores: tuple[float, ...]
     decode_calls: int
     peak_leases: int
     seconds: float
@@ -323,12 +327,15 @@ async def _prune_all(branch: Branch) -> None:
     """Prune ``branch`` and its subtree, also while the caller is being
     cancelled (shielded, so the leases come back under trio too)."""
     with anyio.CancelScope(shield=True):
+        deadline = time.monotonic() + 60.0
         while not branch.disposed:
             try:
                 await branch.prune_subtree()
             except BranchBusyError:
                 # A cancelled prefill or commit is still running on the
                 # worker; it ends soon, and the prune must come after it.
+                if time.monotonic() > deadline:
+                    raise
                 await anyio.sleep(0.001)
 
 
@@ -521,11 +528,9 @@ async def beam_search(
     _need_leases(store, ctx, width, f"beam_search(width={width})")
     calls, started = ctx.stats.decode_calls, time.perf_counter()
 
-    def rank(c: Continuation) -> float:
-        n = len(c.tokens)
-        if length_penalty == 0.0 or n == 0:
-            return c.log_prob
-        return c.log_prob / math.pow(n, length_penalty)
+    def rank(score: float, rec: _Recorder) -> float:
+        n = len(rec.tokens) + rec.stopped
+        return score / math.pow(n, length_penalty) if length_penalty and n else score
 
     finished: list[tuple[float, _Recorder]] = []
     root = Branch.create(ctx, params=GREEDY)
@@ -542,7 +547,7 @@ async def beam_search(
             held.discard(node)
             node = parent
 
-    final: list[_Recorder] = []
+    final: list[tuple[float, _Recorder]] = []
     try:
         await root.prefill(tokens)
         beams = [_Beam(root, _Recorder())]
@@ -567,10 +572,10 @@ async def beam_search(
             finished.sort(key=lambda f: -f[0])
             del finished[width:]
             recs = []
-            for _score, bi, t, surprisal, ent in chosen:
+            for score, bi, t, surprisal, ent in chosen:
                 rec = beams[bi].rec.copy()
                 rec.add(t, surprisal, ent)
-                recs.append(rec)
+                recs.append((score, rec))
             if progress is not None:
                 progress(step + 1, max_tokens)
             if (
@@ -589,7 +594,7 @@ async def beam_search(
                     await release(beam.branch)
             new_beams: list[_Beam] = []
             continued: set[int] = set()
-            for (score, bi, *_), rec in zip(chosen, recs, strict=True):
+            for (score, bi, *_), (_, rec) in zip(chosen, recs, strict=True):
                 branch = beams[bi].branch
                 if bi in continued:
                     branch = await branch.fork()
@@ -600,14 +605,14 @@ async def beam_search(
             peak = max(peak, len(held))
             await store.commit([(b.branch, b.rec.tokens[-1]) for b in new_beams])
             beams = new_beams
-        hypotheses = [await rec.finish(ctx) for _, rec in finished]
-        hypotheses += [await rec.finish(ctx) for rec in final]
     finally:
         await _prune_all(root)
-    ranked = sorted(hypotheses, key=lambda c: -rank(c))[:width]
+    ranked = sorted(((rank(*h), h[1]) for h in finished + final), key=lambda h: -h[0])[:width]
+    beams_out = tuple([await rec.finish(ctx) for _, rec in ranked])
     return BeamSearch(
-        ranked[0],
-        tuple(ranked),
+        beams_out[0],
+        beams_out,
+        tuple(score for score, _ in ranked),
         ctx.stats.decode_calls - calls,
         peak,
         time.perf_counter() - started,
