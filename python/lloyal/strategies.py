@@ -199,7 +199,7 @@ class TreeNode:
 
 
 @dataclass(frozen=True)
-class SampledTree:
+class SampledTree(_Output):
     """What :func:`sample_tree` returns: the first level of the tree
     (``roots``), and the best leaf path by ``log_prob`` as ``output``."""
 
@@ -207,10 +207,6 @@ class SampledTree:
     roots: tuple[TreeNode, ...]
     decode_calls: int
     seconds: float
-
-    @property
-    def text(self) -> str:
-        return self.output.text
 
     def paths(self) -> list[tuple[TreeNode, ...]]:
         """Every root-to-leaf path, in tree order."""
