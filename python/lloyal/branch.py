@@ -176,6 +176,32 @@ class Branch:
         errors = await call_native(lambda done: native.branch_prefill([(self._handle, ids)], done))
         _raise_first(errors)
 
+    async def clear_and_reseed(self, sinks: Sequence[int], tail: Sequence[int]) -> None:
+        """BlinkKV streaming past ``n_ctx`` for this branch: drop its KV and
+        decode ``sinks + tail`` at contiguous positions from 0 (``position``
+        becomes ``len(sinks) + len(tail)``; the logits are the tail's last).
+        The sampler (penalty history, random stream), grammar, perplexity
+        and children are kept. If the decode fails (another sequence holds
+        the cells) the branch is left empty and the error is raised.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         tokens = await ctx.tokenize("A long story. " * 20)
+        ...         await b.prefill(tokens)
+        ...         await b.clear_and_reseed(tokens[:4], tokens[-16:])
+        ...         return b.position
+        >>> asyncio.run(main())
+        20
+        """
+        s, t = _token_list(sinks), _token_list(tail)
+        native = self._ctx._native
+        self._ctx._check_open()
+        await call_native(
+            lambda done: native.branch_clear_and_reseed(self._handle, s, t, done)
+        )
+
     async def fork(self) -> Branch:
         """A child sharing this branch's KV prefix, with a clone of its
         sampler (the random stream continues), logits, metrics and logit

@@ -123,6 +123,11 @@ impl BranchState {
         self.replace_logits(logits);
     }
 
+    pub(crate) fn clear_logits(&mut self) {
+        self.last_produced = None;
+        self.logits = None;
+    }
+
     /// Install a new snapshot and hand back the old one.
     pub(crate) fn replace_logits(&mut self, logits: Arc<[f32]>) -> Option<Arc<[f32]>> {
         self.last_produced = None;

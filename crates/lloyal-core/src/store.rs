@@ -57,6 +57,11 @@ pub(crate) enum BranchJob {
         params: SamplingParams,
         reply: Reply<BranchId>,
     },
+    Reseed {
+        id: BranchId,
+        tokens: Vec<i32>,
+        reply: Reply<()>,
+    },
 }
 
 impl BranchJob {
@@ -71,6 +76,7 @@ impl BranchJob {
             BranchJob::Save { reply, .. } => reply(Err(error)),
             BranchJob::Restore { reply, .. } => reply(Err(error)),
             BranchJob::Prefill { reply, .. } => reply(Err(error)),
+            BranchJob::Reseed { reply, .. } => reply(Err(error)),
         }
     }
 }
@@ -239,6 +245,34 @@ impl Context {
     /// unified KV) with a clone of its sampler, logits, metrics and bias.
     pub fn branch_fork(&self, parent: BranchId, reply: Reply<BranchId>) {
         self.submit_for(&[parent], BranchJob::Fork { parent, reply });
+    }
+
+    /// BlinkKV for a branch: clear its KV and decode `sinks + tail` at
+    /// positions from 0. Sampler (penalty history, random stream), grammar,
+    /// metrics and children are untouched; the logits become the tail's.
+    pub fn branch_clear_and_reseed(
+        &self,
+        id: BranchId,
+        sinks: Vec<i32>,
+        tail: Vec<i32>,
+        reply: Reply<()>,
+    ) {
+        let mut tokens = sinks;
+        tokens.extend(tail);
+        if tokens.is_empty() {
+            return reply(Err(invalid("sinks and tail are both empty")));
+        }
+        if let Err(e) = self.model().check_tokens(&tokens) {
+            return reply(Err(e));
+        }
+        if tokens.len() > self.n_ctx() as usize {
+            return reply(Err(invalid(format!(
+                "sinks + tail hold {} tokens; the context holds n_ctx={}",
+                tokens.len(),
+                self.n_ctx()
+            ))));
+        }
+        self.submit_for(&[id], BranchJob::Reseed { id, tokens, reply });
     }
 
     /// Prune a branch (`cascade`: with its whole subtree), freeing leases.
@@ -428,6 +462,11 @@ impl Worker<'_> {
                 params,
                 reply,
             } => reply(self.restore_branch(&data, params)),
+            BranchJob::Reseed { id, tokens, reply } => {
+                let result = self.reseed(id, tokens);
+                clear_busy(&mut lock(&self.shared.branches), [id]);
+                reply(result);
+            }
             BranchJob::RetainOnly { keep, reply } => {
                 let result = self.retain_only(keep);
                 clear_busy(&mut lock(&self.shared.branches), [keep]);
@@ -578,6 +617,25 @@ impl Worker<'_> {
             state.set_logits(Arc::from(l));
         }
         Ok(lock(&self.shared.branches).insert(state))
+    }
+
+    /// Empty the branch's sequence, then prefill `tokens` from position 0.
+    /// If that decode fails the branch is left empty (position 0, no
+    /// logits) and the error says why; nothing else changes.
+    fn reseed(&mut self, id: BranchId, tokens: Vec<i32>) -> Result<()> {
+        let seq = {
+            let mut branches = lock(&self.shared.branches);
+            let b = branches.get_mut(id)?;
+            b.position = 0;
+            b.clear_logits();
+            b.seq
+        };
+        let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
+        self.refresh_seq(seq);
+        match self.prefill(&[(id, tokens)])?.pop() {
+            Some(result) => result,
+            None => Ok(()),
+        }
     }
 
     fn shared_pos_len(&self) -> i32 {

@@ -63,6 +63,17 @@ impl PyContext {
         self.inner.branch_commit(items, py_reply(done, item_errors));
     }
 
+    fn branch_clear_and_reseed(
+        &self,
+        branch: u64,
+        sinks: Vec<i32>,
+        tail: Vec<i32>,
+        done: Py<PyAny>,
+    ) {
+        self.inner
+            .branch_clear_and_reseed(id(branch), sinks, tail, py_reply(done, none));
+    }
+
     fn branch_prefill(&self, items: Vec<(u64, Vec<i32>)>, done: Py<PyAny>) {
         let items = items.into_iter().map(|(b, t)| (id(b), t)).collect();
         self.inner
