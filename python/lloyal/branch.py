@@ -198,9 +198,7 @@ class Branch:
         s, t = _token_list(sinks), _token_list(tail)
         native = self._ctx._native
         self._ctx._check_open()
-        await call_native(
-            lambda done: native.branch_clear_and_reseed(self._handle, s, t, done)
-        )
+        await call_native(lambda done: native.branch_clear_and_reseed(self._handle, s, t, done))
 
     async def fork(self) -> Branch:
         """A child sharing this branch's KV prefix, with a clone of its
