@@ -230,3 +230,21 @@ async def test_async_with_prunes_the_subtree(smollm2: Path) -> None:
         assert grandchild.disposed
         assert store.available == 3
         assert root.children == []
+
+
+async def test_leaving_async_with_after_a_cancelled_operation_frees_the_lease(
+    smollm2: Path,
+) -> None:
+    """The prune on exit queues behind the cancelled (still running)
+    operation instead of failing with BranchBusyError."""
+    async with await lloyal.create_context(smollm2, n_ctx=1024, n_seq_max=2) as ctx:
+        prompt = await ctx.tokenize("word " * 150)
+        store = lloyal.BranchStore(ctx)
+        for i in range(12):
+            async with lloyal.Branch.create(ctx) as b:
+                with anyio.move_on_after(0.002 * i):
+                    await b.prefill(prompt)
+                    while True:
+                        await b.commit((await b.produce()).token)
+            assert b.disposed
+            assert store.available == 2

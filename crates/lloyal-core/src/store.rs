@@ -276,8 +276,17 @@ impl Context {
     }
 
     /// Prune a branch (`cascade`: with its whole subtree), freeing leases.
+    /// A prune queues behind operations already in flight on the branch
+    /// (the worker runs jobs in order) instead of failing with `BranchBusy`,
+    /// so cleanup after a cancelled commit never leaks the lease.
     pub fn branch_prune(&self, id: BranchId, cascade: bool, reply: Reply<()>) {
-        self.submit_for(&[id], BranchJob::Prune { id, cascade, reply });
+        let checked = self
+            .check_open()
+            .and_then(|()| lock(&self.shared.branches).get(id).map(|_| ()));
+        match checked {
+            Ok(()) => self.submit(Job::Branch(BranchJob::Prune { id, cascade, reply })),
+            Err(e) => reply(Err(e)),
+        }
     }
 
     /// Split a batch into items that can run (marked busy) and per-item
@@ -447,11 +456,7 @@ impl Worker<'_> {
                 clear_busy(&mut lock(&self.shared.branches), [parent]);
                 reply(result);
             }
-            BranchJob::Prune { id, cascade, reply } => {
-                let result = self.prune(id, cascade);
-                clear_busy(&mut lock(&self.shared.branches), [id]);
-                reply(result);
-            }
+            BranchJob::Prune { id, cascade, reply } => reply(self.prune(id, cascade)),
             BranchJob::Save { id, reply } => {
                 let result = self.save_branch(id);
                 clear_busy(&mut lock(&self.shared.branches), [id]);
@@ -542,12 +547,8 @@ impl Worker<'_> {
             }
             vec![id]
         };
-        if order
-            .iter()
-            .any(|&b| b != id && branches.get(b).is_ok_and(|s| s.busy))
-        {
-            return Err(Error::BranchBusy);
-        }
+        // Everything submitted before this prune has run; an operation
+        // submitted after it finds the branch gone (BranchDisposed).
         for b in order {
             self.dispose(&mut branches, b)?;
         }
