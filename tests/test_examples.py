@@ -130,3 +130,20 @@ def test_docs_examples_run(code: str) -> None:
     result = run_example("-c", code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
+
+
+def test_grammar_forks_complete_valid_json(gemma3: Path) -> None:
+    for args in ([], ["--model", str(gemma3)]):
+        result = run_example(example("grammar", "grammar.py"), *args)
+        assert result.returncode == 0, result.stderr
+        lines = [line for line in result.stdout.splitlines() if '"mood"' in line]
+        assert len(lines) == 4  # the shared prefix and one line per enum value
+        for mood in ("calm", "busy", "sleepy"):
+            assert f'"mood": "{mood}"' in result.stdout
+
+
+def test_embed_ranks_in_one_decode() -> None:
+    result = run_example(example("embed", "embed.py"), "--top", "2")
+    assert result.returncode == 0, result.stderr
+    assert "6 documents embedded in 1 decode call(s)" in result.stdout
+    assert len([line for line in result.stdout.splitlines() if line.startswith("  ")]) == 2

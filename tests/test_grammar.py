@@ -30,8 +30,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "properties": {
             "age": {"type": "integer", "minimum": 18, "maximum": 99},
             # multipleOf bounds the decimals: without it a small model can
-            # extend a valid number forever ("0.12121212...").
-            "score": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.01},
+            # extend a valid number forever ("0.12121212..."). 0.25 is exact
+            # in binary, so jsonschema's float check has no rounding trouble.
+            "score": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25},
         },
         "required": ["age", "score"],
         "additionalProperties": False,
