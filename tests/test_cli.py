@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 
-def lloyal(*args: str) -> subprocess.CompletedProcess[str]:
+def lloyal(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "lloyal", *args],
+        input=input,
         capture_output=True,
         text=True,
         timeout=120,
@@ -118,3 +120,19 @@ def test_strategy_commands_reject_bad_input() -> None:
     assert lloyal("best-of-n", "x", "-n", "0").returncode == 1
     assert lloyal("beam", "x", "--width", "0").returncode == 1
     assert lloyal("speculative", "x", "-k", "0").returncode == 1
+
+
+def test_embed_prints_similarities_and_json() -> None:
+    result = lloyal("embed", "A cat sat on the mat.", "A kitten sat on a rug.", "Tax law.")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()[-3:]]
+    sims = [[float(x) for x in row[1:]] for row in rows]
+    assert abs(sims[0][0] - 1.0) < 1e-3
+    assert sims[0][1] > sims[0][2]
+    as_json = lloyal("embed", "--json", input="one\ntwo\n")
+    assert as_json.returncode == 0, as_json.stderr
+    data = json.loads(as_json.stdout)
+    assert [d["text"] for d in data] == ["one", "two"]
+    assert len(data[0]["embedding"]) > 100
+    empty = lloyal("embed", input="")
+    assert empty.returncode == 2

