@@ -10,7 +10,7 @@
 PY ?= python3
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/lloyal/target
 SYSTEM_PACKAGES := cmake libclang-dev ccache
-PY_TOOLS := maturin>=1.7,<2 numpy>=1.24 anyio>=4 sniffio pytest>=8 pytest-timeout hypothesis jsonschema trio>=0.26 uvloop ruff mypy
+PY_TOOLS := maturin>=1.7,<2 numpy>=1.24 anyio>=4 sniffio pytest>=8 pytest-timeout hypothesis jsonschema matplotlib trio>=0.26 uvloop ruff mypy
 
 .PHONY: system-deps python-deps dev test test-rust test-python lint fmt bench demo clean
 
@@ -54,9 +54,8 @@ fmt:
 	$(PY) -m ruff check --fix python tests bench examples
 
 bench: dev
-	$(PY) bench/decode.py
-	$(PY) bench/branching.py
-	$(PY) bench/soak.py
+	$(PY) -m pip install -q --disable-pip-version-check matplotlib
+	$(PY) bench/report.py
 
 demo: dev
 	lloyal generate "The three most important inventions in history are" --max-tokens 64

@@ -109,7 +109,9 @@ def main() -> None:
     parser.add_argument(
         "--llama-cpp-python", action="store_true", help="also time best-of-N in llama-cpp-python"
     )
+    parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args()
+    results: dict[str, dict[str, object]] = {}
     widths = [int(w) for w in args.widths.split(",")]
     raw_bin = build_example("raw_batched")
     lcp = llama_cpp_python() if args.llama_cpp_python else None
@@ -129,6 +131,9 @@ def main() -> None:
         print(f"\n{name}: aggregate tok/s, N branches in lockstep")
         extra = f" {'llama-cpp-python':>17} {'ours/lcp':>9}" if lcp else ""
         print(f"{'N':>4} {'raw Rust':>10} {'Python':>10} {'ratio':>7}{extra}")
+        rows: list[dict[str, float | None]] = []
+        forks: dict[int, float] = {}
+        results[name] = {"lockstep": rows, "fork_us": forks, "seq_cp_ref_us": RAW_SEQ_COPY_US}
         for n in widths:
             raw, py = [], []
             for _ in range(args.runs):
@@ -147,6 +152,8 @@ def main() -> None:
                 seconds = asyncio.run(python_lockstep(path, prompt, n, args.steps, args.threads))
                 py.append(n * args.steps / seconds)
             r_med, p_med = median(raw), median(py)
+            row: dict[str, float | None] = {"n": n, "raw": r_med, "python": p_med, "lcp": None}
+            rows.append(row)
             line = f"{n:>4} {r_med:>10.1f} {p_med:>10.1f} {p_med / r_med:>6.3f}x"
             if lcp:
                 out = run_json(
@@ -161,6 +168,7 @@ def main() -> None:
                     ]
                 )
                 lcp_tps = n * args.steps / out["seconds"]
+                row["lcp"] = lcp_tps
                 line += f" {lcp_tps:>17.1f} {p_med / lcp_tps:>8.2f}x"
             print(line)
         os.unlink(tokens_file)
@@ -168,7 +176,10 @@ def main() -> None:
         print(f"{'prefix':>7} {'lloyal fork':>12} {'llama.cpp seq_cp (ref, SmolLM2)':>34}")
         for prefix, ref in RAW_SEQ_COPY_US.items():
             us = asyncio.run(fork_latency(path, prefix, args.threads))
+            forks[prefix] = us
             print(f"{prefix:>7} {us:>10.0f}us {ref:>32}us")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

