@@ -174,3 +174,18 @@ async def test_forks_share_prefix_cells(model: Path) -> None:
         # The pool really is nearly full now: another 120 per branch is not.
         with pytest.raises(lloyal.KVCacheFullError):
             await store.prefill([(k, more) for k in kids])
+
+
+async def test_retain_only_leaves_flat_sequences_alone(smollm2: Path) -> None:
+    """Sequence 0 used through the flat API is not a branch's: retain_only
+    frees the losing branches' cells and keeps it."""
+    async with await lloyal.create_context(smollm2, n_ctx=1024, n_seq_max=4) as ctx:
+        flat = await ctx.tokenize("The flat loop owns this sequence.")
+        await ctx.decode(flat, 0)
+        kids = await fan_out(ctx, 2)
+        store = lloyal.BranchStore(ctx)
+        await store.retain_only(kids[0])
+        assert ctx.kv_cache_size(0) == len(flat)
+        assert store.available == ctx.n_seq_max - 1
+        await ctx.decode(await ctx.tokenize(" More", add_special=False), len(flat))
+        assert kids[1].disposed

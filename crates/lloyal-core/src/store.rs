@@ -566,8 +566,20 @@ impl Worker<'_> {
         {
             return Err(Error::BranchBusy);
         }
-        // One pass over the cells: everything not in the winner's sequence.
-        self.ctx.llama_kv_cache_seq_keep(keep_seq);
+        // One pass over the cells (keep only the winner's sequence), unless
+        // the flat API holds cells in a sequence no branch leases: then
+        // clear the losers' sequences one by one and leave those alone.
+        let n_seq = branches.n_seq_max() as i32;
+        let flat_cells =
+            (0..n_seq).any(|s| !branches.is_leased(s) && self.ctx.kv_cache_seq_pos_max(s) >= 0);
+        if flat_cells {
+            for &b in &others {
+                let seq = branches.get(b)?.seq;
+                let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
+            }
+        } else {
+            self.ctx.llama_kv_cache_seq_keep(keep_seq);
+        }
         for b in others {
             let state = branches.remove(b)?;
             branches.release(state.seq);
