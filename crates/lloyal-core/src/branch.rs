@@ -218,7 +218,7 @@ impl BranchState {
         self.perplexity.add(model_surprisal)?;
         self.sampling_perplexity.add(-sampling_prob.ln())?;
         if let Some(g) = self.grammar.as_mut() {
-            g.accept(token)?;
+            g.consume_allowed(token)?; // `allows` approved it above
         }
         self.sampler.accept(token);
         self.last_produced = None;

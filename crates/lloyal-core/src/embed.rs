@@ -44,6 +44,12 @@ pub struct Embeddings {
 }
 
 impl Context {
+    /// Whether this is an embedding context that pools (mean, cls or last).
+    pub fn has_pooling(&self) -> bool {
+        let p = self.params();
+        p.embeddings && matches!(p.pooling, Pooling::Mean | Pooling::Cls | Pooling::Last)
+    }
+
     fn check_embedding_context(&self, pooled: bool) -> Result<()> {
         let params = self.params();
         if !params.embeddings {

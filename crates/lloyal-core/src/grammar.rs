@@ -52,6 +52,11 @@ fn grammar_error(message: impl std::fmt::Display) -> Error {
     Error::Grammar(message.to_string())
 }
 
+/// A matcher failure (an internal llguidance error, not bad input).
+fn matcher_error(e: anyhow::Error) -> Error {
+    grammar_error(format!("grammar matcher failed: {e}"))
+}
+
 fn token_env(model: &Model) -> Result<Arc<TokenEnv>> {
     model
         .grammar_factory
@@ -157,7 +162,7 @@ impl Grammar {
         let parser = env
             .factory
             .create_parser(top_level(spec)?)
-            .map_err(|e| grammar_error(first_line(&e.to_string())))?;
+            .map_err(|e| grammar_error(error_head(&e.to_string())))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
             return Err(grammar_error(e));
@@ -167,10 +172,6 @@ impl Grammar {
             env,
             consumed: 0,
         })
-    }
-
-    fn check(&self, result: anyhow::Result<()>) -> Result<()> {
-        result.map_err(|e| grammar_error(format!("grammar matcher failed: {e}")))
     }
 
     /// Set the logit of every token the grammar forbids next to -inf.
@@ -183,10 +184,7 @@ impl Grammar {
                 logits.len(),
             )));
         }
-        let mask = self
-            .matcher
-            .compute_mask_or_eos()
-            .map_err(|e| grammar_error(format!("grammar matcher failed: {e}")))?;
+        let mask = self.matcher.compute_mask_or_eos().map_err(matcher_error)?;
         // Walk the bitmask a word at a time: most words are all-zero or
         // all-one, and those need no per-bit test.
         for (w, chunk) in logits.chunks_mut(32).enumerate() {
@@ -221,7 +219,7 @@ impl Grammar {
         self.matcher
             .validate_tokens(&[t])
             .map(|n| n == 1)
-            .map_err(|e| grammar_error(format!("grammar matcher failed: {e}")))
+            .map_err(matcher_error)
     }
 
     /// Advance past `token`. A token the grammar forbids is an
@@ -234,11 +232,18 @@ impl Grammar {
                 "token {token} is not allowed by the grammar here"
             )));
         }
+        self.consume_allowed(token)
+    }
+
+    /// Advance past `token`, which [`Grammar::allows`] just approved (so
+    /// the per-token path validates once, not twice).
+    pub(crate) fn consume_allowed(&mut self, token: i32) -> Result<()> {
         if self.env.is_eog[token as usize] {
             return Ok(());
         }
-        let r = self.matcher.consume_token(token as u32);
-        self.check(r)?;
+        self.matcher
+            .consume_token(token as u32)
+            .map_err(matcher_error)?;
         self.consumed += 1;
         Ok(())
     }
@@ -252,8 +257,7 @@ impl Grammar {
     pub fn rewind(&mut self, count: usize) -> Result<()> {
         let n = self.consumed.saturating_sub(count);
         if n > 0 {
-            let r = self.matcher.rollback(n);
-            self.check(r)?;
+            self.matcher.rollback(n).map_err(matcher_error)?;
             self.consumed = count;
         }
         Ok(())
@@ -261,8 +265,7 @@ impl Grammar {
 
     /// Back to the start of the grammar.
     pub fn reset(&mut self) -> Result<()> {
-        let r = self.matcher.reset();
-        self.check(r)?;
+        self.matcher.reset().map_err(matcher_error)?;
         self.consumed = 0;
         Ok(())
     }
@@ -279,7 +282,7 @@ impl Grammar {
     }
 }
 
-fn first_line(message: &str) -> String {
+fn error_head(message: &str) -> String {
     // llguidance errors can carry long context dumps; the first lines say
     // what is wrong.
     message.lines().take(6).collect::<Vec<_>>().join("\n")

@@ -35,7 +35,6 @@ impl PyContext {
     }
 
     fn has_pooling(&self) -> bool {
-        let p = self.inner.params();
-        p.embeddings && !matches!(p.pooling, lloyal_core::Pooling::None)
+        self.inner.has_pooling()
     }
 }
