@@ -179,6 +179,60 @@ async def test_two_operations_in_flight_are_refused(smollm2: Path) -> None:
         assert root.position == len(prompt)
 
 
+async def test_fork_and_prune_run_at_once_when_the_worker_is_idle(model: Path) -> None:
+    """An idle worker lets fork and prune finish without suspending (no
+    thread hand-off); the result is the same as through the worker."""
+    async with await lloyal.create_context(model, n_ctx=512, n_seq_max=3) as ctx:
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize(PROMPT))
+        fork = root.fork()
+        with pytest.raises(StopIteration) as done:
+            fork.send(None)  # completes on the first step: nothing awaited
+        child = done.value.value
+        assert isinstance(child, lloyal.Branch)
+        assert child.parent is root and child.position == root.position
+        np.testing.assert_array_equal(child.logits, root.logits)
+        assert await greedy_tokens(child, 3) == await greedy_tokens(root, 3)
+        prune = child.prune()
+        with pytest.raises(StopIteration):
+            prune.send(None)
+        assert child.disposed and root.children == []
+        assert lloyal.BranchStore(ctx).available == 2
+
+
+async def test_fork_and_prune_queue_behind_a_running_decode(smollm2: Path) -> None:
+    """While the worker decodes, fork and prune are submitted as jobs and
+    run after it, in order; a fork of the branch being decoded is refused."""
+    async with await lloyal.create_context(smollm2, n_ctx=1024, n_seq_max=4) as ctx:
+        a = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        b = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        await a.prefill(await ctx.tokenize(PROMPT))
+        long_prompt = await ctx.tokenize("word " * 300)
+        before = ctx.stats.decode_calls
+        outcome: dict[str, object] = {}
+
+        async def prefill_b() -> None:
+            await b.prefill(long_prompt)
+            outcome["b"] = b.position
+
+        async def fork_during() -> None:
+            await anyio.lowlevel.checkpoint()  # b's prefill is submitted first
+            assert ctx.stats.decode_calls == before  # ...and still running
+            with pytest.raises(lloyal.BranchBusyError):
+                await b.fork()
+            child = await a.fork()  # queued: runs once the prefill is done
+            assert ctx.stats.decode_calls > before
+            outcome["child"] = child.position
+            await child.prune()
+            outcome["pruned"] = child.disposed
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(prefill_b)
+            tg.start_soon(fork_during)
+        assert outcome == {"b": len(long_prompt), "child": a.position, "pruned": True}
+        assert lloyal.BranchStore(ctx).available == 2
+
+
 async def test_sampler_controls(smollm2: Path) -> None:
     async with await lloyal.create_context(smollm2, n_ctx=256, n_seq_max=3) as ctx:
         root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)

@@ -203,9 +203,15 @@ class Branch:
     async def fork(self) -> Branch:
         """A child sharing this branch's KV prefix, with a clone of its
         sampler (the random stream continues), logits, metrics and logit
-        bias (not its steer). Raises :class:`NoLeaseError` when no lease is free."""
+        bias (not its steer). Raises :class:`NoLeaseError` when no lease is free.
+
+        When the context's worker is idle the fork runs at once on this
+        thread (it only copies KV metadata), without a round trip through
+        the event loop; otherwise it queues behind the work in flight."""
         native = self._ctx._native
-        handle = await call_native(lambda done: native.branch_fork(self._handle, done))
+        handle = native.branch_fork_now(self._handle)
+        if handle is None:
+            handle = await call_native(lambda done: native.branch_fork(self._handle, done))
         return Branch(self._ctx, handle)
 
     async def produce(self) -> Produced:
@@ -276,14 +282,17 @@ class Branch:
     async def prune(self) -> None:
         """Free this branch's KV lease. Refuses (``ValueError``) while it has
         live children: prune them first, or use :meth:`prune_subtree`."""
-        native = self._ctx._native
-        await call_native(lambda done: native.branch_prune(self._handle, False, done))
-        _registry(self._ctx).pop(self._handle, None)
+        await self._prune(cascade=False)
 
     async def prune_subtree(self) -> None:
         """Prune this branch and every descendant."""
+        await self._prune(cascade=True)
+
+    async def _prune(self, cascade: bool) -> None:
+        # At once when the worker is idle, else queued behind its work.
         native = self._ctx._native
-        await call_native(lambda done: native.branch_prune(self._handle, True, done))
+        if not native.branch_prune_now(self._handle, cascade):
+            await call_native(lambda done: native.branch_prune(self._handle, cascade, done))
         _registry(self._ctx).pop(self._handle, None)
 
     async def __aenter__(self) -> Branch:

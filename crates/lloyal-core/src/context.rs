@@ -6,11 +6,17 @@
 //! is pending before it runs, so bursts of requests are handled together.
 //! Cheap reads (the last logits, positions, statistics) are mirrored into
 //! [`Shared`] so callers never wait behind a running decode to read them.
+//!
+//! Short jobs (fork, prune) can also run on the caller's thread when the
+//! worker is idle: nothing queued, nothing running (see
+//! [`Context::run_inline`]). The worker state sits behind a mutex for that;
+//! the worker thread holds it while it runs a job, so the context is still
+//! used by one thread at a time, and in submission order.
 
 use std::num::NonZeroU32;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -123,7 +129,18 @@ pub struct Context {
     params: ContextParams,
     sender: Mutex<Option<Sender<Job>>>,
     pub(crate) shared: Arc<Shared>,
+    engine: Arc<Engine>,
     n_ctx: u32,
+}
+
+/// The worker state, shared between the worker thread and callers that run
+/// a short job inline.
+struct Engine {
+    /// `None` once the context is closed (the worker thread frees it).
+    worker: Mutex<Option<Worker<'static>>>,
+    /// Jobs submitted and not finished yet. Inline work runs only at zero,
+    /// so it never overtakes a job submitted before it.
+    queued: AtomicUsize,
 }
 
 /// Every worker thread started and not yet joined.
@@ -232,12 +249,39 @@ impl Context {
         let sender = lock(&self.sender).clone();
         match sender {
             Some(tx) if !self.is_closed() => {
+                self.engine.queued.fetch_add(1, Ordering::SeqCst);
                 if let Err(crossbeam_channel::SendError(job)) = tx.send(job) {
+                    self.engine.queued.fetch_sub(1, Ordering::SeqCst);
                     job.fail(Error::ContextClosed);
                 }
             }
             _ => job.fail(Error::ContextClosed),
         }
+    }
+
+    /// Run `f` on the calling thread if the worker is idle (no job queued
+    /// or running); `None` if it is busy or the context is closed, and the
+    /// caller should submit a job instead. Skipping the hand-off to the
+    /// worker and back saves two thread wake-ups, which is most of the cost
+    /// of a fork or prune. Never blocks: a decode in progress holds the
+    /// worker, so `f` should be short work that needs no GIL.
+    pub(crate) fn run_inline<T>(
+        &self,
+        f: impl FnOnce(&mut Worker<'static>) -> Result<T>,
+    ) -> Option<Result<T>> {
+        let mut guard = match self.engine.worker.try_lock() {
+            Ok(guard) => guard,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        if self.engine.queued.load(Ordering::SeqCst) != 0 || self.is_closed() {
+            return None;
+        }
+        let worker = guard.as_mut()?;
+        Some(
+            catch_unwind(AssertUnwindSafe(|| f(worker)))
+                .unwrap_or_else(|p| Err(Error::from_panic(p))),
+        )
     }
 
     /// Decode `tokens` into sequence `seq` starting at `pos`, which must
@@ -275,6 +319,7 @@ impl Context {
         match sender {
             Some(tx) if !was_closed => {
                 // A failed send means the worker is gone already: nothing to free.
+                self.engine.queued.fetch_add(1, Ordering::SeqCst);
                 if let Err(crossbeam_channel::SendError(Job::Close { reply })) =
                     tx.send(Job::Close { reply })
                 {
@@ -437,8 +482,9 @@ impl Drop for Context {
 
 /// Everything the worker thread owns.
 pub(crate) struct Worker<'m> {
-    pub(crate) model: Arc<Model>,
+    /// Borrows `model` (declared after it, so dropped before it).
     pub(crate) ctx: LlamaContext<'m>,
+    pub(crate) model: Arc<Model>,
     pub(crate) batch: LlamaBatch<'static>,
     pub(crate) n_batch: usize,
     pub(crate) params: ContextParams,
@@ -477,26 +523,38 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         embeddings: Mutex::new(None),
     });
     let n_batch = params.n_batch as usize;
+    let engine = Arc::new(Engine {
+        worker: Mutex::new(None),
+        queued: AtomicUsize::new(0),
+    });
     let handle = Context {
         model: Arc::clone(&model),
         params: params.clone(),
         sender: Mutex::new(Some(tx)),
         shared: Arc::clone(&shared),
+        engine: Arc::clone(&engine),
         n_ctx: ctx.n_ctx(),
     };
-    let mut worker = Worker {
-        model: Arc::clone(&model),
+    // SAFETY: `ctx` borrows the `LlamaModel` inside `model`'s heap
+    // allocation, which does not move and lives as long as any `Arc<Model>`.
+    // The worker holds one such `Arc` and drops `ctx` before it (field
+    // order), so the borrow outlives nothing it points to; `'static` only
+    // lets the worker be shared with callers that run inline jobs.
+    let ctx = unsafe { std::mem::transmute::<LlamaContext<'_>, LlamaContext<'static>>(ctx) };
+    let worker = Worker {
         ctx,
+        model: Arc::clone(&model),
         batch: LlamaBatch::new(n_batch, 1),
         n_batch,
         params,
         shared,
         logit_pool: Vec::new(),
     };
+    *lock(&engine.worker) = Some(worker);
     if let Some(ready) = on_ready.take() {
         ready(Ok(handle));
     }
-    worker.run(&rx);
+    run(&engine, &rx);
 }
 
 fn create_llama_context<'m>(model: &'m Model, params: &ContextParams) -> Result<LlamaContext<'m>> {
@@ -527,29 +585,70 @@ fn create_llama_context<'m>(model: &'m Model, params: &ContextParams) -> Result<
     })
 }
 
-impl Worker<'_> {
-    fn run(&mut self, rx: &Receiver<Job>) {
-        let mut pending = Vec::new();
-        while let Ok(first) = rx.recv() {
-            pending.push(first);
-            pending.extend(rx.try_iter());
-            for job in pending.drain(..) {
-                if let Job::Close { reply } = job {
-                    for rest in rx.try_iter() {
-                        rest.fail(Error::ContextClosed);
-                    }
-                    reply(Ok(()));
-                    return;
+type Deferred = Box<dyn FnOnce() + Send>;
+
+thread_local! {
+    /// Replies deferred by [`after_job`] while the worker runs a job.
+    static AFTER_JOB: std::cell::RefCell<Option<Vec<Deferred>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Run `f` once the job the worker thread is running has finished and the
+/// worker is free again; at once on any other thread. Reply callbacks use
+/// this so that whoever a reply wakes finds the worker idle (and can run
+/// short work inline) instead of racing its last steps. Replies still run
+/// in the order they were given.
+pub fn after_job(f: Deferred) {
+    let now = AFTER_JOB.with(|q| match q.borrow_mut().as_mut() {
+        Some(queue) => {
+            queue.push(f);
+            None
+        }
+        None => Some(f),
+    });
+    if let Some(f) = now {
+        f();
+    }
+}
+
+/// The worker thread's loop: run jobs in order, each holding the worker.
+fn run(engine: &Engine, rx: &Receiver<Job>) {
+    let mut pending = Vec::new();
+    while let Ok(first) = rx.recv() {
+        pending.push(first);
+        pending.extend(rx.try_iter());
+        for job in pending.drain(..) {
+            AFTER_JOB.with(|q| *q.borrow_mut() = Some(Vec::new()));
+            let mut guard = lock(&engine.worker);
+            if let Job::Close { reply } = job {
+                AFTER_JOB.with(|q| *q.borrow_mut() = None);
+                for rest in rx.try_iter() {
+                    rest.fail(Error::ContextClosed);
                 }
-                if self.shared.closed.load(Ordering::Acquire) {
-                    job.fail(Error::ContextClosed);
-                    continue;
-                }
-                self.execute(job);
+                // Free the llama.cpp context here, on the thread that used it.
+                drop(guard.take());
+                drop(guard);
+                reply(Ok(()));
+                return;
+            }
+            match guard.as_mut() {
+                Some(w) if !w.shared.closed.load(Ordering::Acquire) => w.execute(job),
+                _ => job.fail(Error::ContextClosed),
+            }
+            drop(guard);
+            engine.queued.fetch_sub(1, Ordering::SeqCst);
+            for reply in AFTER_JOB
+                .with(|q| q.borrow_mut().take())
+                .unwrap_or_default()
+            {
+                reply();
             }
         }
     }
+    drop(lock(&engine.worker).take());
+}
 
+impl Worker<'_> {
     fn execute(&mut self, job: Job) {
         match job {
             Job::Decode {

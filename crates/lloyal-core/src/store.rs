@@ -247,6 +247,18 @@ impl Context {
         self.submit_for(&[parent], BranchJob::Fork { parent, reply });
     }
 
+    /// [`Context::branch_fork`] on the calling thread, when the worker is
+    /// idle; `None` when it is busy (then call `branch_fork`). Same result,
+    /// without the two thread hand-offs.
+    pub fn branch_fork_now(&self, parent: BranchId) -> Option<Result<BranchId>> {
+        self.run_inline(|w| {
+            if lock(&w.shared.branches).get(parent)?.busy {
+                return Err(Error::BranchBusy);
+            }
+            w.fork(parent)
+        })
+    }
+
     /// BlinkKV for a branch: clear its KV and decode `sinks + tail` at
     /// positions from 0. Sampler (penalty history, random stream), grammar,
     /// metrics and children are untouched; the logits become the tail's.
@@ -287,6 +299,12 @@ impl Context {
             Ok(()) => self.submit(Job::Branch(BranchJob::Prune { id, cascade, reply })),
             Err(e) => reply(Err(e)),
         }
+    }
+
+    /// [`Context::branch_prune`] on the calling thread, when the worker is
+    /// idle; `None` when it is busy (then call `branch_prune`).
+    pub fn branch_prune_now(&self, id: BranchId, cascade: bool) -> Option<Result<()>> {
+        self.run_inline(|w| w.prune(id, cascade))
     }
 
     /// Split a batch into items that can run (marked busy) and per-item
@@ -507,7 +525,10 @@ impl Worker<'_> {
         };
         let dst = branches.lease()?;
         // The lease may hold flat-API cells; a fork starts from the parent's.
-        let _ = self.ctx.kv_cache_seq_rm(dst, None, None);
+        // (`seq_rm` scans every cell, so skip it when the sequence is empty.)
+        if self.ctx.kv_cache_seq_pos_max(dst) >= 0 {
+            let _ = self.ctx.kv_cache_seq_rm(dst, None, None);
+        }
         if position > 0 {
             self.ctx
                 .copy_kv_cache_seq(src, dst, None, None)

@@ -48,6 +48,26 @@ impl PyContext {
             .branch_fork(id(branch), py_reply(done, branch_bits));
     }
 
+    /// The new branch if the fork ran at once (the worker was idle), else
+    /// `None`: call `branch_fork` then.
+    fn branch_fork_now(&self, branch: u64) -> PyResult<Option<u64>> {
+        self.inner
+            .branch_fork_now(id(branch))
+            .map(|r| r.map(BranchId::to_bits))
+            .transpose()
+            .py_err()
+    }
+
+    /// `True` if the prune ran at once (the worker was idle), else `False`:
+    /// call `branch_prune` then.
+    fn branch_prune_now(&self, branch: u64, cascade: bool) -> PyResult<bool> {
+        self.inner
+            .branch_prune_now(id(branch), cascade)
+            .transpose()
+            .map(|r| r.is_some())
+            .py_err()
+    }
+
     fn branch_prune(&self, branch: u64, cascade: bool, done: Py<PyAny>) {
         self.inner
             .branch_prune(id(branch), cascade, py_reply(done, none));

@@ -59,26 +59,35 @@ pub fn py_reply<T: Send + 'static>(
     convert: fn(Python<'_>, T) -> PyResult<Py<PyAny>>,
 ) -> Reply<T> {
     Box::new(move |result| {
-        let wake_fd = Python::attach(|py| {
-            let args = match result.map_err(to_pyerr).and_then(|v| convert(py, v)) {
-                Ok(value) => (py.None(), value),
-                Err(err) => (err.into_value(py).into_any(), py.None()),
-            };
-            let (callback, wake_fd) = match done.cast_bound::<Completion>(py) {
-                Ok(c) => (c.get().callback.clone_ref(py), Some(c.get().wake_fd)),
-                Err(_) => (done.clone_ref(py), None),
-            };
-            if let Err(err) = callback.call1(py, args) {
-                err.write_unraisable(py, Some(callback.bind(py)));
-            }
-            wake_fd
-        });
-        if let Some(fd) = wake_fd {
-            poke(fd);
-        }
-        // `done` (and so the pipe's owner) is released only now.
-        drop(done);
+        lloyal_core::after_job(Box::new(move || complete(done, result, convert)));
     })
+}
+
+/// Hand `result` to `done` (under the GIL), then poke the loop's pipe.
+fn complete<T>(
+    done: Py<PyAny>,
+    result: lloyal_core::Result<T>,
+    convert: fn(Python<'_>, T) -> PyResult<Py<PyAny>>,
+) {
+    let wake_fd = Python::attach(|py| {
+        let args = match result.map_err(to_pyerr).and_then(|v| convert(py, v)) {
+            Ok(value) => (py.None(), value),
+            Err(err) => (err.into_value(py).into_any(), py.None()),
+        };
+        let (callback, wake_fd) = match done.cast_bound::<Completion>(py) {
+            Ok(c) => (c.get().callback.clone_ref(py), Some(c.get().wake_fd)),
+            Err(_) => (done.clone_ref(py), None),
+        };
+        if let Err(err) = callback.call1(py, args) {
+            err.write_unraisable(py, Some(callback.bind(py)));
+        }
+        wake_fd
+    });
+    if let Some(fd) = wake_fd {
+        poke(fd);
+    }
+    // `done` (and so the pipe's owner) is released only now.
+    drop(done);
 }
 
 /// Convert `()` to `None`.
