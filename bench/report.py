@@ -42,7 +42,7 @@ def table(results: dict[str, dict[str, list[dict[str, float | None]]]]) -> str:
             ratio = f"{py / lcp:10.2f}x" if lcp else f"{'-':>11}"
             lines.append(
                 f"{model:9} {int(row['n'] or 0):3d} {py:9.1f} {raw:9.1f} {lcp_text} "
-                f"{py / raw:10.3f}x {ratio}"
+                f"{row.get('ratio') or py / raw:10.3f}x {ratio}"
             )
     return "\n".join(lines)
 

@@ -190,13 +190,15 @@ async def test_fork_and_prune_run_at_once_when_the_worker_is_idle(model: Path) -
             fork.send(None)  # completes on the first step: nothing awaited
         child = done.value.value
         assert isinstance(child, lloyal.Branch)
-        assert child.parent is root and child.position == root.position
+        assert child.parent is root
+        assert child.position == root.position
         np.testing.assert_array_equal(child.logits, root.logits)
         assert await greedy_tokens(child, 3) == await greedy_tokens(root, 3)
         prune = child.prune()
         with pytest.raises(StopIteration):
             prune.send(None)
-        assert child.disposed and root.children == []
+        assert child.disposed
+        assert root.children == []
         assert lloyal.BranchStore(ctx).available == 2
 
 

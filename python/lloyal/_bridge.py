@@ -5,10 +5,11 @@ thread completes exactly once. ``call_native`` turns that into an awaitable
 for whichever event loop is running:
 
 * asyncio / uvloop: each loop gets a :class:`_LoopWaker` -- a pipe the loop
-  watches with ``add_reader`` and a queue of finished results. The worker
-  records a result under the GIL, releases the GIL, then writes one byte to
-  the pipe; the loop wakes once, drains every result that arrived (one
-  wake-up for a whole batch) and settles their futures.
+  watches with ``add_reader`` and a native queue of finished results. The
+  worker appends a result to the queue under the GIL (running no Python
+  code), releases the GIL, then writes one byte to the pipe; the loop wakes
+  once, drains every result that arrived (one wake-up for a whole batch)
+  and settles their futures.
 * trio: the worker reschedules the waiting task through its ``TrioToken``.
 
 Cancelling the awaiting task abandons the wait; the native operation still
@@ -18,7 +19,6 @@ runs to completion on the worker.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import os
 import weakref
@@ -40,26 +40,20 @@ class _LoopWaker:
         self._read_fd, self.wake_fd = os.pipe()
         os.set_blocking(self._read_fd, False)
         os.set_blocking(self.wake_fd, False)
-        self._results: collections.deque[tuple[asyncio.Future[Any], BaseException | None, Any]]
-        self._results = collections.deque()
+        self._queue = _lloyal.ResultQueue(self.wake_fd)
         self._loop = loop
         loop.add_reader(self._read_fd, self._drain)
 
     def completion(self, fut: asyncio.Future[Any]) -> _lloyal.Completion:
-        results = self._results
-
-        def record(error: BaseException | None, value: Any) -> None:
-            results.append((fut, error, value))  # on the worker, under the GIL
-
-        return _lloyal.Completion(record, self)
+        return _lloyal.Completion(fut, self._queue, self)
 
     def _drain(self) -> None:
+        # Read the pokes before taking the results: a result is queued before
+        # its poke, so none is left behind. More than 4096 pokes leave the
+        # pipe readable, and the loop calls us again.
         with contextlib.suppress(BlockingIOError):
-            while os.read(self._read_fd, 4096):
-                pass
-        results = self._results
-        while results:
-            fut, error, value = results.popleft()
+            os.read(self._read_fd, 4096)
+        for fut, error, value in self._queue.drain():
             if fut.done():  # cancelled while the worker ran
                 continue
             if error is not None:

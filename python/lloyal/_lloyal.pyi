@@ -22,6 +22,7 @@ __all__ = [
     "NativeGrammar",
     "NoLeaseError",
     "PerplexityTracker",
+    "ResultQueue",
     "StateError",
     "__version__",
     "builtin_chat_templates",
@@ -63,9 +64,16 @@ class PerplexityTracker:
 
 @final
 class Completion:
-    """A result callback plus the owner of a pipe to poke once it ran."""
+    """Where one call's result goes: a future, queued on its loop's queue."""
 
-    def __new__(cls, callback: _Done, owner: Any) -> Completion: ...
+    def __new__(cls, target: Any, queue: ResultQueue, owner: Any) -> Completion: ...
+
+@final
+class ResultQueue:
+    """Finished calls of one event loop, and the pipe that wakes it."""
+
+    def __new__(cls, wake_fd: int) -> ResultQueue: ...
+    def drain(self) -> list[tuple[Any, Any, Any]]: ...
 
 @final
 class NativeGrammar:

@@ -43,23 +43,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let steps = 64;
     let started = Instant::now();
     for _ in 0..steps {
-        let gap = lloyal_core::context::now_ns()
-            - lloyal_core::context::MARKS[9].load(std::sync::atomic::Ordering::SeqCst);
-        lloyal_core::context::mark(0);
-        let tp = Instant::now();
         let items = kids
             .iter()
             .map(|&k| Ok((k, ctx.branch_produce(k)?)))
             .collect::<lloyal_core::Result<Vec<_>>>()?;
-        let tw = Instant::now();
         wait(|r| ctx.branch_commit(items, r))?;
-        lloyal_core::context::mark(8);
-        let m: Vec<u64> = lloyal_core::context::MARKS
-            .iter()
-            .map(|a| a.load(std::sync::atomic::Ordering::SeqCst))
-            .collect();
-        eprintln!("gap {} pre-submit {} produce {:?} submit->recv {} recv->commit {} commit->decode {} decode {} decode->end {} clear {} reply {}", gap/1000, (m[1]-m[0])/1000, tw - tp, (m[2]-m[1])/1000, (m[3]-m[2])/1000, (m[4]-m[3])/1000, (m[5]-m[4])/1000, (m[6]-m[5])/1000, (m[7]-m[6])/1000, (m[8]-m[7])/1000);
-        lloyal_core::context::mark(9);
     }
     let wall = started.elapsed().as_secs_f64();
     let inside = ctx.stats().decode_seconds - before.decode_seconds;

@@ -33,6 +33,17 @@ impl std::str::FromStr for Base {
     }
 }
 
+/// `a * b + c`: one fused instruction where the target has FMA (a libm
+/// call per element otherwise, so plain arithmetic there).
+#[inline(always)]
+fn madd(a: f32, b: f32, c: f32) -> f32 {
+    if cfg!(target_feature = "fma") {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
 /// `exp(x)` for `x <= 0` in f32: range reduction to `2^k * e^r`,
 /// `|r| <= ln2/2`, and Cephes' degree-6 polynomial (about 1 ulp). Written
 /// without branches or library calls so loops over a whole vocabulary
@@ -45,15 +56,18 @@ fn exp_neg(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     // Below this the result is under f32's normal range: call it zero.
     let x = x.max(-87.0);
-    let k = (x * LOG2E + 0.5).floor();
-    let r = x - k * LN2_HI - k * LN2_LO;
+    // Round to nearest without `floor` (a libm call unless SSE4.1 is on):
+    // adding 1.5 * 2^23 leaves the integer in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let k = (x * LOG2E + ROUND) - ROUND;
+    let r = madd(-k, LN2_LO, madd(-k, LN2_HI, x));
     let mut p = 1.987_569_1e-4_f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
-    let y = p * r * r + r + 1.0;
+    p = madd(p, r, 1.398_199_9e-3);
+    p = madd(p, r, 8.333_452e-3);
+    p = madd(p, r, 4.166_579_6e-2);
+    p = madd(p, r, 1.666_666_5e-1);
+    p = madd(p, r, 0.5);
+    let y = madd(p * r, r, r + 1.0);
     // 2^k without a float-to-int cast (Rust's saturating `as` does not
     // vectorise): adding 2^23 puts the integer k + 127 in the low mantissa
     // bits, and shifting those into the exponent field gives 2^k.
@@ -134,12 +148,44 @@ fn exp_sums(logits: &[f32], max: f32) -> (f64, f64) {
     (total, dtotal)
 }
 
+/// `sum(exp(x - max))` alone: [`exp_sums`] without the second sum, for
+/// the log-sum-exp that every accepted token needs.
+fn exp_sum(logits: &[f32], max: f32) -> f64 {
+    const LANES: usize = 16;
+    const BLOCK: usize = 256;
+    let mut total = 0f64;
+    for block in logits.chunks(BLOCK) {
+        let mut sum = [0f32; LANES];
+        let chunks = block.chunks_exact(LANES);
+        let rest = chunks.remainder();
+        for chunk in chunks {
+            for lane in 0..LANES {
+                let x = chunk[lane];
+                // NaN compares false: it becomes -inf, i.e. zero probability.
+                sum[lane] += exp_neg(if x >= f32::MIN {
+                    x - max
+                } else {
+                    f32::NEG_INFINITY
+                });
+            }
+        }
+        for &x in rest {
+            sum[0] += exp_neg(if x >= f32::MIN {
+                x - max
+            } else {
+                f32::NEG_INFINITY
+            });
+        }
+        total += sum.iter().map(|&v| f64::from(v)).sum::<f64>();
+    }
+    total
+}
+
 /// `log(sum(exp(logits)))`, computed stably. `-inf` and NaN entries count
 /// as zero probability.
 fn log_sum_exp(logits: &[f32]) -> Result<f64> {
     let max = finite_max(logits)?;
-    let (sum, _) = exp_sums(logits, max);
-    Ok(f64::from(max) + sum.ln())
+    Ok(f64::from(max) + exp_sum(logits, max).ln())
 }
 
 /// Shannon entropy of `softmax(logits)`:
