@@ -2,15 +2,17 @@
 batched loop over llama-cpp-2, in one run.
 
 For N = 1, 2, 4, 8, 16 branches forked from a shared 128-token prompt, both
-sides decode STEPS tokens per branch, one ``llama_decode`` per step, and
-report aggregate tok/s; runs alternate (raw, python, ...), medians are
-printed, and the ratio is the median of the ratios of adjacent raw/python
-runs (so a slow minute of the machine hits both sides of a pair). Also
+sides decode greedy tokens in lockstep, one ``llama_decode`` per step, and
+report aggregate tok/s. The raw loop runs in a child process that keeps its
+context; the two sides take turns in chunks of CHUNK steps (STEPS x RUNS
+steps each in all), so a slow second of this shared machine hits both
+alike. The ratio is the median over chunk pairs of Python tok/s / raw
+tok/s; the tok/s columns are totals. Also
 prints fork latency at 10 / 1000 / 3000 token prefixes next to llama.cpp's
 own KV sequence copy of the same prefix in the same context configuration
 (a Rust example over llama-cpp-2).
 
-    python bench/branching.py [--model smollm2|gemma3|PATH] [--steps 64] [--runs 3]
+    python bench/branching.py [--model smollm2|gemma3|PATH] [--steps 64] [--runs 3] [--chunk 16]
 
 With ``--llama-cpp-python`` it also runs best-of-N the way llama-cpp-python
 users must (save_state / load_state, one candidate after another), in a
@@ -60,18 +62,70 @@ def n_ctx_for(n: int, steps: int) -> int:
     return max(1024, PROMPT_TOKENS + n * (steps + 8))
 
 
-async def python_lockstep(path: Path, prompt: list[int], n: int, steps: int, threads: int) -> float:
-    async with await lloyal.create_context(
-        path, n_ctx=n_ctx_for(n, steps), n_seq_max=n + 1, n_threads=threads
-    ) as ctx:
-        store = lloyal.BranchStore(ctx)
-        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
-        await root.prefill(prompt)
-        branches = [await root.fork() for _ in range(n)]
-        started = time.perf_counter()
-        for _ in range(steps):
-            await store.commit([(b, (await b.produce()).token) for b in branches])
-        return time.perf_counter() - started
+WARMUP_STEPS = 4
+
+
+async def paired_lockstep(
+    raw_cmd: list[str], path: Path, prompt: list[int], n: int, chunks: list[int], threads: int
+) -> tuple[list[float], list[float]]:
+    """Seconds per chunk for the raw loop and for the Python API, taking
+    turns (who goes first alternates); both keep their context throughout.
+    The raw side is driven with blocking calls on purpose: nothing else may
+    run while either side is timed."""
+    total = WARMUP_STEPS + sum(chunks)
+    raw = subprocess.Popen(  # noqa: ASYNC220 -- see the docstring
+        [*raw_cmd, str(n), "0", str(threads), str(n_ctx_for(n, total))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert raw.stdin is not None
+    assert raw.stdout is not None
+    raw_in, raw_out = raw.stdin, raw.stdout
+
+    def raw_chunk(steps: int) -> float:
+        raw_in.write(f"{steps}\n")
+        raw_in.flush()
+        line = raw_out.readline()
+        if not line:
+            sys.exit(f"{raw_cmd[0]} exited early")
+        return float(json.loads(line)["seconds"])
+
+    raw_s: list[float] = []
+    py_s: list[float] = []
+    try:
+        async with await lloyal.create_context(
+            path, n_ctx=n_ctx_for(n, total), n_seq_max=n + 1, n_threads=threads
+        ) as ctx:
+            store = lloyal.BranchStore(ctx)
+            root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+            await root.prefill(prompt)
+            branches = [await root.fork() for _ in range(n)]
+
+            async def py_chunk(steps: int) -> float:
+                started = time.perf_counter()
+                for _ in range(steps):
+                    await store.commit([(b, (await b.produce()).token) for b in branches])
+                return time.perf_counter() - started
+
+            raw_chunk(WARMUP_STEPS)
+            await py_chunk(WARMUP_STEPS)
+            for i, steps in enumerate(chunks):
+                # A pause lets the other side's OpenMP threads stop spinning.
+                if i % 2:
+                    time.sleep(0.02)  # noqa: ASYNC251
+                    py_s.append(await py_chunk(steps))
+                    time.sleep(0.02)  # noqa: ASYNC251
+                    raw_s.append(raw_chunk(steps))
+                else:
+                    time.sleep(0.02)  # noqa: ASYNC251
+                    raw_s.append(raw_chunk(steps))
+                    time.sleep(0.02)  # noqa: ASYNC251
+                    py_s.append(await py_chunk(steps))
+    finally:
+        raw_in.close()
+        raw.wait()
+    return raw_s, py_s
 
 
 def fork_n_ctx(prefix: int) -> int:
@@ -117,6 +171,7 @@ def main() -> None:
     parser.add_argument("--model", action="append")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--chunk", type=int, default=16, help="steps per turn")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--widths", default="1,2,4,8,16")
     parser.add_argument(
@@ -150,25 +205,18 @@ def main() -> None:
         forks: dict[int, float] = {}
         seq_cp: dict[int, float] = {}
         results[name] = {"lockstep": rows, "fork_us": forks, "seq_cp_us": seq_cp}
+        total = args.steps * args.runs
+        chunks = [args.chunk] * (total // args.chunk) + (
+            [total % args.chunk] if total % args.chunk else []
+        )
         for n in widths:
-            raw, py = [], []
-            for _ in range(args.runs):
-                r = run_json(
-                    [
-                        str(raw_bin),
-                        str(path),
-                        tokens_file,
-                        str(n),
-                        str(args.steps),
-                        str(args.threads),
-                        str(n_ctx_for(n, args.steps)),
-                    ]
+            raw, py = asyncio.run(
+                paired_lockstep(
+                    [str(raw_bin), str(path), tokens_file], path, prompt, n, chunks, args.threads
                 )
-                raw.append(n * args.steps / r["seconds"])
-                seconds = asyncio.run(python_lockstep(path, prompt, n, args.steps, args.threads))
-                py.append(n * args.steps / seconds)
-            r_med, p_med = median(raw), median(py)
-            ratio = median([p / r for r, p in zip(raw, py, strict=True)])
+            )
+            r_med, p_med = n * total / sum(raw), n * total / sum(py)
+            ratio = median([r / p for r, p in zip(raw, py, strict=True)])
             row: dict[str, float | None] = {
                 "n": n,
                 "raw": r_med,

@@ -1,5 +1,7 @@
 //! Per-step cost of branch commits without Python: wall time of a lockstep
-//! produce + commit loop minus the time spent inside llama_decode.
+//! produce + commit loop minus the time spent inside llama_decode (the
+//! worker hand-offs, accept-time perplexity, logits copies). Compare with
+//! `raw_batched` for the same N.
 //!
 //! ```text
 //! cargo run --example branch_overhead -- MODEL.gguf [N]

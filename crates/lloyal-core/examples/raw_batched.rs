@@ -6,6 +6,12 @@
 //! ```text
 //! cargo run --example raw_batched -- MODEL.gguf TOKENS.json N STEPS N_THREADS N_CTX
 //! ```
+//!
+//! With `STEPS` = 0 it serves chunks instead: each line on stdin is a number
+//! of steps to run, continuing where the last chunk stopped, answered by one
+//! JSON line with their wall time. `bench/branching.py` alternates these
+//! chunks with chunks of the Python loop, so both sides see the same
+//! machine.
 
 use std::num::NonZeroU32;
 use std::time::Instant;
@@ -63,26 +69,37 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ctx.copy_kv_cache_seq(0, seq, None, None)?;
     }
     let mut next = vec![first; n];
-    let started = Instant::now();
-    for step in 0..steps {
-        batch.clear();
-        for (seq, &t) in next.iter().enumerate() {
-            batch.add(
-                LlamaToken(t),
-                (prompt.len() + step) as i32,
-                &[seq as i32],
-                true,
-            )?;
+    let mut pos = prompt.len() as i32;
+    let mut run = |steps: usize| -> Result<f64, Box<dyn std::error::Error>> {
+        let started = Instant::now();
+        for _ in 0..steps {
+            batch.clear();
+            for (seq, &t) in next.iter().enumerate() {
+                batch.add(LlamaToken(t), pos, &[seq as i32], true)?;
+            }
+            ctx.decode(&mut batch)?;
+            for (row, t) in next.iter_mut().enumerate() {
+                *t = argmax(ctx.get_logits_ith(row as i32));
+            }
+            pos += 1;
         }
-        ctx.decode(&mut batch)?;
-        for (row, t) in next.iter_mut().enumerate() {
-            *t = argmax(ctx.get_logits_ith(row as i32));
-        }
+        Ok(started.elapsed().as_secs_f64())
+    };
+    if steps > 0 {
+        let seconds = run(steps)?;
+        println!(
+            "{}",
+            serde_json::json!({"branches": n, "steps": steps, "seconds": seconds})
+        );
+        return Ok(());
     }
-    let seconds = started.elapsed().as_secs_f64();
-    println!(
-        "{}",
-        serde_json::json!({"branches": n, "steps": steps, "seconds": seconds})
-    );
+    for line in std::io::stdin().lines() {
+        let chunk: usize = line?.trim().parse()?;
+        let seconds = run(chunk)?;
+        println!(
+            "{}",
+            serde_json::json!({"branches": n, "steps": chunk, "seconds": seconds})
+        );
+    }
     Ok(())
 }

@@ -148,44 +148,12 @@ fn exp_sums(logits: &[f32], max: f32) -> (f64, f64) {
     (total, dtotal)
 }
 
-/// `sum(exp(x - max))` alone: [`exp_sums`] without the second sum, for
-/// the log-sum-exp that every accepted token needs.
-fn exp_sum(logits: &[f32], max: f32) -> f64 {
-    const LANES: usize = 16;
-    const BLOCK: usize = 256;
-    let mut total = 0f64;
-    for block in logits.chunks(BLOCK) {
-        let mut sum = [0f32; LANES];
-        let chunks = block.chunks_exact(LANES);
-        let rest = chunks.remainder();
-        for chunk in chunks {
-            for lane in 0..LANES {
-                let x = chunk[lane];
-                // NaN compares false: it becomes -inf, i.e. zero probability.
-                sum[lane] += exp_neg(if x >= f32::MIN {
-                    x - max
-                } else {
-                    f32::NEG_INFINITY
-                });
-            }
-        }
-        for &x in rest {
-            sum[0] += exp_neg(if x >= f32::MIN {
-                x - max
-            } else {
-                f32::NEG_INFINITY
-            });
-        }
-        total += sum.iter().map(|&v| f64::from(v)).sum::<f64>();
-    }
-    total
-}
-
 /// `log(sum(exp(logits)))`, computed stably. `-inf` and NaN entries count
 /// as zero probability.
 fn log_sum_exp(logits: &[f32]) -> Result<f64> {
     let max = finite_max(logits)?;
-    Ok(f64::from(max) + exp_sum(logits, max).ln())
+    let (sum, _) = exp_sums(logits, max);
+    Ok(f64::from(max) + sum.ln())
 }
 
 /// Shannon entropy of `softmax(logits)`:
