@@ -14,7 +14,9 @@ static BACKEND: OnceLock<std::result::Result<LlamaBackend, String>> = OnceLock::
 /// created one at a time (see `LlamaModel::new_context`'s FIXME upstream).
 pub(crate) static CONTEXT_CREATION: Mutex<()> = Mutex::new(());
 
-/// The initialised llama.cpp backend.
+/// The initialised llama.cpp backend, shared by every context. llama-cpp-2
+/// allows one initialisation per process, so Rust code that creates its own
+/// llama-cpp-2 models or contexts beside lloyal's takes this one.
 pub fn backend() -> Result<&'static LlamaBackend> {
     BACKEND
         .get_or_init(|| {

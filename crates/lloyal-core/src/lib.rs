@@ -33,7 +33,7 @@ pub mod params;
 pub mod sampling;
 pub mod store;
 
-pub use backend::supports_gpu_offload;
+pub use backend::{backend, supports_gpu_offload};
 pub use branch::{BranchId, BranchState, Branches};
 pub use context::{after_job, join_workers, Context, Reply, Stats};
 pub use embed::Embeddings;
