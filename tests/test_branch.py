@@ -235,6 +235,41 @@ async def test_fork_and_prune_queue_behind_a_running_decode(smollm2: Path) -> No
         assert lloyal.BranchStore(ctx).available == 2
 
 
+async def test_prune_queued_behind_a_retain_only_that_disposes_the_branch(
+    smollm2: Path,
+) -> None:
+    """A prune submitted while the worker is busy, behind a retain_only that
+    then disposes of the same branch, succeeds: the branch is gone, as asked
+    (cleanup after a cancelled strategy relies on this)."""
+    async with await lloyal.create_context(smollm2, n_ctx=1024, n_seq_max=4) as ctx:
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize(PROMPT))
+        keep, loser = await root.fork(), await root.fork()
+        other = lloyal.Branch.create(ctx)
+        long_prompt = await ctx.tokenize("word " * 300)
+        store = lloyal.BranchStore(ctx)
+
+        async def busy() -> None:
+            await other.prefill(long_prompt)  # about a second of decoding
+
+        async def retain() -> None:
+            await anyio.sleep(0.05)  # queued behind the prefill
+            await store.retain_only(keep)  # disposes of `loser`
+
+        async def prune_loser() -> None:
+            await anyio.sleep(0.1)  # queued behind the retain_only
+            await loser.prune()  # must not raise
+
+        # Spawn order is not run order under trio: the sleeps order them.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(busy)
+            tg.start_soon(retain)
+            tg.start_soon(prune_loser)
+        assert loser.disposed
+        assert not keep.disposed
+        assert store.available == 3
+
+
 async def test_sampler_controls(smollm2: Path) -> None:
     async with await lloyal.create_context(smollm2, n_ctx=256, n_seq_max=3) as ctx:
         root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)

@@ -9,17 +9,12 @@
 
 use std::time::Instant;
 
-use lloyal_core::{Context, ContextParams, SamplingParams};
+use lloyal_core::{Context, ContextParams};
 
-fn wait<T: Send + 'static>(start: impl FnOnce(lloyal_core::Reply<T>)) -> lloyal_core::Result<T> {
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    start(Box::new(move |r| {
-        let _ = tx.send(r);
-    }));
-    rx.recv().expect("worker replies")
-}
+mod common;
+use common::{engine_forks, engine_step, AnyResult};
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> AnyResult<()> {
     let mut args = std::env::args().skip(1);
     let path = args.next().ok_or("usage: branch_overhead MODEL.gguf [N]")?;
     let n: usize = args.next().map_or(Ok(1), |s| s.parse())?;
@@ -34,22 +29,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     )?;
     let text = "The history of the printing press begins ".repeat(20);
     let prompt: Vec<i32> = ctx.model().tokenize(&text, None, false)?[..128].to_vec();
-    let greedy = SamplingParams::greedy();
-    let root = ctx.branch_create(greedy)?;
-    wait(|r| ctx.branch_prefill(vec![(root, prompt)], r))?;
-    let mut kids = Vec::new();
-    for _ in 0..n {
-        kids.push(wait(|r| ctx.branch_fork(root, r))?);
-    }
+    let kids = engine_forks(&ctx, &prompt, n)?;
     let before = ctx.stats();
     let steps = 64;
     let started = Instant::now();
     for _ in 0..steps {
-        let items = kids
-            .iter()
-            .map(|&k| Ok((k, ctx.branch_produce(k)?)))
-            .collect::<lloyal_core::Result<Vec<_>>>()?;
-        wait(|r| ctx.branch_commit(items, r))?;
+        engine_step(&ctx, &kids)?;
     }
     let wall = started.elapsed().as_secs_f64();
     let inside = ctx.stats().decode_seconds - before.decode_seconds;

@@ -7,58 +7,37 @@
 //! ```
 //! `TOKENS.json` is a JSON array of prompt token ids.
 
-use std::num::NonZeroU32;
 use std::time::Instant;
 
-use llama_cpp_2::context::params::LlamaContextParams;
-use llama_cpp_2::llama_backend::LlamaBackend;
 use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
 use llama_cpp_2::token::LlamaToken;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+mod common;
+use common::{argmax, init_backend, prefill, raw_params, read_tokens, AnyResult};
+
+fn main() -> AnyResult<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() != 6 {
         return Err("usage: raw_decode MODEL TOKENS.json N_GEN N_THREADS N_CTX".into());
     }
-    let prompt: Vec<i32> = serde_json::from_str(&std::fs::read_to_string(&args[2])?)?;
+    let prompt = read_tokens(&args[2])?;
     let n_gen: usize = args[3].parse()?;
     let n_threads: i32 = args[4].parse()?;
     let n_ctx: u32 = args[5].parse()?;
 
-    llama_cpp_2::send_logs_to_tracing(llama_cpp_2::LogOptions::default().with_logs_enabled(false));
-    let backend = LlamaBackend::init()?;
+    let backend = init_backend()?;
     let model = LlamaModel::load_from_file(&backend, &args[1], &LlamaModelParams::default())?;
+    // One batch holds the whole prompt, so the prefill is one llama_decode.
     let n_batch = u32::try_from(prompt.len().max(1))?.max(512);
-    let params = LlamaContextParams::default()
-        .with_n_ctx(NonZeroU32::new(n_ctx))
-        .with_n_batch(n_batch)
-        .with_n_ubatch(n_batch)
-        .with_n_threads(n_threads)
-        .with_n_threads_batch(n_threads)
-        .with_kv_unified(true)
-        .with_swa_full(true);
-    let mut ctx = model.new_context(&backend, params)?;
+    let mut ctx = model.new_context(&backend, raw_params(n_ctx, n_batch, 1, n_threads))?;
     let mut batch = LlamaBatch::new(n_batch as usize, 1);
 
     let started = Instant::now();
-    for (i, &t) in prompt.iter().enumerate() {
-        batch.add(LlamaToken(t), i as i32, &[0], i + 1 == prompt.len())?;
-    }
-    ctx.decode(&mut batch)?;
+    let mut next = prefill(&mut ctx, &mut batch, n_batch as usize, &prompt)?;
     let prefill_s = started.elapsed().as_secs_f64();
 
-    let argmax = |logits: &[f32]| {
-        let mut best = 0;
-        for (i, &l) in logits.iter().enumerate() {
-            if l > logits[best] {
-                best = i;
-            }
-        }
-        best as i32
-    };
-    let mut next = argmax(ctx.get_logits_ith(batch.n_tokens() - 1));
     let mut generated = Vec::with_capacity(n_gen);
     let started = Instant::now();
     for i in 0..n_gen {

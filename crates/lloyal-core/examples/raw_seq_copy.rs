@@ -7,49 +7,31 @@
 //! cargo run --example raw_seq_copy -- MODEL.gguf TOKENS.json N_CTX N_THREADS REPEATS
 //! ```
 
-use std::num::NonZeroU32;
 use std::time::Instant;
 
-use llama_cpp_2::context::params::LlamaContextParams;
-use llama_cpp_2::llama_backend::LlamaBackend;
 use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
-use llama_cpp_2::token::LlamaToken;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+mod common;
+use common::{init_backend, prefill, raw_params, read_tokens, AnyResult};
+
+fn main() -> AnyResult<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() != 6 {
         return Err("usage: raw_seq_copy MODEL TOKENS.json N_CTX N_THREADS REPEATS".into());
     }
-    let prefix: Vec<i32> = serde_json::from_str(&std::fs::read_to_string(&args[2])?)?;
+    let prefix = read_tokens(&args[2])?;
     let n_ctx: u32 = args[3].parse()?;
     let n_threads: i32 = args[4].parse()?;
     let repeats: usize = args[5].parse()?;
 
-    llama_cpp_2::send_logs_to_tracing(llama_cpp_2::LogOptions::default().with_logs_enabled(false));
-    let backend = LlamaBackend::init()?;
+    let backend = init_backend()?;
     let model = LlamaModel::load_from_file(&backend, &args[1], &LlamaModelParams::default())?;
-    let n_batch = 512u32;
-    let params = LlamaContextParams::default()
-        .with_n_ctx(NonZeroU32::new(n_ctx))
-        .with_n_batch(n_batch)
-        .with_n_ubatch(n_batch)
-        .with_n_seq_max(2)
-        .with_n_threads(n_threads)
-        .with_n_threads_batch(n_threads)
-        .with_kv_unified(true)
-        .with_swa_full(true);
-    let mut ctx = model.new_context(&backend, params)?;
+    let n_batch = 512;
+    let mut ctx = model.new_context(&backend, raw_params(n_ctx, n_batch, 2, n_threads))?;
     let mut batch = LlamaBatch::new(n_batch as usize, 1);
-    for (start, chunk) in prefix.chunks(n_batch as usize).enumerate() {
-        batch.clear();
-        for (j, &t) in chunk.iter().enumerate() {
-            let pos = (start * n_batch as usize + j) as i32;
-            batch.add(LlamaToken(t), pos, &[0], pos as usize + 1 == prefix.len())?;
-        }
-        ctx.decode(&mut batch)?;
-    }
+    prefill(&mut ctx, &mut batch, n_batch as usize, &prefix)?;
     let mut samples = Vec::with_capacity(repeats);
     for _ in 0..repeats {
         let started = Instant::now();

@@ -143,6 +143,9 @@ struct Engine {
     queued: AtomicUsize,
 }
 
+/// The name of every context's worker thread.
+pub const WORKER_THREAD_NAME: &str = "lloyal-worker";
+
 /// Every worker thread started and not yet joined.
 static WORKERS: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
 
@@ -181,7 +184,7 @@ impl Context {
             params.n_batch = params.n_batch.div_ceil(params.n_seq_max) * params.n_seq_max;
         }
         let spawned = std::thread::Builder::new()
-            .name("lloyal-worker".into())
+            .name(WORKER_THREAD_NAME.into())
             .spawn(move || {
                 let mut on_ready = Some(on_ready);
                 let outcome = catch_unwind(AssertUnwindSafe(|| {
@@ -614,14 +617,14 @@ pub fn after_job(f: Deferred) {
 /// The worker thread's loop: run jobs in order, each holding the worker.
 fn run(engine: &Engine, rx: &Receiver<Job>) {
     let mut pending = Vec::new();
+    // Replies deferred during a job; the buffer is reused from job to job.
+    let mut replies: Vec<Deferred> = Vec::new();
     while let Ok(first) = rx.recv() {
         pending.push(first);
         pending.extend(rx.try_iter());
         for job in pending.drain(..) {
-            AFTER_JOB.with(|q| *q.borrow_mut() = Some(Vec::new()));
             let mut guard = lock(&engine.worker);
             if let Job::Close { reply } = job {
-                AFTER_JOB.with(|q| *q.borrow_mut() = None);
                 for rest in rx.try_iter() {
                     rest.fail(Error::ContextClosed);
                 }
@@ -631,16 +634,17 @@ fn run(engine: &Engine, rx: &Receiver<Job>) {
                 reply(Ok(()));
                 return;
             }
+            AFTER_JOB.with(|q| *q.borrow_mut() = Some(std::mem::take(&mut replies)));
             match guard.as_mut() {
                 Some(w) if !w.shared.closed.load(Ordering::Acquire) => w.execute(job),
                 _ => job.fail(Error::ContextClosed),
             }
             drop(guard);
             engine.queued.fetch_sub(1, Ordering::SeqCst);
-            for reply in AFTER_JOB
+            replies = AFTER_JOB
                 .with(|q| q.borrow_mut().take())
-                .unwrap_or_default()
-            {
+                .unwrap_or_default();
+            for reply in replies.drain(..) {
                 reply();
             }
         }

@@ -474,7 +474,15 @@ impl Worker<'_> {
                 clear_busy(&mut lock(&self.shared.branches), [parent]);
                 reply(result);
             }
-            BranchJob::Prune { id, cascade, reply } => reply(self.prune(id, cascade)),
+            BranchJob::Prune { id, cascade, reply } => {
+                // The branch was alive when the prune was submitted; if a job
+                // queued ahead of it (retain_only, an ancestor's cascade) has
+                // disposed of it since, what the prune asked for is done.
+                reply(match self.prune(id, cascade) {
+                    Err(Error::BranchDisposed) => Ok(()),
+                    result => result,
+                })
+            }
             BranchJob::Save { id, reply } => {
                 let result = self.save_branch(id);
                 clear_busy(&mut lock(&self.shared.branches), [id]);

@@ -47,7 +47,14 @@ impl ResultQueue {
 
     /// Take every finished `(target, error, value)`, oldest first.
     fn drain(&self) -> Vec<Finished> {
-        std::mem::take(&mut *self.items.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(&mut *self.items())
+    }
+}
+
+impl ResultQueue {
+    fn items(&self) -> std::sync::MutexGuard<'_, Vec<Finished>> {
+        // Pushing and taking cannot leave the list half-written.
+        self.items.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -110,8 +117,7 @@ fn complete<T>(
             Ok(c) => {
                 let c = c.get();
                 let queue = c.queue.get();
-                let mut items = queue.items.lock().unwrap_or_else(|e| e.into_inner());
-                items.push((c.target.clone_ref(py), error, value));
+                queue.items().push((c.target.clone_ref(py), error, value));
                 Some(queue.wake_fd)
             }
             Err(_) => {
@@ -173,7 +179,7 @@ thread_local! {
 
 /// `Python::attach`, keeping the thread state on lloyal's worker threads.
 fn attach<R>(f: impl FnOnce(Python<'_>) -> R) -> R {
-    if std::thread::current().name() == Some("lloyal-worker") {
+    if std::thread::current().name() == Some(lloyal_core::context::WORKER_THREAD_NAME) {
         KEPT.with(|_| ());
     }
     Python::attach(f)

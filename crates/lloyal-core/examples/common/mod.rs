@@ -1,0 +1,127 @@
+//! Setup shared by the baseline examples: a plain llama-cpp-2 context
+//! configured like lloyal's, its prefill and lockstep step, and a blocking
+//! wait for engine replies. Each baseline keeps its timed loop in its own
+//! file. (Not an example itself: cargo only builds `examples/*/main.rs`.)
+#![allow(dead_code)] // each example uses part of this
+
+use std::num::NonZeroU32;
+
+use llama_cpp_2::context::params::LlamaContextParams;
+use llama_cpp_2::context::LlamaContext;
+use llama_cpp_2::llama_backend::LlamaBackend;
+use llama_cpp_2::llama_batch::LlamaBatch;
+use llama_cpp_2::token::LlamaToken;
+
+pub type AnyResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+/// Initialise llama.cpp with its log silenced (for baselines that run
+/// without lloyal's engine; those beside it take `lloyal_core::backend()`).
+pub fn init_backend() -> AnyResult<LlamaBackend> {
+    llama_cpp_2::send_logs_to_tracing(llama_cpp_2::LogOptions::default().with_logs_enabled(false));
+    Ok(LlamaBackend::init()?)
+}
+
+/// Context parameters as lloyal sets them: unified KV, a full-size
+/// sliding-window cache, `n_ubatch = n_batch`.
+pub fn raw_params(n_ctx: u32, n_batch: u32, n_seq_max: u32, n_threads: i32) -> LlamaContextParams {
+    LlamaContextParams::default()
+        .with_n_ctx(NonZeroU32::new(n_ctx))
+        .with_n_batch(n_batch)
+        .with_n_ubatch(n_batch)
+        .with_n_seq_max(n_seq_max)
+        .with_n_threads(n_threads)
+        .with_n_threads_batch(n_threads)
+        .with_kv_unified(true)
+        .with_swa_full(true)
+}
+
+/// A JSON array of token ids, read from `path`.
+pub fn read_tokens(path: &str) -> AnyResult<Vec<i32>> {
+    Ok(serde_json::from_str(&std::fs::read_to_string(path)?)?)
+}
+
+pub fn argmax(logits: &[f32]) -> i32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as i32
+}
+
+/// Decode `tokens` into sequence 0 from position 0, in chunks of the
+/// batch's capacity `n_batch`; returns the greedy next token.
+pub fn prefill(
+    ctx: &mut LlamaContext<'_>,
+    batch: &mut LlamaBatch<'_>,
+    n_batch: usize,
+    tokens: &[i32],
+) -> AnyResult<i32> {
+    for (c, chunk) in tokens.chunks(n_batch).enumerate() {
+        batch.clear();
+        for (j, &t) in chunk.iter().enumerate() {
+            let pos = c * n_batch + j;
+            batch.add(LlamaToken(t), pos as i32, &[0], pos + 1 == tokens.len())?;
+        }
+        ctx.decode(batch)?;
+    }
+    Ok(argmax(ctx.get_logits_ith(batch.n_tokens() - 1)))
+}
+
+/// One lockstep step: `next[s]` decoded into sequence `s` at `pos`, all in
+/// one `llama_decode`, then replaced by each row's greedy token.
+pub fn lockstep_step(
+    ctx: &mut LlamaContext<'_>,
+    batch: &mut LlamaBatch<'_>,
+    next: &mut [i32],
+    pos: i32,
+) -> AnyResult<()> {
+    batch.clear();
+    for (seq, &t) in next.iter().enumerate() {
+        batch.add(LlamaToken(t), pos, &[seq as i32], true)?;
+    }
+    ctx.decode(batch)?;
+    for (row, t) in next.iter_mut().enumerate() {
+        *t = argmax(ctx.get_logits_ith(row as i32));
+    }
+    Ok(())
+}
+
+/// Start an engine operation and block until its reply.
+pub fn wait<T: Send + 'static>(
+    start: impl FnOnce(lloyal_core::Reply<T>),
+) -> lloyal_core::Result<T> {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    start(Box::new(move |r| {
+        let _ = tx.send(r);
+    }));
+    rx.recv().map_err(|_| lloyal_core::Error::ContextClosed)?
+}
+
+/// A greedy root branch prefilled with `prompt`, and `n` forks of it.
+pub fn engine_forks(
+    ctx: &lloyal_core::Context,
+    prompt: &[i32],
+    n: usize,
+) -> lloyal_core::Result<Vec<lloyal_core::BranchId>> {
+    let root = ctx.branch_create(lloyal_core::SamplingParams::greedy())?;
+    wait(|r| ctx.branch_prefill(vec![(root, prompt.to_vec())], r))?;
+    (0..n).map(|_| wait(|r| ctx.branch_fork(root, r))).collect()
+}
+
+/// One engine lockstep step: each branch produces its token, and all are
+/// committed in one batch.
+pub fn engine_step(
+    ctx: &lloyal_core::Context,
+    branches: &[lloyal_core::BranchId],
+) -> lloyal_core::Result<()> {
+    let items = branches
+        .iter()
+        .map(|&b| Ok((b, ctx.branch_produce(b)?)))
+        .collect::<lloyal_core::Result<Vec<_>>>()?;
+    for result in wait(|r| ctx.branch_commit(items, r))? {
+        result?;
+    }
+    Ok(())
+}
