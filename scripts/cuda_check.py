@@ -7,6 +7,8 @@ process-wide), then compares:
   ``BranchStore.commit`` batch of forked branches;
 - logits at every step until the first token that differs (max |diff|,
   top-1 agreement);
+- teacher-forced perplexity of a fixed text (one token per decode): the
+  check that a backend's numbers are right, not merely different;
 - speed: prompt processing (one 512-token ``decode``) and generation
   (``decode`` of one token + ``greedy_sample``), in tokens per second.
 
@@ -30,6 +32,20 @@ import time
 import numpy as np
 
 PROMPT = "The three most important inventions in history are"
+# Teacher-forced perplexity text: varied prose, so that a model cannot
+# predict it from repetition and small numeric differences show up.
+PPL_TEXT = (
+    "The lighthouse keeper kept a journal for forty years. Most entries were short: "
+    "the direction of the wind, the colour of the sea, the ships that passed before "
+    "noon. In the winter of the great storm he wrote three pages, describing how the "
+    "waves broke over the gallery and how the lamp, which he had trimmed every hour, "
+    "never once went dark. Historians later used the journal to date the collapse of "
+    "the northern pier, and a biologist counted the seabirds he had listed to show "
+    "that the colony had moved south. His granddaughter, who inherited the notebooks, "
+    "said she read them not for the weather but for the small remarks in the margins: "
+    "a recipe for fish soup, the name of a dog, a complaint about the price of oil, "
+    "and once, in careful capitals, the single word THANKS beside the date of a rescue."
+)
 LONG_TEXT = (
     "Rivers carve valleys over millions of years, carrying sediment from the "
     "mountains to the sea, where deltas slowly grow and shift with the tides. "
@@ -58,6 +74,19 @@ async def child(model: str, ngl: int, n_gen: int, out: str) -> dict[str, object]
         result["tokens"] = tokens
         result["text"] = await ctx.detokenize(tokens)
         np.save(os.path.join(out, "logits.npy"), np.stack(logits))
+
+        # 1b. teacher-forced perplexity of PPL_TEXT, one token per decode (the
+        #     generation path), from the logits of every position
+        await ctx.kv_cache_clear()
+        text = await ctx.tokenize(PPL_TEXT)
+        nll = []
+        for i, tok in enumerate(text[:-1]):
+            await ctx.decode([tok], i)
+            row = np.array(ctx.get_logits(), dtype=np.float64)
+            m = row.max()
+            nll.append(m + np.log(np.exp(row - m).sum()) - row[text[i + 1]])
+        result["ppl_tokens"] = len(nll)
+        result["ppl"] = float(np.exp(np.mean(nll)))
 
         # 2. branches: fork 4 greedy branches that diverge by a forced first
         #    token, then commit them together (one llama_decode per step)
@@ -164,7 +193,8 @@ def main() -> None:
     base = runs.get("cpu", runs["ngl0"])
     summary: dict[str, object] = {"model": os.path.basename(args.model), "n_gen": args.n_gen}
     for name, r in runs.items():
-        summary[name] = {k: r[k] for k in ("supports_gpu_offload", "pp_tok_s", "tg_tok_s", "text")}
+        keys = ("supports_gpu_offload", "ppl", "ppl_tokens", "pp_tok_s", "tg_tok_s", "text")
+        summary[name] = {k: r[k] for k in keys}
         if r is not base:
             summary[f"{name}_vs_{'cpu' if 'cpu' in runs else 'ngl0'}"] = compare(base, r)
     print(json.dumps(summary, indent=1))

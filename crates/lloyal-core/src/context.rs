@@ -55,6 +55,11 @@ pub(crate) enum Job {
     Close {
         reply: Reply<()>,
     },
+    /// Keep the worker busy until the sender side is dropped (see
+    /// [`Context::hold_worker`]).
+    Hold {
+        until: Receiver<()>,
+    },
 }
 
 impl Job {
@@ -64,8 +69,15 @@ impl Job {
             Job::Branch(job) => job.fail(error),
             Job::Kv(job) => job.fail(error),
             Job::Embed(job) => job.fail(error),
+            Job::Hold { .. } => {}
         }
     }
+}
+
+/// See [`Context::hold_worker`]: the worker resumes when this is dropped.
+#[doc(hidden)]
+pub struct WorkerHold {
+    _release: Sender<()>,
 }
 
 /// Counters a user can reason with; tests use them to prove batching.
@@ -312,6 +324,18 @@ impl Context {
             }),
         );
         rx.recv().map_err(|_| Error::ContextClosed)?
+    }
+
+    /// Occupy the worker until the returned guard is dropped: jobs submitted
+    /// meanwhile queue up behind it, in order, and nothing runs inline. For
+    /// tests that need work to be queued (not finished) at a given moment,
+    /// whatever the speed of the machine; a guard that is never dropped
+    /// stalls the context, `close` included.
+    #[doc(hidden)]
+    pub fn hold_worker(&self) -> WorkerHold {
+        let (tx, rx) = crossbeam_channel::bounded(0);
+        self.submit(Job::Hold { until: rx });
+        WorkerHold { _release: tx }
     }
 
     /// Close: queued jobs fail with [`Error::ContextClosed`], the llama.cpp
@@ -668,6 +692,10 @@ impl Worker<'_> {
             Job::Branch(job) => self.execute_branch(job),
             Job::Kv(job) => self.execute_kv(job),
             Job::Embed(job) => self.execute_embed(job),
+            Job::Hold { until } => {
+                // Returns when the `WorkerHold` is dropped (disconnected).
+                let _ = until.recv();
+            }
             Job::Close { .. } => unreachable!("handled by run"),
         }
     }

@@ -35,7 +35,7 @@ pub mod store;
 
 pub use backend::{backend, supports_gpu_offload};
 pub use branch::{BranchId, BranchState, Branches};
-pub use context::{after_job, join_workers, Context, Reply, Stats};
+pub use context::{after_job, join_workers, Context, Reply, Stats, WorkerHold};
 pub use embed::Embeddings;
 pub use error::{Error, Result};
 pub use grammar::{json_schema_to_grammar, Grammar, GrammarSpec};

@@ -18,6 +18,20 @@ pub struct PyContext {
     pub(crate) inner: Arc<Context>,
 }
 
+/// Keeps a context's worker busy until released (or garbage collected).
+#[pyclass(name = "WorkerHold", module = "lloyal._lloyal", frozen)]
+pub struct PyWorkerHold {
+    hold: std::sync::Mutex<Option<lloyal_core::WorkerHold>>,
+}
+
+#[pymethods]
+impl PyWorkerHold {
+    /// Let the worker go on with what queued up behind the hold.
+    fn release(&self) {
+        drop(self.hold.lock().unwrap_or_else(|p| p.into_inner()).take());
+    }
+}
+
 fn parse<T: std::str::FromStr<Err = lloyal_core::Error>>(s: &str) -> PyResult<T> {
     s.parse().py_err()
 }
@@ -84,6 +98,14 @@ impl PyContext {
 
     fn decode(&self, tokens: Vec<i32>, pos: i32, seq_id: i32, done: Py<PyAny>) {
         self.inner.decode(tokens, pos, seq_id, py_reply(done, none));
+    }
+
+    /// Occupy the worker until ``release()`` (tests: see
+    /// ``lloyal_core::Context::hold_worker``).
+    fn hold_worker(&self) -> PyWorkerHold {
+        PyWorkerHold {
+            hold: std::sync::Mutex::new(Some(self.inner.hold_worker())),
+        }
     }
 
     fn close(&self, done: Py<PyAny>) {
