@@ -326,6 +326,36 @@ async def test_perplexity_is_from_the_sampling_distribution(smollm2: Path) -> No
         assert root.sampling_perplexity in (1.0, float("inf"))
 
 
+async def test_greedy_choice_follows_the_logits_sampling_sees(model: Path) -> None:
+    """The worker precomputes each greedy branch's argmax (and log-sum-exp)
+    with its logits, rows spread over llama.cpp's threads; edited logits,
+    biases and steering bypass that precomputed choice."""
+    async with await lloyal.create_context(model, n_ctx=512, n_seq_max=5) as ctx:
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize(PROMPT))
+        kids = [await root.fork() for _ in range(4)]
+        store = lloyal.BranchStore(ctx)
+        await store.commit([(k, t) for k, t in zip(kids, [11, 12, 13, 14], strict=True)])
+        for k in kids:
+            assert (await k.produce()).token == int(np.argmax(k.logits))
+        edited = np.array(kids[0].logits)
+        edited[5] = edited.max() + 10
+        kids[0].set_logits(edited)
+        assert (await kids[0].produce()).token == 5
+        kids[1].set_logit_bias({7: 1e4})
+        assert (await kids[1].produce()).token == 7
+        kids[2].steer({9: 1e4})
+        assert (await kids[2].produce()).token == 9
+        # Perplexity after the batched commit: from each row's own logits.
+        logits = np.array(kids[3].logits, dtype=np.float64)
+        token = int(np.argmax(logits))
+        lse = logits.max() + np.log(np.exp(logits - logits.max()).sum())
+        before = kids[3].perplexity
+        await kids[3].commit(token)
+        surprisal = np.log(kids[3].perplexity) * 2 - np.log(before)
+        assert surprisal == pytest.approx(lse - logits[token], rel=1e-4, abs=1e-5)
+
+
 async def test_async_with_prunes_the_subtree(smollm2: Path) -> None:
     async with await lloyal.create_context(smollm2, n_ctx=256, n_seq_max=4) as ctx:
         store = lloyal.BranchStore(ctx)

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use crate::error::{invalid, Error, Result};
 use crate::grammar::Grammar;
-use crate::metrics::{self, Base, PerplexityTracker};
+use crate::metrics::{self, Base, LogitStats, PerplexityTracker};
 use crate::sampling::{Sampler, SamplingParams};
 
 /// An opaque, generational branch handle.
@@ -48,6 +48,8 @@ pub struct BranchState {
     pub(crate) sampler: Sampler,
     /// Logits after the last decode (shared until someone edits them).
     pub(crate) logits: Option<Arc<[f32]>>,
+    /// Of `logits`, when the worker computed them with the snapshot.
+    logit_stats: Option<LogitStats>,
     /// Biases added before sampling; inherited by forks.
     pub logit_bias: Arc<Vec<(i32, f32)>>,
     /// Biases for this branch only; not inherited.
@@ -75,6 +77,7 @@ impl BranchState {
             fork_head: 0,
             sampler: Sampler::new(params)?,
             logits: None,
+            logit_stats: None,
             logit_bias: Arc::new(Vec::new()),
             steer: Vec::new(),
             grammar: None,
@@ -126,12 +129,33 @@ impl BranchState {
     pub(crate) fn clear_logits(&mut self) {
         self.last_produced = None;
         self.logits = None;
+        self.logit_stats = None;
     }
 
     /// Install a new snapshot and hand back the old one.
     pub(crate) fn replace_logits(&mut self, logits: Arc<[f32]>) -> Option<Arc<[f32]>> {
+        self.replace_logits_with(logits, None)
+    }
+
+    /// [`BranchState::replace_logits`], with the new snapshot's stats when
+    /// they are already computed.
+    pub(crate) fn replace_logits_with(
+        &mut self,
+        logits: Arc<[f32]>,
+        stats: Option<LogitStats>,
+    ) -> Option<Arc<[f32]>> {
         self.last_produced = None;
+        self.logit_stats = stats;
         self.logits.replace(logits)
+    }
+
+    /// Whether `produce` is a plain argmax of the snapshot (greedy sampler;
+    /// no bias, steering or grammar), so the worker precomputes it.
+    pub(crate) fn produces_argmax(&self) -> bool {
+        self.sampler.params().is_plain_greedy()
+            && self.logit_bias.is_empty()
+            && self.steer.is_empty()
+            && self.grammar.is_none()
     }
 
     /// The logits sampling sees: the snapshot plus bias and steer, with
@@ -171,7 +195,11 @@ impl BranchState {
                 &snapshot
             }
         };
-        let (token, prob) = self.sampler.choose_with_probability(view)?;
+        let argmax = match &logits {
+            None => self.logit_stats.and_then(|s| s.argmax()),
+            Some(_) => None, // edited logits: the cached argmax is not theirs
+        };
+        let (token, prob) = self.sampler.choose_with_probability_hint(view, argmax)?;
         self.last_produced = Some((token, prob));
         Ok(token)
     }
@@ -196,7 +224,10 @@ impl BranchState {
     /// before decoding.
     pub fn accept(&mut self, token: i32) -> Result<()> {
         let logits = self.logits()?;
-        let model_surprisal = metrics::surprisal(logits, token, Base::Nats)?;
+        let model_surprisal = match &self.logit_stats {
+            Some(stats) => stats.surprisal(logits, token, Base::Nats)?,
+            None => metrics::surprisal(logits, token, Base::Nats)?,
+        };
         if let Some(g) = self.grammar.as_mut() {
             if !g.allows(token)? {
                 return Err(Error::Grammar(format!(

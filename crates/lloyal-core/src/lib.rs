@@ -29,6 +29,7 @@ mod kv;
 pub mod kv_cache;
 pub mod metrics;
 pub mod model;
+mod omp;
 pub mod params;
 pub mod sampling;
 pub mod store;

@@ -167,7 +167,13 @@ pub fn entropy(logits: &[f32], base: Base) -> Result<f64> {
 
 /// Surprisal `-log p(token)` under `softmax(logits)`.
 pub fn surprisal(logits: &[f32], token: i32, base: Base) -> Result<f64> {
-    let index = usize::try_from(token)
+    let index = token_index(logits, token)?;
+    let lse = log_sum_exp(logits)?;
+    Ok(base.scale(lse - f64::from(logits[index])))
+}
+
+fn token_index(logits: &[f32], token: i32) -> Result<usize> {
+    usize::try_from(token)
         .ok()
         .filter(|&i| i < logits.len())
         .ok_or_else(|| {
@@ -175,9 +181,52 @@ pub fn surprisal(logits: &[f32], token: i32, base: Base) -> Result<f64> {
                 "token id {token} is out of range [0, {})",
                 logits.len()
             ))
-        })?;
-    let lse = log_sum_exp(logits)?;
-    Ok(base.scale(lse - f64::from(logits[index])))
+        })
+}
+
+/// What accepting a token (its surprisal) and a greedy choice need from a
+/// logits row, computed in one go. The worker computes it right after a
+/// decode, while the row it has just copied is still in the CPU cache; a
+/// later `accept` or greedy `produce` then reads one value instead of
+/// scanning a cold vocabulary-sized row again. The numbers are exactly those
+/// of [`surprisal`] and [`crate::sampling::greedy`] (same code).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LogitStats {
+    /// `log(sum(exp(logits)))`; `None` when no logit is finite (then the
+    /// uncached path reports the error).
+    log_sum_exp: Option<f64>,
+    /// The greedy choice (lowest index of the largest logit), if asked for.
+    argmax: Option<i32>,
+}
+
+impl LogitStats {
+    /// Stats of `logits`; the argmax only `with_argmax` (greedy branches).
+    pub fn of(logits: &[f32], with_argmax: bool) -> Self {
+        Self {
+            log_sum_exp: log_sum_exp(logits).ok(),
+            argmax: if with_argmax {
+                crate::sampling::greedy(logits)
+            } else {
+                None
+            },
+        }
+    }
+
+    /// The greedy choice, when computed.
+    pub fn argmax(&self) -> Option<i32> {
+        self.argmax
+    }
+
+    /// [`surprisal`] of `token` under `logits`, the row these stats are of.
+    pub fn surprisal(&self, logits: &[f32], token: i32, base: Base) -> Result<f64> {
+        match self.log_sum_exp {
+            Some(lse) => {
+                let index = token_index(logits, token)?;
+                Ok(base.scale(lse - f64::from(logits[index])))
+            }
+            None => surprisal(logits, token, base),
+        }
+    }
 }
 
 /// Running perplexity: `exp(mean surprisal in nats)`; `inf` when empty.
@@ -257,6 +306,31 @@ mod tests {
             .sum();
         assert!((log_sum_exp(&logits).unwrap() - lse).abs() < 1e-6);
         assert!((entropy(&logits, Base::Nats).unwrap() - h).abs() < 1e-5);
+    }
+
+    #[test]
+    fn cached_stats_give_the_uncached_numbers() {
+        let logits: Vec<f32> = (0..49_152)
+            .map(|i| ((i * 7919) % 1000) as f32 / 37.0 - 10.0)
+            .collect();
+        let stats = LogitStats::of(&logits, true);
+        assert_eq!(stats.argmax(), crate::sampling::greedy(&logits));
+        assert_eq!(LogitStats::of(&logits, false).argmax(), None);
+        for token in [0, 17, 999, 49_151] {
+            assert_eq!(
+                stats.surprisal(&logits, token, Base::Bits).unwrap(),
+                surprisal(&logits, token, Base::Bits).unwrap()
+            );
+        }
+        assert!(stats.surprisal(&logits, 49_152, Base::Nats).is_err());
+        // No finite logit: the cache holds nothing and the error is the same.
+        let bad = [f32::NAN, f32::NEG_INFINITY];
+        let none = LogitStats::of(&bad, true);
+        assert_eq!(none.argmax(), None);
+        assert_eq!(
+            none.surprisal(&bad, 0, Base::Nats).unwrap_err().to_string(),
+            surprisal(&bad, 0, Base::Nats).unwrap_err().to_string()
+        );
     }
 
     #[test]

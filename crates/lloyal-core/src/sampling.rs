@@ -181,7 +181,7 @@ impl SamplingParams {
     }
 
     /// Whether this is plain argmax with nothing that edits the logits.
-    fn is_plain_greedy(&self) -> bool {
+    pub(crate) fn is_plain_greedy(&self) -> bool {
         self.temperature <= 0.0
             && !self.has_penalties()
             && !self.has_dry()
@@ -334,10 +334,23 @@ impl Sampler {
     /// had in the distribution it was drawn from (after every filter and the
     /// temperature). Greedy choices have probability 1.
     pub fn choose_with_probability(&mut self, logits: &[f32]) -> Result<(i32, f64)> {
+        self.choose_with_probability_hint(logits, None)
+    }
+
+    /// [`Sampler::choose_with_probability`], given `greedy(logits)` when it
+    /// is already known (a plain greedy sampler then skips the scan).
+    pub(crate) fn choose_with_probability_hint(
+        &mut self,
+        logits: &[f32],
+        argmax: Option<i32>,
+    ) -> Result<(i32, f64)> {
         let p = &self.params;
         // XTC flips its coin before the chain runs, so `distribution` stays pure.
         let xtc = p.xtc_probability > 0.0 && self.rng.random::<f32>() < p.xtc_probability;
-        let dist = self.chain(logits, xtc)?;
+        let dist = match argmax {
+            Some(t) if p.is_plain_greedy() && !logits.is_empty() => vec![(t, 1.0)],
+            _ => self.chain(logits, xtc)?,
+        };
         let chosen = if dist.len() == 1 {
             dist[0]
         } else {

@@ -9,7 +9,7 @@
 //! from submission until its job finishes, so a second operation on it in
 //! the meantime fails with `BranchBusy` instead of interleaving.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use llama_cpp_2::token::LlamaToken;
 
@@ -17,7 +17,22 @@ use crate::branch::{BranchId, BranchState, Branches};
 use crate::context::{lock, Context, Job, Reply, Worker};
 use crate::error::{invalid, Error, Result};
 use crate::grammar::Grammar;
+use crate::metrics::LogitStats;
 use crate::sampling::{Sampler, SamplingParams};
+
+/// A buffer of `len` floats from `pool` that nobody else holds, or a new one.
+fn reuse(pool: &mut Vec<Arc<[f32]>>, len: usize) -> Arc<[f32]> {
+    while let Some(mut buf) = pool.pop() {
+        if Arc::get_mut(&mut buf).is_some_and(|b| b.len() == len) {
+            return buf;
+        }
+    }
+    Arc::from(vec![0f32; len])
+}
+
+/// A branch's new logits after a decode: (branch, positions advanced,
+/// (snapshot, its stats)).
+type Fresh = (BranchId, i32, (Arc<[f32]>, LogitStats));
 
 /// One result per item of a batched operation.
 pub type ItemResults = Vec<Result<()>>;
@@ -709,13 +724,13 @@ impl Worker<'_> {
     }
 
     /// Store each item's fresh logits and advance its position.
-    fn apply(&mut self, fresh: Vec<(BranchId, i32, Arc<[f32]>)>) {
+    fn apply(&mut self, fresh: Vec<Fresh>) {
         let shared = Arc::clone(&self.shared);
         let mut branches = lock(&shared.branches);
-        for (id, advance, logits) in fresh {
+        for (id, advance, (logits, stats)) in fresh {
             if let Ok(b) = branches.get_mut(id) {
                 b.position += advance;
-                if let Some(old) = b.replace_logits(logits) {
+                if let Some(old) = b.replace_logits_with(logits, Some(stats)) {
                     self.recycle(old);
                 }
             }
@@ -730,17 +745,39 @@ impl Worker<'_> {
         }
     }
 
-    /// A copy of batch row `row`'s logits, in a recycled buffer when one is
-    /// free (a vocabulary-sized allocation per branch per step otherwise).
-    fn row_logits(&mut self, row: i32) -> Arc<[f32]> {
-        let fresh = self.ctx.get_logits_ith(row);
-        while let Some(mut buf) = self.logit_pool.pop() {
-            if let Some(slot) = Arc::get_mut(&mut buf).filter(|b| b.len() == fresh.len()) {
-                slot.copy_from_slice(fresh);
-                return buf;
-            }
+    /// Copies of batch rows' logits `(row, with_argmax)`, in recycled
+    /// buffers when free (a vocabulary-sized allocation per branch per step
+    /// otherwise), each with its stats, computed while the row is in the
+    /// CPU cache (the argmax only `with_argmax`). Rows are spread over
+    /// llama.cpp's OpenMP threads, idle between decodes (`omp.rs`).
+    fn rows_logits(&mut self, rows: &[(i32, bool)]) -> Vec<(Arc<[f32]>, LogitStats)> {
+        let threads = self.params.effective_threads();
+        let pool = &mut self.logit_pool;
+        let sources: Vec<&[f32]> = rows
+            .iter()
+            .map(|&(r, _)| self.ctx.get_logits_ith(r))
+            .collect();
+        let mut buffers: Vec<Arc<[f32]>> = sources.iter().map(|s| reuse(pool, s.len())).collect();
+        let stats: Vec<Mutex<Option<LogitStats>>> = rows.iter().map(|_| Mutex::new(None)).collect();
+        {
+            let slots: Vec<Mutex<&mut [f32]>> = buffers
+                .iter_mut()
+                .map(|b| Mutex::new(Arc::get_mut(b).expect("a fresh or unshared buffer")))
+                .collect();
+            crate::omp::for_each(rows.len(), threads, &|i| {
+                let source = sources[i];
+                *lock(&stats[i]) = Some(LogitStats::of(source, rows[i].1));
+                lock(&slots[i]).copy_from_slice(source);
+            });
         }
-        Arc::from(fresh)
+        buffers
+            .into_iter()
+            .zip(stats)
+            .map(|(b, s)| {
+                let s = s.into_inner().unwrap_or_else(|p| p.into_inner());
+                (b, s.expect("every row was processed"))
+            })
+            .collect()
     }
 
     /// Decode the current batch; on failure undo everything in `undo`.
@@ -758,19 +795,20 @@ impl Worker<'_> {
         // them), decode without it, then store the results under it again.
         let mut undo = Vec::with_capacity(items.len());
         let mut results: ItemResults = Vec::with_capacity(items.len());
-        let mut live: Vec<(BranchId, i32, i32, i32)> = Vec::new(); // (id, seq, pos, token)
+        // (id, seq, pos, token, greedy)
+        let mut live: Vec<(BranchId, i32, i32, i32, bool)> = Vec::new();
         {
             let mut branches = lock(&self.shared.branches);
             for &(id, token) in items {
                 let accepted = branches.get_mut(id).and_then(|b| {
                     let saved = Undo::of(id, b);
                     b.accept(token)?;
-                    Ok((saved, b.seq, b.position))
+                    Ok((saved, b.seq, b.position, b.produces_argmax()))
                 });
                 match accepted {
-                    Ok((saved, seq, pos)) => {
+                    Ok((saved, seq, pos, greedy)) => {
                         undo.push(saved);
-                        live.push((id, seq, pos, token));
+                        live.push((id, seq, pos, token, greedy));
                         results.push(Ok(()));
                     }
                     Err(e) => results.push(Err(e)),
@@ -781,16 +819,17 @@ impl Worker<'_> {
         let mut fresh = Vec::with_capacity(live.len());
         for chunk in live.chunks(self.n_batch) {
             self.batch.clear();
-            for &(_, seq, pos, token) in chunk {
+            for &(_, seq, pos, token, _) in chunk {
                 self.batch
                     .add(LlamaToken(token), pos, &[seq], true)
                     .map_err(|e| Error::Internal(format!("batch add: {e}")))?;
             }
             self.decode_or_undo(&mut undo)?;
-            for (row, &(id, ..)) in chunk.iter().enumerate() {
-                let logits = self.row_logits(row as i32);
-                fresh.push((id, 1, logits));
-            }
+            let rows: Vec<(i32, bool)> = (0..chunk.len() as i32)
+                .zip(chunk.iter().map(|c| c.4))
+                .collect();
+            let logits = self.rows_logits(&rows);
+            fresh.extend(chunk.iter().zip(logits).map(|(c, l)| (c.0, 1, l)));
         }
         for &(_, seq, ..) in &live {
             self.refresh_seq(seq);
@@ -802,15 +841,15 @@ impl Worker<'_> {
     fn prefill(&mut self, items: &[(BranchId, Vec<i32>)]) -> Result<ItemResults> {
         let mut undo = Vec::new();
         let mut results: ItemResults = Vec::with_capacity(items.len());
-        // (id, seq, start position, tokens)
-        let mut work: Vec<(BranchId, i32, i32, &[i32])> = Vec::new();
+        // (id, seq, start position, tokens, greedy)
+        let mut work: Vec<(BranchId, i32, i32, &[i32], bool)> = Vec::new();
         {
             let branches = lock(&self.shared.branches);
             for (id, tokens) in items {
                 match branches.get(*id) {
                     Ok(b) => {
                         undo.push(Undo::of(*id, b));
-                        work.push((*id, b.seq, b.position, tokens));
+                        work.push((*id, b.seq, b.position, tokens, b.produces_argmax()));
                         results.push(Ok(()));
                     }
                     Err(e) => results.push(Err(e)),
@@ -821,15 +860,16 @@ impl Worker<'_> {
         // across batches where needed; logits only for each item's last token.
         let mut undo = Some(undo);
         let mut fresh = Vec::with_capacity(work.len());
-        let mut rows: Vec<(BranchId, i32, i32)> = Vec::new(); // (id, advance, row)
+        // (id, advance, row, greedy)
+        let mut rows: Vec<(BranchId, i32, i32, bool)> = Vec::new();
         let total: usize = work.iter().map(|w| w.3.len()).sum();
         let mut added = 0usize;
         self.batch.clear();
-        for &(id, seq, start, tokens) in &work {
+        for &(id, seq, start, tokens, greedy) in &work {
             for (j, &t) in tokens.iter().enumerate() {
                 let last = j + 1 == tokens.len();
                 if last {
-                    rows.push((id, tokens.len() as i32, self.batch.n_tokens()));
+                    rows.push((id, tokens.len() as i32, self.batch.n_tokens(), greedy));
                 }
                 self.batch
                     .add(LlamaToken(t), start + j as i32, &[seq], last)
@@ -837,10 +877,9 @@ impl Worker<'_> {
                 added += 1;
                 if self.batch.n_tokens() as usize == self.n_batch || added == total {
                     self.decode_or_undo(&mut undo)?;
-                    for (id, advance, row) in rows.drain(..) {
-                        let logits = self.row_logits(row);
-                        fresh.push((id, advance, logits));
-                    }
+                    let wanted: Vec<(i32, bool)> = rows.iter().map(|r| (r.2, r.3)).collect();
+                    let logits = self.rows_logits(&wanted);
+                    fresh.extend(rows.drain(..).zip(logits).map(|(r, l)| (r.0, r.1, l)));
                     self.batch.clear();
                 }
             }
