@@ -87,7 +87,9 @@ pub struct Stats {
     pub decode_calls: u64,
     /// Tokens submitted to `llama_decode`.
     pub tokens_decoded: u64,
-    /// Wall time spent inside `llama_decode`, in seconds.
+    /// Wall time spent inside `llama_decode`, in seconds. GPU backends
+    /// return before the computation ends (the wait is in reading the
+    /// logits), so there this undercounts.
     pub decode_seconds: f64,
 }
 

@@ -152,8 +152,21 @@ fn exp_sums(logits: &[f32], max: f32) -> (f64, f64) {
 /// as zero probability.
 fn log_sum_exp(logits: &[f32]) -> Result<f64> {
     let max = finite_max(logits)?;
-    let (sum, _) = exp_sums(logits, max);
+    let sum = super_sums(logits, max).fold(0.0, |total, s| total + s);
     Ok(f64::from(max) + sum.ln())
+}
+
+/// Elements per piece of a row that [`super_sums`] sums on its own; a
+/// multiple of `exp_sums`' block, so a row split at multiples of it (to
+/// spread one row over threads) adds up to the same bits.
+pub(crate) const SUPER_BLOCK: usize = 8192;
+
+/// `sum(exp(x - max))` of each `SUPER_BLOCK`-sized piece of `logits`, in
+/// order; [`log_sum_exp`] adds them up from 0.0.
+pub(crate) fn super_sums(logits: &[f32], max: f32) -> impl Iterator<Item = f64> + '_ {
+    logits
+        .chunks(SUPER_BLOCK)
+        .map(move |piece| exp_sums(piece, max).0)
 }
 
 /// Shannon entropy of `softmax(logits)`:
@@ -209,6 +222,24 @@ impl LogitStats {
             } else {
                 None
             },
+        }
+    }
+
+    /// Stats assembled from parts computed elsewhere (rows split over
+    /// threads): the row's greedy winner `(value, index)` and the
+    /// [`super_sums`] of the whole row, in order, when `value` is finite.
+    pub(crate) fn from_parts(
+        best: Option<(f32, usize)>,
+        sums: impl Iterator<Item = f64>,
+        with_argmax: bool,
+    ) -> Self {
+        let finite = best.filter(|(max, _)| max.is_finite());
+        Self {
+            log_sum_exp: finite
+                .map(|(max, _)| f64::from(max) + sums.fold(0.0, |total, s| total + s).ln()),
+            argmax: best
+                .filter(|_| with_argmax)
+                .and_then(|(_, i)| i32::try_from(i).ok()),
         }
     }
 

@@ -17,8 +17,90 @@ use crate::branch::{BranchId, BranchState, Branches};
 use crate::context::{lock, Context, Job, Reply, Worker};
 use crate::error::{invalid, Error, Result};
 use crate::grammar::Grammar;
-use crate::metrics::LogitStats;
+use crate::metrics::{LogitStats, SUPER_BLOCK};
 use crate::sampling::{Sampler, SamplingParams};
+
+/// Copy each row of `sources` into `targets` and compute its stats (the
+/// argmax where `with_argmax`), spread over `threads` OpenMP threads; see
+/// `Worker::rows_logits`.
+fn copy_with_stats(
+    sources: &[&[f32]],
+    targets: Vec<&mut [f32]>,
+    with_argmax: &[bool],
+    threads: u32,
+) -> Vec<LogitStats> {
+    let parts = split_rows(sources, threads as usize);
+    let mut slots: Vec<Mutex<&mut [f32]>> = Vec::with_capacity(parts.len());
+    let mut rest = targets;
+    for (row, range) in &parts {
+        let (part, tail) = std::mem::take(&mut rest[*row]).split_at_mut(range.len());
+        rest[*row] = tail;
+        slots.push(Mutex::new(part));
+    }
+    let winners: Vec<Mutex<Option<(f32, usize)>>> =
+        parts.iter().map(|_| Mutex::new(None)).collect();
+    crate::omp::for_each(parts.len(), threads, &|i| {
+        let (row, range) = &parts[i];
+        let source = &sources[*row][range.clone()];
+        lock(&slots[i]).copy_from_slice(source);
+        *lock(&winners[i]) =
+            crate::sampling::greedy(source).map(|j| (source[j as usize], range.start + j as usize));
+    });
+    // Per row: the largest winner, the earliest on ties (= greedy's choice).
+    let mut best: Vec<Option<(f32, usize)>> = vec![None; sources.len()];
+    for ((row, _), w) in parts.iter().zip(&winners) {
+        if let Some((v, i)) = *lock(w) {
+            match best[*row] {
+                Some((bv, _)) if bv >= v => {}
+                _ => best[*row] = Some((v, i)),
+            }
+        }
+    }
+    let sums: Vec<Mutex<Vec<f64>>> = parts.iter().map(|_| Mutex::new(Vec::new())).collect();
+    crate::omp::for_each(parts.len(), threads, &|i| {
+        let (row, range) = &parts[i];
+        if let Some((max, _)) = best[*row].filter(|(m, _)| m.is_finite()) {
+            let source = &sources[*row][range.clone()];
+            *lock(&sums[i]) = crate::metrics::super_sums(source, max).collect();
+        }
+    });
+    let sums: Vec<Vec<f64>> = sums
+        .into_iter()
+        .map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()))
+        .collect();
+    (0..sources.len())
+        .map(|row| {
+            let row_sums = parts
+                .iter()
+                .zip(&sums)
+                .filter(|((r, _), _)| *r == row)
+                .flat_map(|(_, s)| s.iter().copied());
+            LogitStats::from_parts(best[row], row_sums, with_argmax[row])
+        })
+        .collect()
+}
+
+/// `(row, range)` parts covering every row, in order: whole rows when
+/// there are at least `threads` of them, else each row cut into up to
+/// `ceil(threads / rows)` parts of whole `SUPER_BLOCK`s.
+fn split_rows(rows: &[&[f32]], threads: usize) -> Vec<(usize, std::ops::Range<usize>)> {
+    let per_row = threads.div_ceil(rows.len().max(1)).max(1);
+    let mut parts = Vec::with_capacity(rows.len() * per_row);
+    for (row, r) in rows.iter().enumerate() {
+        let blocks = r.len().div_ceil(SUPER_BLOCK).max(1);
+        let step = blocks.div_ceil(per_row.min(blocks)) * SUPER_BLOCK;
+        let mut start = 0;
+        loop {
+            let end = (start + step).min(r.len());
+            parts.push((row, start..end));
+            if end == r.len() {
+                break;
+            }
+            start = end;
+        }
+    }
+    parts
+}
 
 /// A buffer of `len` floats from `pool` that nobody else holds, or a new one.
 fn reuse(pool: &mut Vec<Arc<[f32]>>, len: usize) -> Arc<[f32]> {
@@ -748,8 +830,12 @@ impl Worker<'_> {
     /// Copies of batch rows' logits `(row, with_argmax)`, in recycled
     /// buffers when free (a vocabulary-sized allocation per branch per step
     /// otherwise), each with its stats, computed while the row is in the
-    /// CPU cache (the argmax only `with_argmax`). Rows are spread over
-    /// llama.cpp's OpenMP threads, idle between decodes (`omp.rs`).
+    /// CPU cache (the argmax only `with_argmax`). The work is spread over
+    /// llama.cpp's OpenMP threads, idle between decodes (`omp.rs`): whole
+    /// rows when there are enough, else rows cut into parts of whole
+    /// `SUPER_BLOCK`s (same bits as one thread). Two passes: copy and find
+    /// each part's greedy winner; then, given the row's maximum, the parts'
+    /// exponential sums.
     fn rows_logits(&mut self, rows: &[(i32, bool)]) -> Vec<(Arc<[f32]>, LogitStats)> {
         let threads = self.params.effective_threads();
         let pool = &mut self.logit_pool;
@@ -758,26 +844,13 @@ impl Worker<'_> {
             .map(|&(r, _)| self.ctx.get_logits_ith(r))
             .collect();
         let mut buffers: Vec<Arc<[f32]>> = sources.iter().map(|s| reuse(pool, s.len())).collect();
-        let stats: Vec<Mutex<Option<LogitStats>>> = rows.iter().map(|_| Mutex::new(None)).collect();
-        {
-            let slots: Vec<Mutex<&mut [f32]>> = buffers
-                .iter_mut()
-                .map(|b| Mutex::new(Arc::get_mut(b).expect("a fresh or unshared buffer")))
-                .collect();
-            crate::omp::for_each(rows.len(), threads, &|i| {
-                let source = sources[i];
-                *lock(&stats[i]) = Some(LogitStats::of(source, rows[i].1));
-                lock(&slots[i]).copy_from_slice(source);
-            });
-        }
-        buffers
-            .into_iter()
-            .zip(stats)
-            .map(|(b, s)| {
-                let s = s.into_inner().unwrap_or_else(|p| p.into_inner());
-                (b, s.expect("every row was processed"))
-            })
-            .collect()
+        let targets: Vec<&mut [f32]> = buffers
+            .iter_mut()
+            .map(|b| Arc::get_mut(b).expect("a fresh or unshared buffer"))
+            .collect();
+        let greedy: Vec<bool> = rows.iter().map(|r| r.1).collect();
+        let stats = copy_with_stats(&sources, targets, &greedy, threads);
+        buffers.into_iter().zip(stats).collect()
     }
 
     /// Decode the current batch; on failure undo everything in `undo`.
@@ -903,5 +976,67 @@ impl Undo {
             sampling_perplexity: b.sampling_perplexity.clone(),
             grammar_consumed: b.grammar().map(Grammar::consumed),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i + seed) * 7919) % 1000) as f32 / 37.0 - 10.0)
+            .collect()
+    }
+
+    #[test]
+    fn split_rows_covers_each_row_in_whole_super_blocks() {
+        let (a, b) = (row(49_152, 0), row(100, 1));
+        for threads in [1, 2, 3, 16] {
+            let parts = split_rows(&[&a, &b], threads);
+            for (r, len) in [(0, a.len()), (1, b.len())] {
+                let mine: Vec<_> = parts.iter().filter(|p| p.0 == r).collect();
+                assert_eq!(mine.first().unwrap().1.start, 0);
+                assert_eq!(mine.last().unwrap().1.end, len);
+                for w in mine.windows(2) {
+                    assert_eq!(w[0].1.end, w[1].1.start);
+                    assert_eq!(w[0].1.end % SUPER_BLOCK, 0);
+                }
+            }
+        }
+        assert_eq!(split_rows(&[&a], 2).len(), 2); // one row, two threads: halves
+        assert_eq!(split_rows(&[&a, &b], 2).len(), 2); // enough rows: whole rows
+    }
+
+    #[test]
+    fn parallel_copy_and_stats_equal_one_sequential_pass() {
+        let mut rows = [row(262_144, 3), row(49_152, 5), row(1000, 7), row(0, 0)];
+        rows[1][40_000] = 1e3; // the winner in a later part
+        rows[1][10] = 1e3; // ... tied with an earlier one: the earlier wins
+        rows[2] = vec![f32::NAN; 1000]; // nothing finite
+        for threads in [1, 2, 4] {
+            for n in 1..=rows.len() {
+                let sources: Vec<&[f32]> = rows[..n].iter().map(Vec::as_slice).collect();
+                let mut out: Vec<Vec<f32>> = sources.iter().map(|s| vec![0.0; s.len()]).collect();
+                let targets: Vec<&mut [f32]> = out.iter_mut().map(Vec::as_mut_slice).collect();
+                let stats = copy_with_stats(&sources, targets, &vec![true; n], threads);
+                for (i, s) in sources.iter().enumerate() {
+                    assert_eq!(out[i].as_slice().len(), s.len());
+                    assert!(out[i]
+                        .iter()
+                        .zip(*s)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()));
+                    assert_eq!(
+                        stats[i],
+                        LogitStats::of(s, true),
+                        "row {i}, {threads} threads"
+                    );
+                }
+            }
+        }
+        assert_eq!(
+            copy_with_stats(&[&rows[1]], vec![&mut vec![0.0; 49_152]], &[true], 2)[0].argmax(),
+            Some(10)
+        );
     }
 }
