@@ -151,22 +151,48 @@ fn exp_sums(logits: &[f32], max: f32) -> (f64, f64) {
 /// `log(sum(exp(logits)))`, computed stably. `-inf` and NaN entries count
 /// as zero probability.
 fn log_sum_exp(logits: &[f32]) -> Result<f64> {
-    let max = finite_max(logits)?;
-    let sum = super_sums(logits, max).fold(0.0, |total, s| total + s);
-    Ok(f64::from(max) + sum.ln())
+    combine_pieces(
+        logits
+            .chunks(SUPER_BLOCK)
+            .map(|p| piece_sum(p, crate::sampling::greedy(p))),
+    )
+    .ok_or_else(|| invalid("logits have no finite maximum (all -inf, NaN or +inf)"))
 }
 
-/// Elements per piece of a row that [`super_sums`] sums on its own; a
-/// multiple of `exp_sums`' block, so a row split at multiples of it (to
-/// spread one row over threads) adds up to the same bits.
+/// Elements per piece of a row in [`log_sum_exp`]: each piece is summed
+/// against its own maximum, so a piece (32 KiB) is read from memory once
+/// and summed while it is in the CPU cache, and pieces can go to different
+/// threads with the same result (see `store::copy_with_stats`).
 pub(crate) const SUPER_BLOCK: usize = 8192;
 
-/// `sum(exp(x - max))` of each `SUPER_BLOCK`-sized piece of `logits`, in
-/// order; [`log_sum_exp`] adds them up from 0.0.
-pub(crate) fn super_sums(logits: &[f32], max: f32) -> impl Iterator<Item = f64> + '_ {
-    logits
-        .chunks(SUPER_BLOCK)
-        .map(move |piece| exp_sums(piece, max).0)
+/// One piece's part of a log-sum-exp: its largest logit (the value at
+/// `winner`, its greedy choice) and `sum(exp(x - max))` over it; `None`
+/// without a winner (all NaN or -inf).
+pub(crate) fn piece_sum(piece: &[f32], winner: Option<i32>) -> Option<(f32, f64)> {
+    let max = piece[usize::try_from(winner?).ok()?];
+    let sum = if max.is_finite() {
+        exp_sums(piece, max).0
+    } else {
+        0.0
+    };
+    Some((max, sum))
+}
+
+/// `log(sum(exp(x)))` over consecutive pieces from their [`piece_sum`]s,
+/// combined in order; `None` when the largest logit is not finite.
+pub(crate) fn combine_pieces(pieces: impl Iterator<Item = Option<(f32, f64)>>) -> Option<f64> {
+    let pieces: Vec<(f32, f64)> = pieces.flatten().collect();
+    let max = pieces
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &(x, _)| if x > m { x } else { m });
+    if !max.is_finite() {
+        return None;
+    }
+    let top = f64::from(max);
+    let total = pieces
+        .iter()
+        .fold(0.0, |t, &(m, sum)| t + sum * (f64::from(m) - top).exp());
+    Some(top + total.ln())
 }
 
 /// Shannon entropy of `softmax(logits)`:
@@ -225,18 +251,16 @@ impl LogitStats {
         }
     }
 
-    /// Stats assembled from parts computed elsewhere (rows split over
-    /// threads): the row's greedy winner `(value, index)` and the
-    /// [`super_sums`] of the whole row, in order, when `value` is finite.
+    /// Stats assembled from a row's consecutive `SUPER_BLOCK` pieces,
+    /// computed elsewhere (on other threads): the row's greedy winner
+    /// `(value, index)` and each piece's [`piece_sum`], in order.
     pub(crate) fn from_parts(
         best: Option<(f32, usize)>,
-        sums: impl Iterator<Item = f64>,
+        pieces: impl Iterator<Item = Option<(f32, f64)>>,
         with_argmax: bool,
     ) -> Self {
-        let finite = best.filter(|(max, _)| max.is_finite());
         Self {
-            log_sum_exp: finite
-                .map(|(max, _)| f64::from(max) + sums.fold(0.0, |total, s| total + s).ln()),
+            log_sum_exp: combine_pieces(pieces),
             argmax: best
                 .filter(|_| with_argmax)
                 .and_then(|(_, i)| i32::try_from(i).ok()),

@@ -9,6 +9,7 @@
 //! from submission until its job finishes, so a second operation on it in
 //! the meantime fails with `BranchBusy` instead of interleaving.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 
 use llama_cpp_2::token::LlamaToken;
@@ -22,84 +23,59 @@ use crate::sampling::{Sampler, SamplingParams};
 
 /// Copy each row of `sources` into `targets` and compute its stats (the
 /// argmax where `with_argmax`), spread over `threads` OpenMP threads; see
-/// `Worker::rows_logits`.
+/// `Worker::rows_logits`. The unit of work is a `SUPER_BLOCK` piece of a
+/// row: copied, scanned for its greedy winner and summed while it is in
+/// the cache (one read of each row from memory), then the pieces of each
+/// row are combined in order, as `metrics::log_sum_exp` does (same bits).
 fn copy_with_stats(
     sources: &[&[f32]],
     targets: Vec<&mut [f32]>,
     with_argmax: &[bool],
     threads: u32,
 ) -> Vec<LogitStats> {
-    let parts = split_rows(sources, threads as usize);
-    let mut slots: Vec<Mutex<&mut [f32]>> = Vec::with_capacity(parts.len());
-    let mut rest = targets;
-    for (row, range) in &parts {
-        let (part, tail) = std::mem::take(&mut rest[*row]).split_at_mut(range.len());
-        rest[*row] = tail;
-        slots.push(Mutex::new(part));
+    // (row, start) of every piece, rows in order, pieces in order.
+    let mut pieces: Vec<(usize, usize)> = Vec::new();
+    let mut slots: Vec<Mutex<&mut [f32]>> = Vec::new();
+    for (row, target) in targets.into_iter().enumerate() {
+        for (k, slot) in target.chunks_mut(SUPER_BLOCK).enumerate() {
+            pieces.push((row, k * SUPER_BLOCK));
+            slots.push(Mutex::new(slot));
+        }
     }
-    let winners: Vec<Mutex<Option<(f32, usize)>>> =
-        parts.iter().map(|_| Mutex::new(None)).collect();
-    crate::omp::for_each(parts.len(), threads, &|i| {
-        let (row, range) = &parts[i];
-        let source = &sources[*row][range.clone()];
+    type Found = (Option<(f32, usize)>, Option<(f32, f64)>);
+    let found: Vec<Mutex<Found>> = pieces.iter().map(|_| Mutex::new((None, None))).collect();
+    crate::omp::for_each(pieces.len(), threads, &|i| {
+        let (row, start) = pieces[i];
+        let source = &sources[row][start..(start + SUPER_BLOCK).min(sources[row].len())];
         lock(&slots[i]).copy_from_slice(source);
-        *lock(&winners[i]) =
-            crate::sampling::greedy(source).map(|j| (source[j as usize], range.start + j as usize));
+        let winner = crate::sampling::greedy(source);
+        *lock(&found[i]) = (
+            winner.map(|j| (source[j as usize], start + j as usize)),
+            crate::metrics::piece_sum(source, winner),
+        );
     });
-    // Per row: the largest winner, the earliest on ties (= greedy's choice).
-    let mut best: Vec<Option<(f32, usize)>> = vec![None; sources.len()];
-    for ((row, _), w) in parts.iter().zip(&winners) {
-        if let Some((v, i)) = *lock(w) {
-            match best[*row] {
-                Some((bv, _)) if bv >= v => {}
-                _ => best[*row] = Some((v, i)),
-            }
-        }
-    }
-    let sums: Vec<Mutex<Vec<f64>>> = parts.iter().map(|_| Mutex::new(Vec::new())).collect();
-    crate::omp::for_each(parts.len(), threads, &|i| {
-        let (row, range) = &parts[i];
-        if let Some((max, _)) = best[*row].filter(|(m, _)| m.is_finite()) {
-            let source = &sources[*row][range.clone()];
-            *lock(&sums[i]) = crate::metrics::super_sums(source, max).collect();
-        }
-    });
-    let sums: Vec<Vec<f64>> = sums
+    let found: Vec<Found> = found
         .into_iter()
         .map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()))
         .collect();
     (0..sources.len())
         .map(|row| {
-            let row_sums = parts
-                .iter()
-                .zip(&sums)
-                .filter(|((r, _), _)| *r == row)
-                .flat_map(|(_, s)| s.iter().copied());
-            LogitStats::from_parts(best[row], row_sums, with_argmax[row])
+            let mine = || {
+                pieces
+                    .iter()
+                    .zip(&found)
+                    .filter(move |((r, _), _)| *r == row)
+            };
+            // The largest winner, the earliest on ties (= greedy's choice).
+            let best = mine()
+                .filter_map(|(_, f)| f.0)
+                .fold(None, |best, (v, i)| match best {
+                    Some((bv, _)) if bv >= v => best,
+                    _ => Some((v, i)),
+                });
+            LogitStats::from_parts(best, mine().map(|(_, f)| f.1), with_argmax[row])
         })
         .collect()
-}
-
-/// `(row, range)` parts covering every row, in order: whole rows when
-/// there are at least `threads` of them, else each row cut into up to
-/// `ceil(threads / rows)` parts of whole `SUPER_BLOCK`s.
-fn split_rows(rows: &[&[f32]], threads: usize) -> Vec<(usize, std::ops::Range<usize>)> {
-    let per_row = threads.div_ceil(rows.len().max(1)).max(1);
-    let mut parts = Vec::with_capacity(rows.len() * per_row);
-    for (row, r) in rows.iter().enumerate() {
-        let blocks = r.len().div_ceil(SUPER_BLOCK).max(1);
-        let step = blocks.div_ceil(per_row.min(blocks)) * SUPER_BLOCK;
-        let mut start = 0;
-        loop {
-            let end = (start + step).min(r.len());
-            parts.push((row, start..end));
-            if end == r.len() {
-                break;
-            }
-            start = end;
-        }
-    }
-    parts
 }
 
 /// A buffer of `len` floats from `pool` that nobody else holds, or a new one.
@@ -600,15 +576,19 @@ impl Worker<'_> {
                 clear_busy(&mut lock(&self.shared.branches), [keep]);
                 reply(result);
             }
+            // A panic (a bug) becomes an error reply, not a dead worker
+            // whose callers wait forever.
             BranchJob::Commit { items, reply } => {
                 let ids: Vec<BranchId> = items.iter().map(|&(id, _)| id).collect();
-                let result = self.commit(&items);
+                let result = catch_unwind(AssertUnwindSafe(|| self.commit(&items)))
+                    .unwrap_or_else(|p| Err(Error::from_panic(p)));
                 clear_busy(&mut lock(&self.shared.branches), ids);
                 reply(result);
             }
             BranchJob::Prefill { items, reply } => {
                 let ids: Vec<BranchId> = items.iter().map(|(id, _)| *id).collect();
-                let result = self.prefill(&items);
+                let result = catch_unwind(AssertUnwindSafe(|| self.prefill(&items)))
+                    .unwrap_or_else(|p| Err(Error::from_panic(p)));
                 clear_busy(&mut lock(&self.shared.branches), ids);
                 reply(result);
             }
@@ -987,25 +967,6 @@ mod tests {
         (0..len)
             .map(|i| (((i + seed) * 7919) % 1000) as f32 / 37.0 - 10.0)
             .collect()
-    }
-
-    #[test]
-    fn split_rows_covers_each_row_in_whole_super_blocks() {
-        let (a, b) = (row(49_152, 0), row(100, 1));
-        for threads in [1, 2, 3, 16] {
-            let parts = split_rows(&[&a, &b], threads);
-            for (r, len) in [(0, a.len()), (1, b.len())] {
-                let mine: Vec<_> = parts.iter().filter(|p| p.0 == r).collect();
-                assert_eq!(mine.first().unwrap().1.start, 0);
-                assert_eq!(mine.last().unwrap().1.end, len);
-                for w in mine.windows(2) {
-                    assert_eq!(w[0].1.end, w[1].1.start);
-                    assert_eq!(w[0].1.end % SUPER_BLOCK, 0);
-                }
-            }
-        }
-        assert_eq!(split_rows(&[&a], 2).len(), 2); // one row, two threads: halves
-        assert_eq!(split_rows(&[&a, &b], 2).len(), 2); // enough rows: whole rows
     }
 
     #[test]
