@@ -9,8 +9,6 @@
 
 use std::time::Instant;
 
-use lloyal_core::{Context, ContextParams};
-
 mod common;
 use common::{engine_forks, engine_step, AnyResult};
 
@@ -18,18 +16,7 @@ fn main() -> AnyResult<()> {
     let mut args = std::env::args().skip(1);
     let path = args.next().ok_or("usage: branch_overhead MODEL.gguf [N]")?;
     let n: usize = args.next().map_or(Ok(1), |s| s.parse())?;
-    let ctx = Context::open_blocking(
-        path,
-        ContextParams {
-            n_ctx: 2048,
-            n_seq_max: n as u32 + 1,
-            n_threads: Some(2),
-            ..ContextParams::default()
-        },
-    )?;
-    let text = "The history of the printing press begins ".repeat(20);
-    let prompt: Vec<i32> = ctx.model().tokenize(&text, None, false)?[..128].to_vec();
-    let kids = engine_forks(&ctx, &prompt, n)?;
+    let (ctx, _, kids) = engine_forks(&path, n, 2048)?;
     let before = ctx.stats();
     let steps = 64;
     let started = Instant::now();

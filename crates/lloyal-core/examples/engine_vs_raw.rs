@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 use llama_cpp_2::llama_batch::LlamaBatch;
 use llama_cpp_2::model::params::LlamaModelParams;
 use llama_cpp_2::model::LlamaModel;
-use lloyal_core::{Context, ContextParams};
 
 mod common;
 use common::{engine_forks, engine_step, lockstep_step, prefill, raw_params, AnyResult};
@@ -30,18 +29,7 @@ fn main() -> AnyResult<()> {
     let chunk = 16;
     let chunks = 8;
     let n_ctx = 4096u32;
-    let eng = Context::open_blocking(
-        &path,
-        ContextParams {
-            n_ctx,
-            n_seq_max: n as u32 + 1,
-            n_threads: Some(2),
-            ..ContextParams::default()
-        },
-    )?;
-    let text = "The history of the printing press begins ".repeat(20);
-    let prompt: Vec<i32> = eng.model().tokenize(&text, None, false)?[..128].to_vec();
-    let kids = engine_forks(&eng, &prompt, n)?;
+    let (eng, prompt, kids) = engine_forks(&path, n, n_ctx)?;
 
     let backend = lloyal_core::backend()?;
     let model = LlamaModel::load_from_file(backend, &path, &LlamaModelParams::default())?;

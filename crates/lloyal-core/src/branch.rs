@@ -149,13 +149,25 @@ impl BranchState {
         self.logits.replace(logits)
     }
 
+    /// Surprisal of `token` under the snapshot (the model's distribution),
+    /// from the stats the worker computed with it when there are some.
+    pub fn model_surprisal(&self, token: i32, base: Base) -> Result<f64> {
+        let logits = self.logits()?;
+        match &self.logit_stats {
+            Some(stats) => stats.surprisal(logits, token, base),
+            None => metrics::surprisal(logits, token, base),
+        }
+    }
+
     /// Whether `produce` is a plain argmax of the snapshot (greedy sampler;
     /// no bias, steering or grammar), so the worker precomputes it.
     pub(crate) fn produces_argmax(&self) -> bool {
-        self.sampler.params().is_plain_greedy()
-            && self.logit_bias.is_empty()
-            && self.steer.is_empty()
-            && self.grammar.is_none()
+        self.sampler.params().is_plain_greedy() && !self.edits_logits()
+    }
+
+    /// Whether sampling sees the snapshot edited (bias, steering, grammar).
+    fn edits_logits(&self) -> bool {
+        !self.logit_bias.is_empty() || !self.steer.is_empty() || self.grammar.is_some()
     }
 
     /// The logits sampling sees: the snapshot plus bias and steer, with
@@ -165,7 +177,7 @@ impl BranchState {
             .logits
             .as_ref()
             .ok_or_else(|| invalid("the branch has no logits yet: prefill it first"))?;
-        if self.logit_bias.is_empty() && self.steer.is_empty() && self.grammar.is_none() {
+        if !self.edits_logits() {
             return Ok(std::borrow::Cow::Borrowed(logits));
         }
         let mut edited = logits.to_vec();
@@ -223,11 +235,7 @@ impl BranchState {
     /// Perplexity uses the logits the token was chosen from, so accept
     /// before decoding.
     pub fn accept(&mut self, token: i32) -> Result<()> {
-        let logits = self.logits()?;
-        let model_surprisal = match &self.logit_stats {
-            Some(stats) => stats.surprisal(logits, token, Base::Nats)?,
-            None => metrics::surprisal(logits, token, Base::Nats)?,
-        };
+        let model_surprisal = self.model_surprisal(token, Base::Nats)?;
         if let Some(g) = self.grammar.as_mut() {
             if !g.allows(token)? {
                 return Err(Error::Grammar(format!(

@@ -230,7 +230,7 @@ fn token_index(logits: &[f32], token: i32) -> Result<usize> {
 /// scanning a cold vocabulary-sized row again. The numbers are exactly those
 /// of [`surprisal`] and [`crate::sampling::greedy`] (same code).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LogitStats {
+pub(crate) struct LogitStats {
     /// `log(sum(exp(logits)))`; `None` when no logit is finite (then the
     /// uncached path reports the error).
     log_sum_exp: Option<f64>,
@@ -239,8 +239,10 @@ pub struct LogitStats {
 }
 
 impl LogitStats {
-    /// Stats of `logits`; the argmax only `with_argmax` (greedy branches).
-    pub fn of(logits: &[f32], with_argmax: bool) -> Self {
+    /// Stats of `logits` in one pass on this thread (the reference for the
+    /// parallel path); the argmax only `with_argmax`.
+    #[cfg(test)]
+    pub(crate) fn of(logits: &[f32], with_argmax: bool) -> Self {
         Self {
             log_sum_exp: log_sum_exp(logits).ok(),
             argmax: if with_argmax {
@@ -268,12 +270,12 @@ impl LogitStats {
     }
 
     /// The greedy choice, when computed.
-    pub fn argmax(&self) -> Option<i32> {
+    pub(crate) fn argmax(&self) -> Option<i32> {
         self.argmax
     }
 
     /// [`surprisal`] of `token` under `logits`, the row these stats are of.
-    pub fn surprisal(&self, logits: &[f32], token: i32, base: Base) -> Result<f64> {
+    pub(crate) fn surprisal(&self, logits: &[f32], token: i32, base: Base) -> Result<f64> {
         match self.log_sum_exp {
             Some(lse) => {
                 let index = token_index(logits, token)?;

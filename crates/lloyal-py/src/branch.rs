@@ -181,7 +181,7 @@ impl PyContext {
         let base: Base = base.parse().py_err()?;
         self.inner.model().check_token(token).py_err()?;
         self.inner
-            .with_branch(id(branch), |b| metrics::surprisal(b.logits()?, token, base))
+            .with_branch(id(branch), |b| b.model_surprisal(token, base))
             .py_err()
     }
 

@@ -99,15 +99,31 @@ pub fn wait<T: Send + 'static>(
     rx.recv().map_err(|_| lloyal_core::Error::ContextClosed)?
 }
 
-/// A greedy root branch prefilled with `prompt`, and `n` forks of it.
+/// An engine context for lockstep runs (2 threads, a lease for each of `n`
+/// forks and their root), the 128-token prompt the examples decode, and `n`
+/// greedy forks of a root prefilled with it.
 pub fn engine_forks(
-    ctx: &lloyal_core::Context,
-    prompt: &[i32],
+    path: &str,
     n: usize,
-) -> lloyal_core::Result<Vec<lloyal_core::BranchId>> {
+    n_ctx: u32,
+) -> AnyResult<(lloyal_core::Context, Vec<i32>, Vec<lloyal_core::BranchId>)> {
+    let ctx = lloyal_core::Context::open_blocking(
+        path,
+        lloyal_core::ContextParams {
+            n_ctx,
+            n_seq_max: n as u32 + 1,
+            n_threads: Some(2),
+            ..lloyal_core::ContextParams::default()
+        },
+    )?;
+    let text = "The history of the printing press begins ".repeat(20);
+    let prompt: Vec<i32> = ctx.model().tokenize(&text, None, false)?[..128].to_vec();
     let root = ctx.branch_create(lloyal_core::SamplingParams::greedy())?;
-    wait(|r| ctx.branch_prefill(vec![(root, prompt.to_vec())], r))?;
-    (0..n).map(|_| wait(|r| ctx.branch_fork(root, r))).collect()
+    wait(|r| ctx.branch_prefill(vec![(root, prompt.clone())], r))?;
+    let kids = (0..n)
+        .map(|_| wait(|r| ctx.branch_fork(root, r)))
+        .collect::<lloyal_core::Result<_>>()?;
+    Ok((ctx, prompt, kids))
 }
 
 /// One engine lockstep step: each branch produces its token, and all are
