@@ -327,15 +327,24 @@ async def test_perplexity_is_from_the_sampling_distribution(smollm2: Path) -> No
 
 
 async def test_greedy_choice_follows_the_logits_sampling_sees(model: Path) -> None:
-    """The worker precomputes each greedy branch's argmax (and log-sum-exp)
-    with its logits, rows spread over llama.cpp's threads; edited logits,
-    biases and steering bypass that precomputed choice."""
+    """The worker precomputes each greedy branch's argmax with its logits,
+    and its log-sum-exp in the background, rows spread over llama.cpp's
+    threads; edited logits, biases and steering bypass that precomputed
+    choice."""
     async with await lloyal.create_context(model, n_ctx=512, n_seq_max=5) as ctx:
         root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
         await root.prefill(await ctx.tokenize(PROMPT))
         kids = [await root.fork() for _ in range(4)]
         store = lloyal.BranchStore(ctx)
         await store.commit([(k, t) for k, t in zip(kids, [11, 12, 13, 14], strict=True)])
+        # Read at once: the log-sum-exps may still be summed in the
+        # background on llama.cpp's threads (a reader then computes its own).
+        early = [k.model_surprisal(3) for k in kids]
+        for k, s in zip(kids, early, strict=True):
+            row = np.array(k.logits, dtype=np.float64)
+            lse = row.max() + np.log(np.exp(row - row.max()).sum())
+            assert s == pytest.approx(lse - row[3], rel=1e-5, abs=1e-6)
+            assert k.model_surprisal(3) == s  # the same bits once cached
         for k in kids:
             assert (await k.produce()).token == int(np.argmax(k.logits))
         edited = np.array(kids[0].logits)

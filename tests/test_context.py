@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import os
 from pathlib import Path
 
 import lloyal
 import pytest
+from lloyal import _lloyal
+
+from tests.conftest import open_sync
 
 pytestmark = pytest.mark.anyio
 
@@ -131,3 +137,29 @@ async def test_contexts_are_independent(smollm2: Path, gemma3: Path) -> None:
         await a.aclose()
         # Closing one leaves the other usable.
         await b.decode([b.greedy_sample()], len(tb))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts open files in /proc")
+def test_an_event_loop_that_is_gone_leaves_no_pipe_behind(smollm2: Path) -> None:
+    """Each asyncio loop that awaits native work gets a pipe that wakes it
+    with results; the pipe is closed once the loop is collected."""
+    ctx = open_sync(smollm2, n_ctx=256)
+
+    async def use() -> None:
+        await ctx.kv_cache_clear()
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    try:
+        asyncio.run(use())
+        gc.collect()
+        before = open_fds()
+        for _ in range(5):
+            asyncio.run(use())
+        gc.collect()
+        assert open_fds() == before
+    finally:
+        ctx.close()
+    with pytest.raises(ValueError, match="two distinct ends"):
+        _lloyal.ResultQueue(7, 7)

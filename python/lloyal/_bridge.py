@@ -6,10 +6,10 @@ for whichever event loop is running:
 
 * asyncio / uvloop: each loop gets a :class:`_LoopWaker` -- a pipe the loop
   watches with ``add_reader`` and a native queue of finished results. The
-  worker appends a result to the queue under the GIL (running no Python
-  code), releases the GIL, then writes one byte to the pipe; the loop wakes
-  once, drains every result that arrived (one wake-up for a whole batch)
-  and settles their futures.
+  worker appends a result to the queue and writes one byte to the pipe,
+  without taking the GIL; the loop wakes once, and the queue's native
+  ``settle`` (the reader callback) settles the future of every result that
+  arrived meanwhile (one wake-up for a whole batch).
 * trio: the worker reschedules the waiting task through its ``TrioToken``.
 
 Cancelling the awaiting task abandons the wait; the native operation still
@@ -25,7 +25,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import sniffio
+from sniffio import current_async_library_cvar
+from sniffio import thread_local as _sniffio_thread
 
 from lloyal import _lloyal
 
@@ -33,63 +34,68 @@ Done = Callable[[BaseException | None, Any], None]
 Start = Callable[[Any], object]
 
 
+def _in_trio() -> bool:
+    """Whether the running task is trio's: sniffio's own answer without its
+    asyncio probe, which costs more than the whole rest of a call here."""
+    return (_sniffio_thread.name or current_async_library_cvar.get()) == "trio"
+
+
 class _LoopWaker:
-    """The pipe and result queue that complete futures on one asyncio loop."""
+    """The pipe and result queue that complete futures on one asyncio loop.
+    It holds its loop weakly: once the loop is gone, so are the waker and
+    its pipe (the queue owns and closes both ends)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._read_fd, self.wake_fd = os.pipe()
-        os.set_blocking(self._read_fd, False)
-        os.set_blocking(self.wake_fd, False)
-        self._queue = _lloyal.ResultQueue(self.wake_fd)
-        self._loop = loop
-        loop.add_reader(self._read_fd, self._drain)
-
-    def completion(self, fut: asyncio.Future[Any]) -> _lloyal.Completion:
-        return _lloyal.Completion(fut, self._queue, self)
-
-    def _drain(self) -> None:
-        # Read the pokes before taking the results: a result is queued before
-        # its poke, so none is left behind. More than 4096 pokes leave the
-        # pipe readable, and the loop calls us again.
-        with contextlib.suppress(BlockingIOError):
-            os.read(self._read_fd, 4096)
-        for fut, error, value in self._queue.drain():
-            if fut.done():  # cancelled while the worker ran
-                continue
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(value)
+        read_fd, wake_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        os.set_blocking(wake_fd, False)
+        self._queue = _lloyal.ResultQueue(read_fd, wake_fd)
+        self._loop = weakref.ref(loop)
+        loop.add_reader(read_fd, self._queue.settle)
 
     def __del__(self) -> None:
-        # Runs only once no Completion refers to us any more, so the worker
-        # can no longer write to wake_fd.
+        loop = self._loop()
         with contextlib.suppress(Exception):
-            if not self._loop.is_closed():
-                self._loop.remove_reader(self._read_fd)
-        for fd in (self._read_fd, self.wake_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            if loop is not None and not loop.is_closed():
+                loop.remove_reader(self._queue.read_fd)
 
 
 _wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker]
 _wakers = weakref.WeakKeyDictionary()
+# The last loop's (loop, waker), both held weakly: the lookup that almost
+# every call makes, without the weak dictionary's Python-level ``get``.
+_last: tuple[weakref.ref[Any], weakref.ref[_LoopWaker]] | None = None
 
 
 def _waker(loop: asyncio.AbstractEventLoop) -> _LoopWaker:
+    global _last
+    last = _last
+    if last is not None and last[0]() is loop:
+        waker = last[1]()
+        if waker is not None:
+            return waker
     waker = _wakers.get(loop)
     if waker is None:
         waker = _wakers[loop] = _LoopWaker(loop)
+    _last = (weakref.ref(loop), weakref.ref(waker))
     return waker
+
+
+def completion() -> tuple[asyncio.Future[Any], _lloyal.Completion]:
+    """A future of the running asyncio loop, and the ``done`` object that
+    settles it from the worker: what ``call_native`` does before it calls
+    ``start``, for callers that await the future themselves."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+    return fut, _lloyal.Completion(fut, _waker(loop)._queue)
 
 
 async def call_native(start: Start) -> Any:
     """Run ``start(done)`` and wait until the worker completes ``done``."""
-    if sniffio.current_async_library() == "trio":
+    if _in_trio():
         return await _call_native_trio(start)
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
-    start(_waker(loop).completion(fut))
+    fut, done = completion()
+    start(done)
     return await fut
 
 
@@ -128,7 +134,7 @@ class Waiter:
     def __init__(self) -> None:
         self._error: BaseException | None = None
         self.abandoned = False
-        if sniffio.current_async_library() == "trio":
+        if _in_trio():
             import trio
 
             self._event: Any = trio.Event()
@@ -167,10 +173,11 @@ def start_batch(start: Start, waiters: list[Waiter]) -> None:
     (one event-loop wake-up for the whole batch). Call on the loop thread."""
 
     def distribute(error: BaseException | None, results: list[BaseException | None] | None) -> None:
+        # `results` is None when every item succeeded (or `error` is set).
         for n, waiter in enumerate(waiters):
             waiter.complete(error if error is not None or results is None else results[n])
 
-    if sniffio.current_async_library() == "trio":
+    if _in_trio():
         import trio
 
         token = trio.lowlevel.current_trio_token()
@@ -194,6 +201,6 @@ def start_batch(start: Start, waiters: list[Waiter]) -> None:
 
     batch.add_done_callback(finish)
     try:
-        start(_waker(loop).completion(batch))
+        start(_lloyal.Completion(batch, _waker(loop)._queue))
     except BaseException as e:
         batch.set_exception(e)

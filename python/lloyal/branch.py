@@ -85,8 +85,9 @@ def _registry(ctx: Context) -> dict[int, Branch]:
     return reg
 
 
-def _raise_first(errors: Sequence[BaseException | None]) -> None:
-    for e in errors:
+def _raise_first(errors: Sequence[BaseException | None] | None) -> None:
+    """Raise the first item error of a batched call (``None``: none failed)."""
+    for e in errors or ():
         if e is not None:
             raise e
 

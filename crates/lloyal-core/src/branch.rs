@@ -208,7 +208,7 @@ impl BranchState {
             }
         };
         let argmax = match &logits {
-            None => self.logit_stats.and_then(|s| s.argmax()),
+            None => self.logit_stats.as_ref().and_then(LogitStats::argmax),
             Some(_) => None, // edited logits: the cached argmax is not theirs
         };
         let (token, prob) = self.sampler.choose_with_probability_hint(view, argmax)?;

@@ -511,6 +511,10 @@ impl Drop for Context {
 
 /// Everything the worker thread owns.
 pub(crate) struct Worker<'m> {
+    /// Work left running on llama.cpp's OpenMP threads after the last job
+    /// (see `store::Worker::rows_logits`), finished before the next one.
+    /// Dropped first, on the worker thread (the only one that may end it).
+    pub(crate) background: Option<crate::omp::Background>,
     /// Borrows `model` (declared after it, so dropped before it).
     pub(crate) ctx: LlamaContext<'m>,
     pub(crate) model: Arc<Model>,
@@ -571,6 +575,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
     // lets the worker be shared with callers that run inline jobs.
     let ctx = unsafe { std::mem::transmute::<LlamaContext<'_>, LlamaContext<'static>>(ctx) };
     let worker = Worker {
+        background: None,
         ctx,
         model: Arc::clone(&model),
         batch: LlamaBatch::new(n_batch, 1),
@@ -650,6 +655,9 @@ fn run(engine: &Engine, rx: &Receiver<Job>) {
         pending.extend(rx.try_iter());
         for job in pending.drain(..) {
             let mut guard = lock(&engine.worker);
+            if let Some(w) = guard.as_mut() {
+                w.finish_background();
+            }
             if let Job::Close { reply } = job {
                 for rest in rx.try_iter() {
                     rest.fail(Error::ContextClosed);
@@ -675,10 +683,29 @@ fn run(engine: &Engine, rx: &Receiver<Job>) {
             }
         }
     }
-    drop(lock(&engine.worker).take());
+    let mut guard = lock(&engine.worker);
+    if let Some(w) = guard.as_mut() {
+        w.finish_background();
+    }
+    drop(guard.take());
 }
 
 impl Worker<'_> {
+    /// Wait for (and help with) the background work of the last job; the
+    /// worker thread calls this before anything that may use OpenMP. A
+    /// no-op on any other thread (an inline job): only the worker may end
+    /// the region, and inline jobs use no OpenMP.
+    pub(crate) fn finish_background(&mut self) {
+        if !self.background.as_ref().is_some_and(|b| b.is_mine()) {
+            return;
+        }
+        if let Some(background) = self.background.take() {
+            // A panic here (a bug in the background work) must not kill
+            // the worker: the work only caches values readers recompute.
+            let _ = catch_unwind(AssertUnwindSafe(|| background.finish()));
+        }
+    }
+
     fn execute(&mut self, job: Job) {
         match job {
             Job::Decode {
@@ -768,6 +795,7 @@ impl Worker<'_> {
 
     /// One `llama_decode` of the current batch, counted in the stats.
     pub(crate) fn llama_decode(&mut self, n_tokens: usize) -> Result<()> {
+        self.finish_background();
         let started = Instant::now();
         let result = self.ctx.decode(&mut self.batch);
         let stats = &self.shared.stats;

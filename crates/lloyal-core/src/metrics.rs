@@ -2,6 +2,7 @@
 //! that branches carry.
 
 use crate::error::{invalid, Result};
+use std::sync::{Arc, OnceLock};
 
 /// Units for entropy and surprisal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -224,49 +225,56 @@ fn token_index(logits: &[f32], token: i32) -> Result<usize> {
 }
 
 /// What accepting a token (its surprisal) and a greedy choice need from a
-/// logits row, computed in one go. The worker computes it right after a
-/// decode, while the row it has just copied is still in the CPU cache; a
-/// later `accept` or greedy `produce` then reads one value instead of
-/// scanning a cold vocabulary-sized row again. The numbers are exactly those
-/// of [`surprisal`] and [`crate::sampling::greedy`] (same code).
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// logits row. The worker finds the argmax right after a decode, while the
+/// row it has just copied is still in the CPU cache, and computes the
+/// log-sum-exp in the background while the caller acts on the reply (see
+/// `store::Worker::rows_logits`); a later `accept` or greedy `produce`
+/// then reads one value instead of scanning a cold vocabulary-sized row
+/// again. The numbers are exactly those of [`surprisal`] and
+/// [`crate::sampling::greedy`] (same code), whoever computes them.
+#[derive(Debug, Clone)]
 pub(crate) struct LogitStats {
-    /// `log(sum(exp(logits)))`; `None` when no logit is finite (then the
-    /// uncached path reports the error).
-    log_sum_exp: Option<f64>,
+    /// `log(sum(exp(logits)))`, `None` inside when no logit is finite (then
+    /// the uncached path reports the error). Empty until the background
+    /// pass or the first reader (whichever comes first) has computed it;
+    /// shared by the forks that share the snapshot.
+    log_sum_exp: Arc<OnceLock<Option<f64>>>,
     /// The greedy choice (lowest index of the largest logit), if asked for.
     argmax: Option<i32>,
 }
 
 impl LogitStats {
+    /// Stats with `argmax` known and the log-sum-exp still to come.
+    pub(crate) fn new(argmax: Option<i32>) -> Self {
+        Self {
+            log_sum_exp: Arc::new(OnceLock::new()),
+            argmax,
+        }
+    }
+
     /// Stats of `logits` in one pass on this thread (the reference for the
     /// parallel path); the argmax only `with_argmax`.
     #[cfg(test)]
     pub(crate) fn of(logits: &[f32], with_argmax: bool) -> Self {
-        Self {
-            log_sum_exp: log_sum_exp(logits).ok(),
-            argmax: if with_argmax {
-                crate::sampling::greedy(logits)
-            } else {
-                None
-            },
-        }
+        let stats = Self::new(if with_argmax {
+            crate::sampling::greedy(logits)
+        } else {
+            None
+        });
+        stats.fill(log_sum_exp(logits).ok());
+        stats
     }
 
-    /// Stats assembled from a row's consecutive `SUPER_BLOCK` pieces,
-    /// computed elsewhere (on other threads): the row's greedy winner
-    /// `(value, index)` and each piece's [`piece_sum`], in order.
-    pub(crate) fn from_parts(
-        best: Option<(f32, usize)>,
-        pieces: impl Iterator<Item = Option<(f32, f64)>>,
-        with_argmax: bool,
-    ) -> Self {
-        Self {
-            log_sum_exp: combine_pieces(pieces),
-            argmax: best
-                .filter(|_| with_argmax)
-                .and_then(|(_, i)| i32::try_from(i).ok()),
-        }
+    /// Record the log-sum-exp (a no-op if a reader got there first: it
+    /// computed the same bits).
+    pub(crate) fn fill(&self, log_sum_exp: Option<f64>) {
+        let _ = self.log_sum_exp.set(log_sum_exp);
+    }
+
+    /// The log-sum-exp if computed already (`None`: not yet).
+    #[cfg(test)]
+    pub(crate) fn cached_log_sum_exp(&self) -> Option<Option<f64>> {
+        self.log_sum_exp.get().copied()
     }
 
     /// The greedy choice, when computed.
@@ -276,7 +284,7 @@ impl LogitStats {
 
     /// [`surprisal`] of `token` under `logits`, the row these stats are of.
     pub(crate) fn surprisal(&self, logits: &[f32], token: i32, base: Base) -> Result<f64> {
-        match self.log_sum_exp {
+        match *self.log_sum_exp.get_or_init(|| log_sum_exp(logits).ok()) {
             Some(lse) => {
                 let index = token_index(logits, token)?;
                 Ok(base.scale(lse - f64::from(logits[index])))

@@ -8,6 +8,14 @@
 //! compiles to, from the worker thread (the thread that calls
 //! `llama_decode`), with the decode's thread count: the same team, no new
 //! threads. libgomp is linked already (llama-cpp-sys-2's `openmp` feature).
+//!
+//! [`Background`] goes one step further for work that is not needed at
+//! once: it starts a team with libgomp's split entry points
+//! (`GOMP_parallel_start` ... `GOMP_parallel_end`, what `#pragma omp
+//! parallel` compiled to before GCC 4.9, still exported) and lets the
+//! worker thread go on -- reply, wait for the next job -- while the other
+//! threads of the team work. The worker joins in, and ends the region,
+//! before its next job (before anything else that uses OpenMP).
 
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -23,6 +31,11 @@ extern "C" {
         num_threads: u32,
         flags: u32,
     );
+    // The split form: starts the team's other threads on `f(data)` and
+    // returns at once; the caller is expected to run `f(data)` itself and
+    // then call `GOMP_parallel_end`, which returns when all have returned.
+    fn GOMP_parallel_start(f: extern "C" fn(*mut c_void), data: *mut c_void, num_threads: u32);
+    fn GOMP_parallel_end();
 }
 
 struct Shared<'a> {
@@ -78,6 +91,111 @@ pub(crate) fn for_each(n: usize, threads: u32, work: &(dyn Fn(usize) + Sync)) {
     );
 }
 
+/// What the team's other threads work on in the background.
+struct Owned {
+    work: Box<dyn Fn(usize) + Send + Sync>,
+    n: usize,
+    next: AtomicUsize,
+    panicked: AtomicBool,
+}
+
+extern "C" fn run_owned(data: *mut c_void) {
+    // SAFETY: `data` points into the `Box<Owned>` of a `Background`, which
+    // ends the parallel region (`GOMP_parallel_end` returns only after
+    // every thread has left this function) before the box is dropped.
+    let shared = unsafe { &*(data as *const Owned) };
+    loop {
+        let i = shared.next.fetch_add(1, Ordering::Relaxed);
+        if i >= shared.n {
+            return;
+        }
+        if catch_unwind(AssertUnwindSafe(|| (shared.work)(i))).is_err() {
+            shared.panicked.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// `n` items of `work` that the OpenMP team's other threads start on now,
+/// while the calling thread goes on; [`Background::finish`] (or dropping
+/// it) makes the caller take the items left and waits for the rest.
+/// Between the two the caller is inside a parallel region: it must not
+/// run OpenMP code (`llama_decode`, [`for_each`]) until it has finished,
+/// and only it may finish (libgomp's rule for the thread that started a
+/// region).
+pub(crate) struct Background {
+    owned: Option<Box<Owned>>,
+    /// Whether a parallel region is open (more than one thread asked for).
+    region: bool,
+    /// The thread that started it, the only one that may finish it.
+    starter: std::thread::ThreadId,
+}
+
+impl Background {
+    pub(crate) fn start(n: usize, threads: u32, work: Box<dyn Fn(usize) + Send + Sync>) -> Self {
+        let owned = Box::new(Owned {
+            work,
+            n,
+            next: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+        });
+        let region = threads > 1 && n > 0;
+        if region {
+            // SAFETY: `run_owned` matches the callback type libgomp expects
+            // and never unwinds; the box is neither moved out of nor freed
+            // before `finish` has called `GOMP_parallel_end`.
+            unsafe {
+                GOMP_parallel_start(run_owned, &*owned as *const Owned as *mut c_void, threads);
+            }
+        }
+        Self {
+            owned: Some(owned),
+            region,
+            starter: std::thread::current().id(),
+        }
+    }
+
+    /// Whether this thread may finish it (it started it).
+    pub(crate) fn is_mine(&self) -> bool {
+        self.starter == std::thread::current().id()
+    }
+
+    /// Run the items no other thread has taken, then wait for the others.
+    pub(crate) fn finish(mut self) {
+        self.end();
+    }
+
+    fn end(&mut self) {
+        let Some(owned) = self.owned.take() else {
+            return;
+        };
+        run_owned(&*owned as *const Owned as *mut c_void);
+        if self.region {
+            // SAFETY: called once, on the thread that started the region.
+            unsafe { GOMP_parallel_end() };
+        }
+        assert!(
+            !owned.panicked.load(Ordering::Relaxed),
+            "a background row task panicked"
+        );
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.end();
+        } else if let Some(owned) = self.owned.take() {
+            // Unwinding: still end the region (no assert), so the other
+            // threads are released and the box outlives them.
+            run_owned(&*owned as *const Owned as *mut c_void);
+            if self.region {
+                // SAFETY: as in `end`.
+                unsafe { GOMP_parallel_end() };
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -92,6 +210,32 @@ mod tests {
                 assert!(seen.iter().all(|c| *c.lock().unwrap() == 1));
             }
         }
+    }
+
+    #[test]
+    fn background_items_all_run_once_and_finish_waits_for_them() {
+        use std::sync::Arc;
+        for threads in [1, 2, 4] {
+            for n in [0, 1, 5, 64] {
+                let seen: Arc<Vec<Mutex<u32>>> = Arc::new((0..n).map(|_| Mutex::new(0)).collect());
+                let work = Arc::clone(&seen);
+                let bg =
+                    Background::start(n, threads, Box::new(move |i| *work[i].lock().unwrap() += 1));
+                // The caller is free meanwhile (no OpenMP here).
+                let _ = (0..1000).sum::<u64>();
+                bg.finish();
+                assert!(seen.iter().all(|c| *c.lock().unwrap() == 1));
+                // A new region after the old one ended.
+                for_each(4, threads, &|_| ());
+            }
+        }
+    }
+
+    #[test]
+    fn a_background_panic_is_raised_on_finish() {
+        let bg = Background::start(4, 2, Box::new(|i| assert_ne!(i, 2, "boom")));
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| bg.finish()));
+        assert!(result.is_err());
     }
 
     #[test]

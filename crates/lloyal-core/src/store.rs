@@ -10,7 +10,8 @@
 //! the meantime fails with `BranchBusy` instead of interleaving.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use llama_cpp_2::token::LlamaToken;
 
@@ -21,18 +22,23 @@ use crate::grammar::Grammar;
 use crate::metrics::{LogitStats, SUPER_BLOCK};
 use crate::sampling::{Sampler, SamplingParams};
 
-/// Copy each row of `sources` into `targets` and compute its stats (the
-/// argmax where `with_argmax`), spread over `threads` OpenMP threads; see
-/// `Worker::rows_logits`. The unit of work is a `SUPER_BLOCK` piece of a
-/// row: copied, scanned for its greedy winner and summed while it is in
-/// the cache (one read of each row from memory), then the pieces of each
-/// row are combined in order, as `metrics::log_sum_exp` does (same bits).
-fn copy_with_stats(
+/// Each `SUPER_BLOCK` piece's greedy winner (an index into the piece), for
+/// one row, piece by piece.
+type PieceWinners = Vec<Option<i32>>;
+
+/// Copy each row of `sources` into `targets` and find its greedy winner,
+/// spread over `threads` OpenMP threads; see `Worker::rows_logits`. The
+/// unit of work is a `SUPER_BLOCK` piece of a row: copied and scanned for
+/// its greedy winner while it is in the cache (one read of each row from
+/// memory). Returns each row's stats (the argmax only `with_argmax`; the
+/// log-sum-exp to come) and each piece's winner, row by row, piece by
+/// piece, for [`log_sum_exps`].
+fn copy_and_scan(
     sources: &[&[f32]],
     targets: Vec<&mut [f32]>,
     with_argmax: &[bool],
     threads: u32,
-) -> Vec<LogitStats> {
+) -> (Vec<LogitStats>, Vec<PieceWinners>) {
     // (row, start) of every piece, rows in order, pieces in order.
     let mut pieces: Vec<(usize, usize)> = Vec::new();
     let mut slots: Vec<Mutex<&mut [f32]>> = Vec::new();
@@ -42,40 +48,94 @@ fn copy_with_stats(
             slots.push(Mutex::new(slot));
         }
     }
-    type Found = (Option<(f32, usize)>, Option<(f32, f64)>);
-    let found: Vec<Mutex<Found>> = pieces.iter().map(|_| Mutex::new((None, None))).collect();
+    let found: Vec<Mutex<Option<i32>>> = pieces.iter().map(|_| Mutex::new(None)).collect();
     crate::omp::for_each(pieces.len(), threads, &|i| {
         let (row, start) = pieces[i];
         let source = &sources[row][start..(start + SUPER_BLOCK).min(sources[row].len())];
         lock(&slots[i]).copy_from_slice(source);
-        let winner = crate::sampling::greedy(source);
-        *lock(&found[i]) = (
-            winner.map(|j| (source[j as usize], start + j as usize)),
-            crate::metrics::piece_sum(source, winner),
-        );
+        *lock(&found[i]) = crate::sampling::greedy(source);
     });
-    let found: Vec<Found> = found
-        .into_iter()
-        .map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()))
-        .collect();
-    (0..sources.len())
-        .map(|row| {
-            let mine = || {
-                pieces
-                    .iter()
-                    .zip(&found)
-                    .filter(move |((r, _), _)| *r == row)
-            };
+    let mut winners: Vec<PieceWinners> = vec![Vec::new(); sources.len()];
+    for ((row, _), f) in pieces.iter().zip(found) {
+        winners[*row].push(f.into_inner().unwrap_or_else(|p| p.into_inner()));
+    }
+    let stats = winners
+        .iter()
+        .enumerate()
+        .map(|(row, w)| {
             // The largest winner, the earliest on ties (= greedy's choice).
-            let best = mine()
-                .filter_map(|(_, f)| f.0)
+            let best = w
+                .iter()
+                .enumerate()
+                .filter_map(|(k, j)| {
+                    j.map(|j| {
+                        (
+                            sources[row][k * SUPER_BLOCK + j as usize],
+                            k * SUPER_BLOCK + j as usize,
+                        )
+                    })
+                })
                 .fold(None, |best, (v, i)| match best {
                     Some((bv, _)) if bv >= v => best,
                     _ => Some((v, i)),
                 });
-            LogitStats::from_parts(best, mine().map(|(_, f)| f.1), with_argmax[row])
+            LogitStats::new(
+                best.filter(|_| with_argmax[row])
+                    .and_then(|(_, i)| i32::try_from(i).ok()),
+            )
         })
-        .collect()
+        .collect();
+    (stats, winners)
+}
+
+/// The work that completes `rows`' stats: the log-sum-exp of each
+/// `(snapshot, stats, piece winners)`, one item per `SUPER_BLOCK` piece
+/// (`metrics::piece_sum` against the piece's winner); whoever sums a row's
+/// last piece combines the row in piece order (`metrics::combine_pieces`,
+/// the same bits as `metrics::log_sum_exp`). Items may run on any threads
+/// in any order. Returns the item count and the work.
+fn log_sum_exps(
+    rows: Vec<(Arc<[f32]>, LogitStats, PieceWinners)>,
+) -> (usize, Box<dyn Fn(usize) + Send + Sync>) {
+    struct Row {
+        logits: Arc<[f32]>,
+        stats: LogitStats,
+        winners: PieceWinners,
+        sums: Vec<OnceLock<Option<(f32, f64)>>>,
+        left: AtomicUsize,
+    }
+    let mut items: Vec<(usize, usize)> = Vec::new();
+    let rows: Vec<Row> = rows
+        .into_iter()
+        .enumerate()
+        .map(|(r, (logits, stats, winners))| {
+            items.extend((0..winners.len()).map(|k| (r, k)));
+            Row {
+                sums: winners.iter().map(|_| OnceLock::new()).collect(),
+                left: AtomicUsize::new(winners.len()),
+                logits,
+                stats,
+                winners,
+            }
+        })
+        .collect();
+    for row in rows.iter().filter(|r| r.winners.is_empty()) {
+        row.stats.fill(None); // an empty row has no finite logit
+    }
+    let n = items.len();
+    let work = move |i: usize| {
+        let (r, k) = items[i];
+        let row = &rows[r];
+        let start = k * SUPER_BLOCK;
+        let piece = &row.logits[start..(start + SUPER_BLOCK).min(row.logits.len())];
+        let _ = row.sums[k].set(crate::metrics::piece_sum(piece, row.winners[k]));
+        if row.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            row.stats.fill(crate::metrics::combine_pieces(
+                row.sums.iter().map(|s| s.get().copied().flatten()),
+            ));
+        }
+    };
+    (n, Box::new(work))
 }
 
 /// A buffer of `len` floats from `pool` that nobody else holds, or a new one.
@@ -809,14 +869,19 @@ impl Worker<'_> {
 
     /// Copies of batch rows' logits `(row, with_argmax)`, in recycled
     /// buffers when free (a vocabulary-sized allocation per branch per step
-    /// otherwise), each with its stats, computed while the row is in the
-    /// CPU cache (the argmax only `with_argmax`). The work is spread over
-    /// llama.cpp's OpenMP threads, idle between decodes (`omp.rs`): whole
-    /// rows when there are enough, else rows cut into parts of whole
-    /// `SUPER_BLOCK`s (same bits as one thread). Two passes: copy and find
-    /// each part's greedy winner; then, given the row's maximum, the parts'
-    /// exponential sums.
+    /// otherwise), each with its stats. Rows are cut into `SUPER_BLOCK`
+    /// pieces and the work spread over llama.cpp's OpenMP threads, idle
+    /// between decodes (`omp.rs`), in two passes:
+    /// - now: copy each piece and find its greedy winner while it is in the
+    ///   CPU cache (the argmax is what a greedy `produce` needs next);
+    /// - in the background: each piece's exponential sum, for the
+    ///   log-sum-exp that the next `accept` needs. The team's other threads
+    ///   start on it at once, while the worker replies and the caller
+    ///   picks its next tokens; the worker joins in before its next job
+    ///   (`Worker::finish_background`). A reader that comes first computes
+    ///   the value itself (the same bits).
     fn rows_logits(&mut self, rows: &[(i32, bool)]) -> Vec<(Arc<[f32]>, LogitStats)> {
+        self.finish_background();
         let threads = self.params.effective_threads();
         let pool = &mut self.logit_pool;
         let sources: Vec<&[f32]> = rows
@@ -829,7 +894,16 @@ impl Worker<'_> {
             .map(|b| Arc::get_mut(b).expect("a fresh or unshared buffer"))
             .collect();
         let greedy: Vec<bool> = rows.iter().map(|r| r.1).collect();
-        let stats = copy_with_stats(&sources, targets, &greedy, threads);
+        let (stats, winners) = copy_and_scan(&sources, targets, &greedy, threads);
+        let (n, work) = log_sum_exps(
+            buffers
+                .iter()
+                .zip(&stats)
+                .zip(winners)
+                .map(|((b, s), w)| (Arc::clone(b), s.clone(), w))
+                .collect(),
+        );
+        self.background = Some(crate::omp::Background::start(n, threads, work));
         buffers.into_iter().zip(stats).collect()
     }
 
@@ -980,24 +1054,63 @@ mod tests {
                 let sources: Vec<&[f32]> = rows[..n].iter().map(Vec::as_slice).collect();
                 let mut out: Vec<Vec<f32>> = sources.iter().map(|s| vec![0.0; s.len()]).collect();
                 let targets: Vec<&mut [f32]> = out.iter_mut().map(Vec::as_mut_slice).collect();
-                let stats = copy_with_stats(&sources, targets, &vec![true; n], threads);
+                let (stats, winners) = copy_and_scan(&sources, targets, &vec![true; n], threads);
+                // Nothing cached before the background pass: a reader would
+                // compute the value itself.
+                assert!(stats
+                    .iter()
+                    .all(|s| s.cached_log_sum_exp().is_none()
+                        || s.cached_log_sum_exp() == Some(None)));
+                let (items, work) = log_sum_exps(
+                    out.iter()
+                        .zip(&stats)
+                        .zip(winners)
+                        .map(|((o, s), w)| (Arc::from(o.as_slice()), s.clone(), w))
+                        .collect(),
+                );
+                crate::omp::Background::start(items, threads, work).finish();
                 for (i, s) in sources.iter().enumerate() {
                     assert_eq!(out[i].as_slice().len(), s.len());
                     assert!(out[i]
                         .iter()
                         .zip(*s)
                         .all(|(a, b)| a.to_bits() == b.to_bits()));
+                    let reference = LogitStats::of(s, true);
                     assert_eq!(
-                        stats[i],
-                        LogitStats::of(s, true),
+                        stats[i].argmax(),
+                        reference.argmax(),
+                        "row {i}, {threads} threads"
+                    );
+                    assert_eq!(
+                        stats[i].cached_log_sum_exp().map(|v| v.map(f64::to_bits)),
+                        reference.cached_log_sum_exp().map(|v| v.map(f64::to_bits)),
                         "row {i}, {threads} threads"
                     );
                 }
             }
         }
+        let (stats, _) = copy_and_scan(&[&rows[1]], vec![&mut vec![0.0; 49_152]], &[true], 2);
+        assert_eq!(stats[0].argmax(), Some(10));
+    }
+
+    #[test]
+    fn a_reader_before_the_background_pass_gets_the_same_bits() {
+        let logits = row(49_152, 11);
+        let (stats, winners) = copy_and_scan(&[&logits], vec![&mut vec![0.0; 49_152]], &[true], 2);
+        let early = stats[0].surprisal(&logits, 5, crate::Base::Nats).unwrap();
+        let (items, work) = log_sum_exps(vec![(
+            Arc::from(logits.as_slice()),
+            stats[0].clone(),
+            winners[0].clone(),
+        )]);
+        crate::omp::Background::start(items, 2, work).finish();
+        let late = stats[0].surprisal(&logits, 5, crate::Base::Nats).unwrap();
+        assert_eq!(early.to_bits(), late.to_bits());
         assert_eq!(
-            copy_with_stats(&[&rows[1]], vec![&mut vec![0.0; 49_152]], &[true], 2)[0].argmax(),
-            Some(10)
+            early.to_bits(),
+            crate::metrics::surprisal(&logits, 5, crate::Base::Nats)
+                .unwrap()
+                .to_bits()
         );
     }
 }

@@ -24,8 +24,12 @@ fn state_bytes(py: Python<'_>, data: Vec<u8>) -> PyResult<Py<PyAny>> {
     Ok(pyo3::types::PyBytes::new(py, &data).into_any().unbind())
 }
 
-/// One entry per item: `None` or the exception for that item.
+/// `None` when every item succeeded, else one entry per item: `None` or
+/// the exception for that item.
 fn item_errors(py: Python<'_>, results: ItemResults) -> PyResult<Py<PyAny>> {
+    if results.iter().all(Result::is_ok) {
+        return Ok(py.None());
+    }
     let list = PyList::empty(py);
     for r in results {
         match r {

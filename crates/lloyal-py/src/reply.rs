@@ -2,60 +2,127 @@
 //!
 //! Every asynchronous native call takes a `done` object: either a plain
 //! `done(error, value)` callable (trio), or a [`Completion`]: an asyncio
-//! future plus the [`ResultQueue`] of its event loop. For a `Completion`
-//! the worker converts the result holding the GIL and appends it to the
-//! queue -- no Python code runs on the worker -- then releases the GIL and
-//! writes one byte to the queue's pipe, so the event loop thread wakes to a
-//! free GIL and settles every queued future in one pass. The Python side is
+//! future plus the [`ResultQueue`] of its event loop.
+//!
+//! For a `Completion` the worker never takes the GIL: it appends the Rust
+//! result to the queue and writes one byte to the queue's pipe. The event
+//! loop watches the pipe's read end with [`ResultQueue::settle`] as its
+//! reader callback, which converts every queued result to Python objects
+//! and settles the futures, one wake-up for whatever arrived meanwhile.
+//! So the worker cannot stall behind a busy event loop's GIL, and the
+//! loop runs no Python frame of ours to settle a batch. The Python side is
 //! `lloyal/_bridge.py`.
 //!
-//! Worker threads keep their Python thread state between replies (see
-//! [`attach`]): creating and destroying one per reply costs tens of
-//! microseconds per decode step.
+//! A callable `done` is called with the GIL on the worker. Worker threads
+//! keep their Python thread state between such replies (see [`attach`]):
+//! creating and destroying one per reply costs tens of microseconds.
 
-use std::io::Write;
-use std::mem::ManuallyDrop;
-use std::os::fd::{FromRawFd, RawFd};
-use std::sync::Mutex;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use lloyal_core::Reply;
+use pyo3::intern;
 use pyo3::prelude::*;
 
 use crate::errors::to_pyerr;
 
-/// `(target, error, value)`: a finished call, waiting for its event loop.
-type Finished = (Py<PyAny>, Py<PyAny>, Py<PyAny>);
+/// A finished call's result, turned into `(error, value)` on the loop
+/// thread (the conversion needs the GIL, which the worker does not take).
+type Convert = Box<dyn FnOnce(Python<'_>) -> (Py<PyAny>, Py<PyAny>) + Send>;
+
+/// What a [`ResultQueue`] shares with the replies in flight to it: they
+/// keep the pipe open until they have written to it.
+struct Shared {
+    /// `(future, its result)`, oldest first.
+    items: Mutex<Vec<(Py<PyAny>, Convert)>>,
+    read: File,
+    write: File,
+}
+
+impl Shared {
+    fn items(&self) -> MutexGuard<'_, Vec<(Py<PyAny>, Convert)>> {
+        // Pushing and taking cannot leave the list half-written.
+        self.items.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queue a result, then poke the pipe: pushed before poked, so the
+    /// wake-up a poke causes finds every result queued before it.
+    fn push(&self, fut: Py<PyAny>, convert: Convert) {
+        self.items().push((fut, convert));
+        // A full pipe (`EAGAIN`) already guarantees a wake-up.
+        let _ = (&self.write).write(&[1]);
+    }
+}
 
 /// Finished calls of one event loop, and the pipe that wakes it.
 #[pyclass(module = "lloyal._lloyal", frozen)]
 pub struct ResultQueue {
-    items: Mutex<Vec<Finished>>,
-    wake_fd: RawFd,
+    shared: Arc<Shared>,
 }
 
 #[pymethods]
 impl ResultQueue {
-    /// `wake_fd` is the non-blocking write end of a pipe that the queue's
-    /// owner keeps open for as long as any [`Completion`] names it.
+    /// Takes ownership of a pipe's two non-blocking ends; they are closed
+    /// when the queue and every reply in flight to it are gone.
     #[new]
-    fn new(wake_fd: RawFd) -> Self {
-        Self {
-            items: Mutex::new(Vec::new()),
-            wake_fd,
+    fn new(read_fd: RawFd, wake_fd: RawFd) -> PyResult<Self> {
+        if read_fd < 0 || wake_fd < 0 || read_fd == wake_fd {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "ResultQueue needs the two distinct ends of a pipe",
+            ));
         }
+        // SAFETY: the caller hands both descriptors over (`_LoopWaker`
+        // creates the pipe and never closes it itself); each is owned once.
+        let (read, write) =
+            unsafe { (OwnedFd::from_raw_fd(read_fd), OwnedFd::from_raw_fd(wake_fd)) };
+        Ok(Self {
+            shared: Arc::new(Shared {
+                items: Mutex::new(Vec::new()),
+                read: File::from(read),
+                write: File::from(write),
+            }),
+        })
     }
 
-    /// Take every finished `(target, error, value)`, oldest first.
-    fn drain(&self) -> Vec<Finished> {
-        std::mem::take(&mut *self.items())
+    /// The pipe's read end, for the event loop to watch.
+    #[getter]
+    fn read_fd(&self) -> RawFd {
+        self.shared.read.as_raw_fd()
+    }
+
+    /// Settle every queued future with its result, oldest first (a future
+    /// already done -- cancelled while the worker ran -- is skipped). The
+    /// event loop's reader callback for [`Self::read_fd`].
+    fn settle(&self, py: Python<'_>) {
+        // Read the pokes before taking the results: a result is queued
+        // before its poke, so none is left behind. More than 4096 pokes
+        // leave the pipe readable, and the loop calls us again.
+        let _ = (&self.shared.read).read(&mut [0u8; 4096]);
+        let items = std::mem::take(&mut *self.shared.items());
+        for (fut, convert) in items {
+            let (error, value) = convert(py);
+            if let Err(err) = settle(fut.bind(py), error, value) {
+                err.write_unraisable(py, Some(fut.bind(py)));
+            }
+        }
     }
 }
 
-impl ResultQueue {
-    fn items(&self) -> std::sync::MutexGuard<'_, Vec<Finished>> {
-        // Pushing and taking cannot leave the list half-written.
-        self.items.lock().unwrap_or_else(|e| e.into_inner())
+/// `fut.set_exception(error)` or `fut.set_result(value)`, unless `fut` is
+/// already done.
+fn settle(fut: &Bound<'_, PyAny>, error: Py<PyAny>, value: Py<PyAny>) -> PyResult<()> {
+    let py = fut.py();
+    if fut.call_method0(intern!(py, "done"))?.is_truthy()? {
+        return Ok(());
     }
+    if error.is_none(py) {
+        fut.call_method1(intern!(py, "set_result"), (value,))?;
+    } else {
+        fut.call_method1(intern!(py, "set_exception"), (error,))?;
+    }
+    Ok(())
 }
 
 /// Where one call's result goes: `target` (an asyncio future) is queued
@@ -64,75 +131,58 @@ impl ResultQueue {
 pub struct Completion {
     target: Py<PyAny>,
     queue: Py<ResultQueue>,
-    /// The object that owns the queue's pipe: it must outlive the write, so
-    /// the fd cannot be closed (and its number reused) before we poke it.
-    _owner: Py<PyAny>,
 }
 
 #[pymethods]
 impl Completion {
     #[new]
-    fn new(target: Py<PyAny>, queue: Py<ResultQueue>, owner: Py<PyAny>) -> Self {
-        Self {
-            target,
-            queue,
-            _owner: owner,
-        }
+    fn new(target: Py<PyAny>, queue: Py<ResultQueue>) -> Self {
+        Self { target, queue }
     }
 }
 
-/// Write one byte to `fd` without taking ownership of it. A full pipe
-/// (`EAGAIN`) already guarantees a wake-up, so errors are ignored.
-fn poke(fd: RawFd) {
-    // SAFETY: `fd` is open for as long as the `Completion` that names it is
-    // alive (its owner closes it only when collected), and we hold that
-    // `Completion` until after this call. `ManuallyDrop` keeps the `File`
-    // from closing the descriptor.
-    let mut file = ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) });
-    let _ = file.write(&[1]);
+/// `(error, value)` for `result`, `value` converted with `convert`.
+fn to_python<T>(
+    py: Python<'_>,
+    result: lloyal_core::Result<T>,
+    convert: fn(Python<'_>, T) -> PyResult<Py<PyAny>>,
+) -> (Py<PyAny>, Py<PyAny>) {
+    match result.map_err(to_pyerr).and_then(|v| convert(py, v)) {
+        Ok(value) => (py.None(), value),
+        Err(err) => (err.into_value(py).into_any(), py.None()),
+    }
 }
 
 /// Wrap `done` as an engine reply, converting the value with `convert`.
+/// Call with the GIL held (from a bound method).
 pub fn py_reply<T: Send + 'static>(
     done: Py<PyAny>,
     convert: fn(Python<'_>, T) -> PyResult<Py<PyAny>>,
 ) -> Reply<T> {
-    Box::new(move |result| {
-        lloyal_core::after_job(Box::new(move || complete(done, result, convert)));
-    })
-}
-
-/// Hand `result` to `done` (under the GIL), then poke the loop's pipe.
-fn complete<T>(
-    done: Py<PyAny>,
-    result: lloyal_core::Result<T>,
-    convert: fn(Python<'_>, T) -> PyResult<Py<PyAny>>,
-) {
-    let wake_fd = attach(|py| {
-        let (error, value) = match result.map_err(to_pyerr).and_then(|v| convert(py, v)) {
-            Ok(value) => (py.None(), value),
-            Err(err) => (err.into_value(py).into_any(), py.None()),
-        };
-        match done.cast_bound::<Completion>(py) {
-            Ok(c) => {
-                let c = c.get();
-                let queue = c.queue.get();
-                queue.items().push((c.target.clone_ref(py), error, value));
-                Some(queue.wake_fd)
-            }
-            Err(_) => {
-                if let Err(err) = done.call1(py, (error, value)) {
-                    err.write_unraisable(py, Some(done.bind(py)));
-                }
-                None
-            }
-        }
+    let to_loop = Python::attach(|py| {
+        done.cast_bound::<Completion>(py).ok().map(|c| {
+            let c = c.get();
+            (c.target.clone_ref(py), Arc::clone(&c.queue.get().shared))
+        })
     });
-    if let Some(fd) = wake_fd {
-        poke(fd);
+    match to_loop {
+        Some((fut, queue)) => Box::new(move |result| {
+            // No GIL here. The pipe stays open while `queue` is held.
+            lloyal_core::after_job(Box::new(move || {
+                queue.push(fut, Box::new(move |py| to_python(py, result, convert)));
+            }));
+        }),
+        None => Box::new(move |result| {
+            lloyal_core::after_job(Box::new(move || {
+                attach(|py| {
+                    let (error, value) = to_python(py, result, convert);
+                    if let Err(err) = done.call1(py, (error, value)) {
+                        err.write_unraisable(py, Some(done.bind(py)));
+                    }
+                });
+            }));
+        }),
     }
-    // `done` (and so the pipe's owner) is released only now.
-    drop(done);
 }
 
 /// A Python thread state that a worker thread keeps for its lifetime, so
