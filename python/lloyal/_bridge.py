@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sniffio import current_async_library_cvar
@@ -81,22 +81,17 @@ def _waker(loop: asyncio.AbstractEventLoop) -> _LoopWaker:
     return waker
 
 
-def completion() -> tuple[asyncio.Future[Any], _lloyal.Completion]:
-    """A future of the running asyncio loop, and the ``done`` object that
-    settles it from the worker: what ``call_native`` does before it calls
-    ``start``, for callers that await the future themselves."""
+def call_native(start: Start) -> Awaitable[Any]:
+    """Run ``start(done)`` and return what to await until the worker
+    completes ``done``. Under asyncio that is the future itself: no
+    coroutine frame between the caller and the loop (this sits on every
+    decode step's path)."""
+    if _in_trio():
+        return _call_native_trio(start)
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[Any] = loop.create_future()
-    return fut, _lloyal.Completion(fut, _waker(loop)._queue)
-
-
-async def call_native(start: Start) -> Any:
-    """Run ``start(done)`` and wait until the worker completes ``done``."""
-    if _in_trio():
-        return await _call_native_trio(start)
-    fut, done = completion()
-    start(done)
-    return await fut
+    start(_lloyal.Completion(fut, _waker(loop)._queue))
+    return fut
 
 
 async def _call_native_trio(start: Start) -> Any:

@@ -99,6 +99,8 @@ _I32 = 2**31
 def _token_id(token: int) -> int:
     """``token`` as an int that fits the native i32 (range is checked natively
     against the vocabulary, with the same message)."""
+    if type(token) is int and -_I32 <= token < _I32:
+        return token
     try:
         t = operator.index(token)
     except TypeError:
