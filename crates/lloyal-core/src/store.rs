@@ -22,6 +22,15 @@ use crate::grammar::Grammar;
 use crate::metrics::{LogitStats, SUPER_BLOCK};
 use crate::sampling::{Sampler, SamplingParams};
 
+/// Logits (all rows of a batch) up to which the log-sum-exps are summed in
+/// the background after the reply; above, with the copy, before it. Small
+/// batches stay in the CPU cache, so summing them later reads them again
+/// cheaply, off the caller's path; large ones (Gemma 3 at 8 or 16 branches:
+/// 8-16 MiB) would come from memory a second time, which cost more than
+/// it saved (measured on the 2-core machine: no gain at 4 x 262k logits,
+/// 0.2 ms more per step at 16 x 262k).
+const BACKGROUND_SUMS_UP_TO: usize = 1 << 20;
+
 /// Each `SUPER_BLOCK` piece's greedy winner (an index into the piece), for
 /// one row, piece by piece.
 type PieceWinners = Vec<Option<i32>>;
@@ -30,13 +39,15 @@ type PieceWinners = Vec<Option<i32>>;
 /// spread over `threads` OpenMP threads; see `Worker::rows_logits`. The
 /// unit of work is a `SUPER_BLOCK` piece of a row: copied and scanned for
 /// its greedy winner while it is in the cache (one read of each row from
-/// memory). Returns each row's stats (the argmax only `with_argmax`; the
-/// log-sum-exp to come) and each piece's winner, row by row, piece by
+/// memory), and `with_sums` also summed for the log-sum-exp. Returns each
+/// row's stats (the argmax only `with_argmax`; the log-sum-exp filled in
+/// `with_sums`, else to come) and each piece's winner, row by row, piece by
 /// piece, for [`log_sum_exps`].
 fn copy_and_scan(
     sources: &[&[f32]],
     targets: Vec<&mut [f32]>,
     with_argmax: &[bool],
+    with_sums: bool,
     threads: u32,
 ) -> (Vec<LogitStats>, Vec<PieceWinners>) {
     // (row, start) of every piece, rows in order, pieces in order.
@@ -48,16 +59,26 @@ fn copy_and_scan(
             slots.push(Mutex::new(slot));
         }
     }
-    let found: Vec<Mutex<Option<i32>>> = pieces.iter().map(|_| Mutex::new(None)).collect();
+    type Found = (Option<i32>, Option<(f32, f64)>);
+    let found: Vec<Mutex<Found>> = pieces.iter().map(|_| Mutex::new((None, None))).collect();
     crate::omp::for_each(pieces.len(), threads, &|i| {
         let (row, start) = pieces[i];
         let source = &sources[row][start..(start + SUPER_BLOCK).min(sources[row].len())];
         lock(&slots[i]).copy_from_slice(source);
-        *lock(&found[i]) = crate::sampling::greedy(source);
+        let winner = crate::sampling::greedy(source);
+        let sum = if with_sums {
+            crate::metrics::piece_sum(source, winner)
+        } else {
+            None
+        };
+        *lock(&found[i]) = (winner, sum);
     });
     let mut winners: Vec<PieceWinners> = vec![Vec::new(); sources.len()];
+    let mut sums: Vec<Vec<Option<(f32, f64)>>> = vec![Vec::new(); sources.len()];
     for ((row, _), f) in pieces.iter().zip(found) {
-        winners[*row].push(f.into_inner().unwrap_or_else(|p| p.into_inner()));
+        let (winner, sum) = f.into_inner().unwrap_or_else(|p| p.into_inner());
+        winners[*row].push(winner);
+        sums[*row].push(sum);
     }
     let stats = winners
         .iter()
@@ -79,10 +100,14 @@ fn copy_and_scan(
                     Some((bv, _)) if bv >= v => best,
                     _ => Some((v, i)),
                 });
-            LogitStats::new(
+            let stats = LogitStats::new(
                 best.filter(|_| with_argmax[row])
                     .and_then(|(_, i)| i32::try_from(i).ok()),
-            )
+            );
+            if with_sums {
+                stats.fill(crate::metrics::combine_pieces(sums[row].iter().copied()));
+            }
+            stats
         })
         .collect();
     (stats, winners)
@@ -879,7 +904,9 @@ impl Worker<'_> {
     ///   start on it at once, while the worker replies and the caller
     ///   picks its next tokens; the worker joins in before its next job
     ///   (`Worker::finish_background`). A reader that comes first computes
-    ///   the value itself (the same bits).
+    ///   the value itself (the same bits). Batches of more than
+    ///   `BACKGROUND_SUMS_UP_TO` logits are summed in the first pass
+    ///   instead, while each piece is in the cache.
     fn rows_logits(&mut self, rows: &[(i32, bool)]) -> Vec<(Arc<[f32]>, LogitStats)> {
         self.finish_background();
         let threads = self.params.effective_threads();
@@ -894,7 +921,12 @@ impl Worker<'_> {
             .map(|b| Arc::get_mut(b).expect("a fresh or unshared buffer"))
             .collect();
         let greedy: Vec<bool> = rows.iter().map(|r| r.1).collect();
-        let (stats, winners) = copy_and_scan(&sources, targets, &greedy, threads);
+        let total: usize = sources.iter().map(|s| s.len()).sum();
+        let now = total > BACKGROUND_SUMS_UP_TO;
+        let (stats, winners) = copy_and_scan(&sources, targets, &greedy, now, threads);
+        if now {
+            return buffers.into_iter().zip(stats).collect();
+        }
         let (n, work) = log_sum_exps(
             buffers
                 .iter()
@@ -1049,26 +1081,26 @@ mod tests {
         rows[1][40_000] = 1e3; // the winner in a later part
         rows[1][10] = 1e3; // ... tied with an earlier one: the earlier wins
         rows[2] = vec![f32::NAN; 1000]; // nothing finite
-        for threads in [1, 2, 4] {
+        for (threads, with_sums) in [1, 2, 4].into_iter().flat_map(|t| [(t, false), (t, true)]) {
             for n in 1..=rows.len() {
                 let sources: Vec<&[f32]> = rows[..n].iter().map(Vec::as_slice).collect();
                 let mut out: Vec<Vec<f32>> = sources.iter().map(|s| vec![0.0; s.len()]).collect();
                 let targets: Vec<&mut [f32]> = out.iter_mut().map(Vec::as_mut_slice).collect();
-                let (stats, winners) = copy_and_scan(&sources, targets, &vec![true; n], threads);
-                // Nothing cached before the background pass: a reader would
-                // compute the value itself.
-                assert!(stats
-                    .iter()
-                    .all(|s| s.cached_log_sum_exp().is_none()
-                        || s.cached_log_sum_exp() == Some(None)));
-                let (items, work) = log_sum_exps(
-                    out.iter()
-                        .zip(&stats)
-                        .zip(winners)
-                        .map(|((o, s), w)| (Arc::from(o.as_slice()), s.clone(), w))
-                        .collect(),
-                );
-                crate::omp::Background::start(items, threads, work).finish();
+                let (stats, winners) =
+                    copy_and_scan(&sources, targets, &vec![true; n], with_sums, threads);
+                if !with_sums {
+                    // Nothing cached before the background pass: a reader
+                    // would compute the value itself.
+                    assert!(stats.iter().all(|s| s.cached_log_sum_exp().is_none()));
+                    let (items, work) = log_sum_exps(
+                        out.iter()
+                            .zip(&stats)
+                            .zip(winners)
+                            .map(|((o, s), w)| (Arc::from(o.as_slice()), s.clone(), w))
+                            .collect(),
+                    );
+                    crate::omp::Background::start(items, threads, work).finish();
+                }
                 for (i, s) in sources.iter().enumerate() {
                     assert_eq!(out[i].as_slice().len(), s.len());
                     assert!(out[i]
@@ -1076,27 +1108,26 @@ mod tests {
                         .zip(*s)
                         .all(|(a, b)| a.to_bits() == b.to_bits()));
                     let reference = LogitStats::of(s, true);
-                    assert_eq!(
-                        stats[i].argmax(),
-                        reference.argmax(),
-                        "row {i}, {threads} threads"
-                    );
+                    let what = format!("row {i}, {threads} threads, sums now: {with_sums}");
+                    assert_eq!(stats[i].argmax(), reference.argmax(), "{what}");
                     assert_eq!(
                         stats[i].cached_log_sum_exp().map(|v| v.map(f64::to_bits)),
                         reference.cached_log_sum_exp().map(|v| v.map(f64::to_bits)),
-                        "row {i}, {threads} threads"
+                        "{what}"
                     );
                 }
             }
         }
-        let (stats, _) = copy_and_scan(&[&rows[1]], vec![&mut vec![0.0; 49_152]], &[true], 2);
+        let (stats, _) =
+            copy_and_scan(&[&rows[1]], vec![&mut vec![0.0; 49_152]], &[true], false, 2);
         assert_eq!(stats[0].argmax(), Some(10));
     }
 
     #[test]
     fn a_reader_before_the_background_pass_gets_the_same_bits() {
         let logits = row(49_152, 11);
-        let (stats, winners) = copy_and_scan(&[&logits], vec![&mut vec![0.0; 49_152]], &[true], 2);
+        let (stats, winners) =
+            copy_and_scan(&[&logits], vec![&mut vec![0.0; 49_152]], &[true], false, 2);
         let early = stats[0].surprisal(&logits, 5, crate::Base::Nats).unwrap();
         let (items, work) = log_sum_exps(vec![(
             Arc::from(logits.as_slice()),
