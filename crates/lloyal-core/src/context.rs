@@ -706,6 +706,15 @@ impl Worker<'_> {
         }
     }
 
+    /// Keep llama.cpp's OpenMP threads spinning until the next job (or
+    /// `omp::LINGER`) instead of letting them fall asleep: call after a
+    /// decode whose caller will soon decode again (see `omp::LINGER`).
+    pub(crate) fn keep_team_awake(&mut self) {
+        self.finish_background();
+        let threads = self.params.effective_threads();
+        self.background = Some(crate::omp::Background::start(0, threads, Box::new(|_| {})));
+    }
+
     fn execute(&mut self, job: Job) {
         match job {
             Job::Decode {
@@ -790,6 +799,7 @@ impl Worker<'_> {
         let last = self.batch.n_tokens() - 1;
         self.publish_logits(last);
         self.refresh_pos(slot, seq);
+        self.keep_team_awake();
         Ok(())
     }
 

@@ -97,27 +97,65 @@ struct Owned {
     n: usize,
     next: AtomicUsize,
     panicked: AtomicBool,
+    /// Set when the caller finishes: the lingering threads return.
+    joined: AtomicBool,
 }
+
+impl Owned {
+    /// Run items until none is left.
+    fn run_items(&self) {
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            if i >= self.n {
+                return;
+            }
+            // A panic must not unwind into C: note it, re-raise it later.
+            if catch_unwind(AssertUnwindSafe(|| (self.work)(i))).is_err() {
+                self.panicked.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// How long the team's other threads stay awake, spinning, after their
+/// background items, waiting for the caller to finish (its next decode).
+///
+/// libgomp's own wait between parallel regions spins for a count of
+/// iterations (`GOMP_SPINCOUNT`, 300,000 by default: a fraction of a
+/// millisecond to a few, by CPU) and then sleeps; the next decode must then
+/// wake the thread, and on a busy virtual machine that wake-up can take
+/// milliseconds (a sleeping vCPU waits for the host). Between two decodes
+/// of a Python loop (the event loop picks the next tokens) the threads
+/// did fall asleep, and decodes were 5-20% slower than in a tight Rust
+/// loop. llama.cpp asks for the same with LLVM's OpenMP (it sets
+/// `KMP_BLOCKTIME` to 200 ms, which libgomp does not read). After this the
+/// threads return to libgomp's own wait.
+pub(crate) const LINGER: std::time::Duration = std::time::Duration::from_millis(20);
 
 extern "C" fn run_owned(data: *mut c_void) {
     // SAFETY: `data` points into the `Box<Owned>` of a `Background`, which
     // ends the parallel region (`GOMP_parallel_end` returns only after
     // every thread has left this function) before the box is dropped.
     let shared = unsafe { &*(data as *const Owned) };
-    loop {
-        let i = shared.next.fetch_add(1, Ordering::Relaxed);
-        if i >= shared.n {
-            return;
+    shared.run_items();
+    // Stay awake until the caller joins (or LINGER passes); reading the
+    // clock only every few thousand spins.
+    let until = std::time::Instant::now() + LINGER;
+    while !shared.joined.load(Ordering::Acquire) {
+        for _ in 0..2048 {
+            std::hint::spin_loop();
         }
-        if catch_unwind(AssertUnwindSafe(|| (shared.work)(i))).is_err() {
-            shared.panicked.store(true, Ordering::Relaxed);
+        if std::time::Instant::now() >= until {
+            return;
         }
     }
 }
 
 /// `n` items of `work` that the OpenMP team's other threads start on now,
 /// while the calling thread goes on; [`Background::finish`] (or dropping
-/// it) makes the caller take the items left and waits for the rest.
+/// it) makes the caller take the items left and waits for the rest. With
+/// nothing (left) to do the other threads spin until the caller finishes,
+/// for up to [`LINGER`], so the next decode finds them awake.
 /// Between the two the caller is inside a parallel region: it must not
 /// run OpenMP code (`llama_decode`, [`for_each`]) until it has finished,
 /// and only it may finish (libgomp's rule for the thread that started a
@@ -137,8 +175,9 @@ impl Background {
             n,
             next: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
+            joined: AtomicBool::new(false),
         });
-        let region = threads > 1 && n > 0;
+        let region = threads > 1;
         if region {
             // SAFETY: `run_owned` matches the callback type libgomp expects
             // and never unwinds; the box is neither moved out of nor freed
@@ -168,7 +207,8 @@ impl Background {
         let Some(owned) = self.owned.take() else {
             return;
         };
-        run_owned(&*owned as *const Owned as *mut c_void);
+        owned.joined.store(true, Ordering::Release);
+        owned.run_items();
         if self.region {
             // SAFETY: called once, on the thread that started the region.
             unsafe { GOMP_parallel_end() };
@@ -187,7 +227,8 @@ impl Drop for Background {
         } else if let Some(owned) = self.owned.take() {
             // Unwinding: still end the region (no assert), so the other
             // threads are released and the box outlives them.
-            run_owned(&*owned as *const Owned as *mut c_void);
+            owned.joined.store(true, Ordering::Release);
+            owned.run_items();
             if self.region {
                 // SAFETY: as in `end`.
                 unsafe { GOMP_parallel_end() };

@@ -925,6 +925,7 @@ impl Worker<'_> {
         let now = total > BACKGROUND_SUMS_UP_TO;
         let (stats, winners) = copy_and_scan(&sources, targets, &greedy, now, threads);
         if now {
+            self.keep_team_awake();
             return buffers.into_iter().zip(stats).collect();
         }
         let (n, work) = log_sum_exps(
