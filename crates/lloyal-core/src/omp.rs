@@ -45,22 +45,28 @@ struct Shared<'a> {
     panicked: AtomicBool,
 }
 
+/// Take items `next..n` one at a time (shared with the other threads) and
+/// run `work` on each. A panic must not unwind into C: it is noted in
+/// `panicked` and re-raised by the caller afterwards.
+fn take_items(work: &(dyn Fn(usize) + Sync), n: usize, next: &AtomicUsize, panicked: &AtomicBool) {
+    loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= n {
+            return;
+        }
+        if catch_unwind(AssertUnwindSafe(|| work(i))).is_err() {
+            panicked.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
 extern "C" fn run(data: *mut c_void) {
     // SAFETY: `data` points to the `Shared` on `for_each`'s stack, which
     // outlives the parallel region (GOMP_parallel returns only after every
     // thread has left this function); it is only read, and its mutable
     // parts are atomics.
     let shared = unsafe { &*(data as *const Shared<'_>) };
-    loop {
-        let i = shared.next.fetch_add(1, Ordering::Relaxed);
-        if i >= shared.n {
-            return;
-        }
-        // A panic must not unwind into C: note it, re-raise it afterwards.
-        if catch_unwind(AssertUnwindSafe(|| (shared.work)(i))).is_err() {
-            shared.panicked.store(true, Ordering::Relaxed);
-        }
-    }
+    take_items(shared.work, shared.n, &shared.next, &shared.panicked);
 }
 
 /// Call `work(i)` for every `i` in `0..n`, spread over up to `threads`
@@ -104,16 +110,7 @@ struct Owned {
 impl Owned {
     /// Run items until none is left.
     fn run_items(&self) {
-        loop {
-            let i = self.next.fetch_add(1, Ordering::Relaxed);
-            if i >= self.n {
-                return;
-            }
-            // A panic must not unwind into C: note it, re-raise it later.
-            if catch_unwind(AssertUnwindSafe(|| (self.work)(i))).is_err() {
-                self.panicked.store(true, Ordering::Relaxed);
-            }
-        }
+        take_items(&*self.work, self.n, &self.next, &self.panicked);
     }
 }
 
