@@ -53,6 +53,10 @@ class _LoopWaker:
         self._loop = weakref.ref(loop)
         loop.add_reader(read_fd, self._queue.settle)
 
+    def completion(self, fut: asyncio.Future[Any]) -> _lloyal.Completion:
+        """The ``done`` object that settles ``fut`` from the worker."""
+        return _lloyal.Completion(fut, self._queue)
+
     def __del__(self) -> None:
         loop = self._loop()
         with contextlib.suppress(Exception):
@@ -62,22 +66,12 @@ class _LoopWaker:
 
 _wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker]
 _wakers = weakref.WeakKeyDictionary()
-# The last loop's (loop, waker), both held weakly: the lookup that almost
-# every call makes, without the weak dictionary's Python-level ``get``.
-_last: tuple[weakref.ref[Any], weakref.ref[_LoopWaker]] | None = None
 
 
 def _waker(loop: asyncio.AbstractEventLoop) -> _LoopWaker:
-    global _last
-    last = _last
-    if last is not None and last[0]() is loop:
-        waker = last[1]()
-        if waker is not None:
-            return waker
     waker = _wakers.get(loop)
     if waker is None:
         waker = _wakers[loop] = _LoopWaker(loop)
-    _last = (weakref.ref(loop), weakref.ref(waker))
     return waker
 
 
@@ -90,7 +84,7 @@ def call_native(start: Start) -> Awaitable[Any]:
         return _call_native_trio(start)
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[Any] = loop.create_future()
-    start(_lloyal.Completion(fut, _waker(loop)._queue))
+    start(_waker(loop).completion(fut))
     return fut
 
 
@@ -196,6 +190,6 @@ def start_batch(start: Start, waiters: list[Waiter]) -> None:
 
     batch.add_done_callback(finish)
     try:
-        start(_lloyal.Completion(batch, _waker(loop)._queue))
+        start(_waker(loop).completion(batch))
     except BaseException as e:
         batch.set_exception(e)
