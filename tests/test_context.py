@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import lloyal
+import numpy as np
 import pytest
 from lloyal import _lloyal
 
@@ -45,6 +46,22 @@ async def test_memory_size_grows_with_n_ctx_and_shrinks_with_quantised_kv(smollm
         smollm2, n_ctx=1024, type_k="q8_0", type_v="q8_0"
     ) as quantised:
         assert small_size < quantised.memory_size < big_size
+
+
+async def test_f32_kv_is_twice_the_cache_with_the_logits_of_f16(smollm2: Path) -> None:
+    # llama.cpp's flash attention (on for the CPU) casts f32 K/V to f16.
+    logits, sizes = {}, {}
+    for kv in ("f16", "f32", "q8_0"):
+        async with await lloyal.create_context(smollm2, n_ctx=512, type_k=kv, type_v=kv) as ctx:
+            tokens = await ctx.tokenize("The printing press changed how books were made")
+            await ctx.decode(tokens, 0)
+            logits[kv], sizes[kv] = ctx.get_logits().copy(), ctx.memory_size
+    # Only the cache differs: 4, 2 and 34/32 bytes an element.
+    elements = (sizes["f32"] - sizes["f16"]) / 2
+    assert elements > 0
+    assert sizes["f16"] - sizes["q8_0"] == elements * (2 - 34 / 32)
+    np.testing.assert_array_equal(logits["f32"], logits["f16"])
+    assert not np.array_equal(logits["q8_0"], logits["f16"])
 
 
 async def test_every_option_is_accepted(smollm2: Path) -> None:

@@ -630,7 +630,10 @@ async def create_context(
 
     The KV cache is unified (every sequence draws from one pool of ``n_ctx``
     cells, so forks share their prefix) and sliding-window layers keep full
-    size, so any sequence can be copied or trimmed anywhere.
+    size, so any sequence can be copied or trimmed anywhere. ``type_k`` /
+    ``type_v`` set the cache's element types; ``"f32"`` doubles its size
+    but gives the same logits as ``"f16"``, since llama.cpp's flash
+    attention (on where the backend has it, as on the CPU) attends in f16.
 
     Raises ``FileNotFoundError`` for a missing file, :class:`ModelLoadError`
     for a file llama.cpp cannot load, ``ValueError`` for bad options.
