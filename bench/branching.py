@@ -27,9 +27,9 @@ virtual environment it creates under ~/.cache/lloyal/bench-venv (building
 llama-cpp-python from source takes several minutes the first time).
 
 Fork latency is a property of the context as much as of the code: on the
-development machine about a third of contexts (of llama.cpp's own copy in
-a plain Rust process just as of ours) copy a 3,000-token sequence at
-~1.8x the time of the rest, for the context's whole life, whatever the
+development machine a third to a half of contexts (of llama.cpp's own copy
+in a plain Rust process just as of ours) copy a 3,000-token sequence at
+1.6-2x the time of the rest, for the context's whole life, whatever the
 address layout (``setarch -R`` changes nothing). A median over three
 contexts then turns on which side drew more slow ones. So each side
 creates FORK_CONTEXTS contexts, taking turns, and the table compares
