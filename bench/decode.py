@@ -6,6 +6,13 @@ same greedy tokens one at a time. Runs alternate (raw, python, raw, ...) so
 machine noise hits both; the medians and their ratio are printed.
 
     python bench/decode.py [--model smollm2|gemma3|PATH] [--runs 3] [--gen 128]
+    python bench/decode.py --compare-wheel .venv-wheel/bin/python [--runs 5]
+
+``--compare-wheel PYTHON`` measures the installed portable wheel (in the
+venv of PYTHON, e.g. the one ``make test-wheel`` leaves) against this
+checkout's native source build instead: the same Python loop in two child
+processes, taking turns, with the wheel's chosen CPU variant printed.
+Target: wheel >= 0.97x native for prefill and decode.
 
 Target: Python decode >= 0.95x raw. For reference, llama.cpp's llama-bench
 on the 2-core development machine (2 threads, AVX2): SmolLM2-135M Q4_1
@@ -67,14 +74,70 @@ ROOT_TEXT = (
 )
 
 
+def child(path: Path, tokens_file: str, n_gen: int, threads: int) -> None:
+    """One timed Python run in this interpreter's lloyal, as JSON on stdout."""
+    with open(tokens_file) as f:
+        prompt = json.load(f)
+    result: dict[str, object] = dict(asyncio.run(python_run(path, prompt, n_gen, threads)))
+    info = lloyal.backend_info()
+    result["build"] = info.cpu_variant or "native"
+    print(json.dumps(result))
+
+
+def compare_wheel(args: argparse.Namespace, names: list[str]) -> None:
+    """Native source build vs the installed wheel, alternating child processes."""
+    sides = {"native": sys.executable, "wheel": args.compare_wheel}
+    print(f"threads={args.threads} prompt={PROMPT_TOKENS} generated={args.gen} runs={args.runs}")
+    header = f"{'model':<10} {'':<8} {'native tok/s':>13} {'wheel tok/s':>12} {'ratio':>7}"
+    print(header)
+    print("-" * len(header))
+    for name in names:
+        path = model_path(name) if name in KNOWN_MODELS else Path(name)
+        prompt = make_prompt(path)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(prompt, f)
+            tokens_file = f.name
+        rates: dict[str, dict[str, list[float]]] = {
+            side: {"prefill": [], "decode": []} for side in sides
+        }
+        builds: dict[str, str] = {}
+        outputs: dict[str, list[int]] = {}
+        for i in range(args.runs):
+            order = list(sides) if i % 2 == 0 else list(reversed(sides))
+            for side in order:
+                cmd = [sides[side], __file__, "--child", str(path), tokens_file]
+                r = run_json([*cmd, str(args.gen), str(args.threads)])
+                rates[side]["prefill"].append(len(prompt) / r["prefill_s"])
+                rates[side]["decode"].append(args.gen / r["decode_s"])
+                builds[side], outputs[side] = r["build"], r["generated"]
+        os.unlink(tokens_file)
+        for phase in ("prefill", "decode"):
+            n_med, w_med = median(rates["native"][phase]), median(rates["wheel"][phase])
+            print(f"{name:<10} {phase:<8} {n_med:>13.1f} {w_med:>12.1f} {w_med / n_med:>6.3f}x")
+        same = "the same" if outputs["native"] == outputs["wheel"] else "different"
+        print(f"  wheel's CPU variant: {builds['wheel']}; greedy tokens {same}")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        path, tokens_file, n_gen, threads = sys.argv[2:6]
+        child(Path(path), tokens_file, int(n_gen), int(threads))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", help="smollm2, gemma3 or a path (repeatable)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--compare-wheel",
+        metavar="PYTHON",
+        help="a venv's python with the wheel installed: compare it with this checkout's build",
+    )
     args = parser.parse_args()
     names = args.model or list(KNOWN_MODELS)
+    if args.compare_wheel:
+        compare_wheel(args, names)
+        return
     raw_bin = build_example("raw_decode")
 
     print(f"threads={args.threads} prompt={PROMPT_TOKENS} generated={args.gen} runs={args.runs}")

@@ -1,7 +1,7 @@
 """Put llama.cpp's shared libraries and backend modules into a lloyal wheel.
 
 For a wheel built with the `dynamic-backends` feature (see
-scripts/build_dynamic_wheel.sh): the extension ``lloyal/_lloyal*.so`` needs
+scripts/build_wheel.sh): the extension ``lloyal/_lloyal*.so`` needs
 libllama, libggml, libggml-base, libllama-common (found next to it through
 its $ORIGIN rpath), and llama.cpp loads its compute backends
 (``libggml-cpu-<variant>.so``, ``libggml-cuda.so``, ...) at run time from the

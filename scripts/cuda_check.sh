@@ -5,7 +5,7 @@
 # the CUDA toolkit (nvcc), cmake, ninja and Python 3.10+ with numpy and anyio.
 # Needs no Rust and no network. Inputs, all in $CHECK_DIR (default .cuda/):
 #
-#   lloyal-*.whl             from scripts/build_dynamic_wheel.sh
+#   lloyal-*.whl             from scripts/build_wheel.sh (`make wheel`)
 #   llama.cpp-src.tar.xz     the llama.cpp source llama-cpp-sys-2 vendors:
 #                            tar -C ~/.cargo/registry/src/*/llama-cpp-sys-2-0.1.160 -cJf llama.cpp-src.tar.xz llama.cpp
 #   *.gguf                   the model (e.g. scripts/truncate_gguf.py's output)

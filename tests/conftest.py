@@ -1,10 +1,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import lloyal
+import numpy as np
+import numpy.typing as npt
 import pytest
 from lloyal.models import model_path
 
@@ -53,3 +56,101 @@ def shared_ctx(request: pytest.FixtureRequest) -> Iterator[lloyal.Context]:
     ctx = open_sync(model_path(request.param), n_ctx=256)
     yield ctx
     ctx.close()
+
+
+ROUTE_NOISE = 2.0
+"""How far apart (in logits) a greedy step's two best tokens must be for
+every decoding route to make the same choice.
+
+llama.cpp's CPU kernels give the same bits when the same tokens are decoded
+the same way (same batch layout, same KV cells, same thread count), but not
+when the route differs: a token decoded alone or inside a batch, a prompt in
+one call or split, other KV cells. On the test models that moved logits by
+up to 0.9 (docs/determinism.md), by an amount that differs with the host's
+CPU. The tests allow ROUTE_NOISE / 2 = 1.0 per logit, over the 0.9 measured.
+Then a top-1 margin of at least ROUTE_NOISE keeps the argmax on every route
+(closing it takes the best token down and the runner-up up by 1.0 each), and
+a surprisal or log-probability (a log-softmax value) moves by at most
+2 x 1.0 = ROUTE_NOISE.
+"""
+
+
+def top1_margin(logits: npt.ArrayLike) -> float:
+    """The best logit minus the second best."""
+    second, first = np.partition(np.asarray(logits, dtype=np.float64), -2)[-2:]
+    return float(first - second)
+
+
+@dataclass(frozen=True)
+class Greedy:
+    """A greedy continuation, with each step's top-1 margin and the chosen
+    token's surprisal (nats). ``margins`` has one more entry than ``tokens``
+    when the run ended on a stop token (that choice needs a margin too)."""
+
+    tokens: list[int]
+    margins: list[float]
+    surprisals: list[float]
+
+    @property
+    def sure(self) -> int:
+        """How many leading steps every route takes the same way: each of
+        them and all before it had a margin of at least ROUTE_NOISE."""
+        return next((i for i, m in enumerate(self.margins) if m < ROUTE_NOISE), len(self.margins))
+
+    @property
+    def all_sure(self) -> bool:
+        """No near-tie anywhere: another route gives exactly these tokens."""
+        return self.sure == len(self.margins)
+
+    def check(self, tokens: Sequence[int], at_least: int) -> int:
+        """Assert that ``tokens`` (from another decoding route) agree with
+        these up to the first near-tie, and everywhere if there is none;
+        that at least ``at_least`` steps were compared; return how many were."""
+        n = min(self.sure, len(self.tokens))
+        assert n >= at_least, f"only {n} greedy steps with margin >= {ROUTE_NOISE}: {self.margins}"
+        assert list(tokens[:n]) == self.tokens[:n]
+        if self.all_sure:
+            assert list(tokens) == self.tokens
+        return n
+
+
+async def greedy_reference(
+    ctx: lloyal.Context, prompt: str, max_tokens: int, stop: Iterable[int] = ()
+) -> Greedy:
+    """The greedy continuation of ``prompt`` by the flat loop on sequence 0
+    (the prompt in one call, then one token per call), stopping where
+    ``lloyal.strategies.generate`` stops. Sequence 0 is emptied afterwards."""
+    stops = set(stop)
+    tokens = await ctx.tokenize(prompt)
+    await ctx.decode(tokens, 0)
+    out: list[int] = []
+    margins: list[float] = []
+    surprisals: list[float] = []
+    try:
+        while len(out) < max_tokens:
+            logits = ctx.get_logits()
+            token = int(np.argmax(logits))
+            margins.append(top1_margin(logits))
+            if ctx.is_stop_token(token) or token in stops:
+                break
+            out.append(token)
+            surprisals.append(ctx.model_surprisal(token))
+            if len(out) < max_tokens:
+                await ctx.decode([token], len(tokens) + len(out) - 1)
+    finally:
+        await ctx.kv_cache_remove(0, 0)
+    return Greedy(out, margins, surprisals)
+
+
+async def branch_greedy(branch: lloyal.Branch, n: int) -> Greedy:
+    """``n`` tokens produced and committed on a greedy branch, with margins."""
+    out: list[int] = []
+    margins: list[float] = []
+    surprisals: list[float] = []
+    for _ in range(n):
+        margins.append(top1_margin(branch.logits))
+        p = await branch.produce()
+        surprisals.append(branch.model_surprisal(p.token))
+        await branch.commit(p.token)
+        out.append(p.token)
+    return Greedy(out, margins, surprisals)

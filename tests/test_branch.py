@@ -10,6 +10,8 @@ import lloyal
 import numpy as np
 import pytest
 
+from tests.conftest import ROUTE_NOISE, Greedy, branch_greedy, top1_margin
+
 pytestmark = pytest.mark.anyio
 
 PROMPT = "The old lighthouse keeper climbed the stairs and"
@@ -36,20 +38,32 @@ async def test_fork_shares_prefix_and_continues_identically(model: Path) -> None
         assert root.children == [child]
         assert not root.is_leaf
         assert child.is_leaf
-        np.testing.assert_array_equal(child.logits, root.logits)
-        # Same greedy continuation from the shared prefix.
-        assert await greedy_tokens(child, 6) == await greedy_tokens(root, 6)
-        assert child.perplexity == pytest.approx(root.perplexity)
+        np.testing.assert_array_equal(child.logits, root.logits)  # a copy
+        assert child.perplexity == root.perplexity
+        # Same greedy continuation from the shared prefix. The root's cells
+        # come after the child's, another route: the same tokens up to the
+        # first near-tie (tests/conftest.py), and the same perplexity up to
+        # ROUTE_NOISE in each surprisal.
+        ours = await branch_greedy(child, 6)
+        theirs = await branch_greedy(root, 6)
+        ours.check(theirs.tokens, at_least=3)
+        if theirs.tokens == ours.tokens:
+            assert np.log(child.perplexity) == pytest.approx(
+                np.log(root.perplexity), abs=ROUTE_NOISE
+            )
 
 
 async def test_forks_without_reseed_match_and_reseeded_forks_diverge(smollm2: Path) -> None:
     params = lloyal.SamplingParams(temperature=1.2, top_k=0, top_p=1.0, min_p=0.0, seed=7)
-    # CPU kernels: forks decoded in one batch stay bit-identical (docs/gpu.md).
     async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=5, n_gpu_layers=0) as ctx:
         root = lloyal.Branch.create(ctx, params=params)
         await root.prefill(await ctx.tokenize(PROMPT))
         a, b = await root.fork(), await root.fork()
-        assert await greedy_tokens(a, 12) == await greedy_tokens(b, 12)
+        drawn = await greedy_tokens(a, 12)
+        # Same route, so the same bits: with `a` pruned, `b` decodes the same
+        # tokens into the same cells, one per decode. Only the draws are tested.
+        await a.prune()
+        assert await greedy_tokens(b, 12) == drawn
         c, d = await root.fork(), await root.fork()
         c.reseed_sampler(1)
         d.reseed_sampler(2)
@@ -57,16 +71,20 @@ async def test_forks_without_reseed_match_and_reseeded_forks_diverge(smollm2: Pa
 
 
 async def test_batched_decode_matches_decoding_alone(model: Path) -> None:
-    """A branch decoded with 7 siblings gets the logits and greedy text it
-    gets when decoded alone."""
-    # CPU kernels: their logits do not depend on the batch (CUDA's do, docs/gpu.md).
+    """A branch decoded with 7 siblings gets the greedy text it gets when
+    decoded alone, and logits within route noise of those."""
+    # A batch of 8 and a single token are different routes: CPU kernels
+    # round differently by batch layout (docs/determinism.md), so the test
+    # allows ROUTE_NOISE (tests/conftest.py). CUDA's kernels differ more
+    # (docs/gpu.md): this test keeps to the CPU.
     async with await lloyal.create_context(model, n_ctx=1024, n_seq_max=9, n_gpu_layers=0) as ctx:
         store = lloyal.BranchStore(ctx)
         root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
         await root.prefill(await ctx.tokenize(PROMPT))
         alone = await root.fork()
-        alone_tokens, alone_logits = [], []
+        alone_tokens, alone_logits, margins = [], [], []
         for _ in range(4):
+            margins.append(top1_margin(alone.logits))
             p = await alone.produce()
             await alone.commit(p.token)
             alone_tokens.append(p.token)
@@ -82,10 +100,13 @@ async def test_batched_decode_matches_decoding_alone(model: Path) -> None:
             produced = [(b, (await b.produce()).token) for b in family]
             await store.commit(produced)
             together_tokens.append(produced[0][1])
-            p = np.exp(alone_logits[step] - alone_logits[step].max())
-            q = np.exp(family[0].logits - family[0].logits.max())
-            assert np.abs(p / p.sum() - q / q.sum()).max() < 0.05
-        assert together_tokens == alone_tokens
+            if together_tokens == alone_tokens[: step + 1]:
+                # The same tokens by another route: each logit within ROUTE_NOISE / 2.
+                np.testing.assert_allclose(
+                    family[0].logits, alone_logits[step], rtol=0, atol=ROUTE_NOISE / 2
+                )
+        # The same tokens up to the first near-tie.
+        Greedy(alone_tokens, margins, []).check(together_tokens, at_least=2)
 
 
 async def test_async_iteration_stops_at_eog(smollm2: Path) -> None:
@@ -202,8 +223,10 @@ async def test_fork_and_prune_run_at_once_when_the_worker_is_idle(model: Path) -
         assert isinstance(child, lloyal.Branch)
         assert child.parent is root
         assert child.position == root.position
-        np.testing.assert_array_equal(child.logits, root.logits)
-        assert await greedy_tokens(child, 3) == await greedy_tokens(root, 3)
+        np.testing.assert_array_equal(child.logits, root.logits)  # a copy
+        # The root's cells come after the child's, another route: the same
+        # tokens up to the first near-tie (tests/conftest.py).
+        (await branch_greedy(child, 3)).check((await branch_greedy(root, 3)).tokens, at_least=1)
         prune = child.prune()
         with pytest.raises(StopIteration):
             prune.send(None)

