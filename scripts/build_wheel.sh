@@ -45,6 +45,15 @@ esac
 export RUSTFLAGS="-C target-cpu=$TARGET_CPU -C link-arg=-Wl,-rpath,\$ORIGIN"
 export CMAKE_INSTALL_RPATH='$ORIGIN'
 export CMAKE_BUILD_WITH_INSTALL_RPATH=ON
+# llama.cpp's common library (lloyal uses its JSON-schema converter) links
+# cpp-httplib, which links OpenSSL when it finds it: lloyal never downloads
+# anything, and a wheel that bundles OpenSSL must track its security fixes.
+export CMAKE_DISABLE_FIND_PACKAGE_OpenSSL=ON
+
+# llama-cpp-sys-2 hard-links its libraries into the target dir unless they
+# exist; a rebuild after `cargo clean -p llama-cpp-sys-2` finds dangling
+# symlinks there (libllama.so -> libllama.so.0) and fails. Drop them.
+find "$CARGO_TARGET_DIR" -maxdepth 3 -name 'lib*.so*' -xtype l -delete 2>/dev/null || true
 
 raw="$(mktemp -d)"
 trap 'rm -rf "$raw"' EXIT

@@ -5,7 +5,11 @@
 # and compare. A binary compiled for this machine's CPU would die with
 # SIGILL there; the wheel's llama.cpp picks its `sse42` CPU module instead.
 #
-#   scripts/check_portable.sh dist/lloyal-*.whl [CPU ...]   # default CPU: Nehalem
+#   scripts/check_portable.sh dist/lloyal-*.whl [CPU ...]   # default CPUs: Nehalem, qemu64
+#
+# With a source build in .venv (make dev) it first runs that under the same
+# emulated CPU as a control: built for this machine, it must die of SIGILL,
+# which shows that the emulator does refuse the instructions the CPU lacks.
 #
 # Needs qemu-user (Debian: apt-get install qemu-user; installed if missing).
 # Takes a few minutes: the emulated run is some 50x slower than the host.
@@ -13,7 +17,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEEL="${1:?usage: scripts/check_portable.sh WHEEL [CPU ...]}"
 shift
-CPUS=("${@:-Nehalem}")
+CPUS=("$@")
+[ ${#CPUS[@]} -gt 0 ] || CPUS=(Nehalem qemu64)
 VENV="${PORTABLE_VENV:-.venv-portable}"
 PY="${PY:-python3}"
 
@@ -29,6 +34,13 @@ MODEL="$("$VENV/bin/python" -c 'from lloyal.models import model_path; print(mode
 RUN=("$VENV/bin/python" scripts/portable_tokens.py "$MODEL" --tokens 8)
 
 echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
+if [ -x .venv/bin/python ] && .venv/bin/python -c 'import lloyal, sys; sys.exit(lloyal.backend_info().dynamic_backends)' 2>/dev/null; then
+    set +e
+    qemu-x86_64 -cpu "${CPUS[0]}" .venv/bin/python scripts/portable_tokens.py "$MODEL" --tokens 1 >/dev/null 2>&1
+    code=$?
+    set -e
+    echo "control: the source build (.venv) under -cpu ${CPUS[0]} exits with $code (132 = SIGILL)"
+fi
 host="$("${RUN[@]}")"
 echo "  $host"
 status=0

@@ -28,7 +28,7 @@
 #
 # Env: CHECK_DIR, WORK (default /tmp/lloyal-cuda), OUT (results; default
 # $WORK/out), CUDA_ARCH (default 90 = H100/H200), JOBS (default nproc),
-# TARGET_CPU (must match the wheel's; default x86-64-v3), DROP_CPU_VARIANTS
+# TARGET_CPU (must match the wheel's; default x86-64), DROP_CPU_VARIANTS
 # (CPU backend variants to delete after installing; default sapphirerapids,
 # see below), RUN_TESTS=1 (also run the repo's tests/ on the GPU; MODEL must
 # then be SmolLM2-135M-Instruct.Q4_1.gguf, untruncated).
@@ -38,7 +38,7 @@ WORK="${WORK:-/tmp/lloyal-cuda}"
 OUT="${OUT:-$WORK/out}"
 CUDA_ARCH="${CUDA_ARCH:-90}"
 JOBS="${JOBS:-$(nproc)}"
-TARGET_CPU="${TARGET_CPU:-x86-64-v3}"
+TARGET_CPU="${TARGET_CPU:-x86-64}"
 export PATH="/usr/local/cuda/bin:$PATH"
 mkdir -p "$WORK" "$OUT"
 

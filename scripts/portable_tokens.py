@@ -14,7 +14,9 @@ import json
 
 import lloyal
 
-PROMPT = "The capital of France is Paris. The capital of Germany is"
+# Counting: every step's winner leads by several logits (see top1_margins),
+# so two CPUs' kernels, which round differently, still agree on each token.
+PROMPT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
 
 
 async def main(model: str, n: int) -> dict[str, object]:
