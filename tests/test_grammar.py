@@ -1,8 +1,13 @@
-"""Grammar-constrained decoding: JSON schemas, GBNF, Lark, handles, branches."""
+"""Grammar-constrained decoding: JSON schemas, GBNF, Lark, handles, branches.
+
+These tests are about grammars, not event loops, and some sample dozens of
+documents: their async tests run once, on asyncio (pytest-asyncio's
+``@pytest.mark.asyncio``), where the suites marked ``anyio`` run every test
+under asyncio, uvloop and trio.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -133,10 +138,11 @@ async def sample_many(
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
-def test_json_schema_generations_all_validate(ctx: lloyal.Context, name: str) -> None:
+@pytest.mark.asyncio
+async def test_json_schema_generations_all_validate(ctx: lloyal.Context, name: str) -> None:
     schema = SCHEMAS[name]
     prompt = f"Write one JSON value for the schema {json.dumps(schema)}.\nJSON: "
-    texts = asyncio.run(sample_many(ctx, n=20, prompt=prompt, json_schema=schema))
+    texts = await sample_many(ctx, n=20, prompt=prompt, json_schema=schema)
     assert len(texts) == 20
     for text in texts:
         jsonschema.validate(json.loads(text), schema)
@@ -144,7 +150,8 @@ def test_json_schema_generations_all_validate(ctx: lloyal.Context, name: str) ->
     assert len(set(texts)) > 1 or name == "enum"
 
 
-def test_gbnf_from_json_schema_to_grammar_constrains(ctx: lloyal.Context) -> None:
+@pytest.mark.asyncio
+async def test_gbnf_from_json_schema_to_grammar_constrains(ctx: lloyal.Context) -> None:
     # llama.cpp's converter bounds integers but not floats: use integers.
     schema = {
         "type": "object",
@@ -157,21 +164,23 @@ def test_gbnf_from_json_schema_to_grammar_constrains(ctx: lloyal.Context) -> Non
     }
     gbnf = lloyal.json_schema_to_grammar(schema)
     assert "root ::=" in gbnf
-    texts = asyncio.run(sample_many(ctx, n=4, prompt="A person as JSON: ", grammar=gbnf))
+    texts = await sample_many(ctx, n=4, prompt="A person as JSON: ", grammar=gbnf)
     for text in texts:
         jsonschema.validate(json.loads(text), schema)
 
 
-def test_lark_grammar_constrains(ctx: lloyal.Context) -> None:
+@pytest.mark.asyncio
+async def test_lark_grammar_constrains(ctx: lloyal.Context) -> None:
     lark = 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,3}/\n'
-    texts = asyncio.run(sample_many(ctx, n=4, prompt="Q: 6 times 7?\nA: ", lark=lark))
+    texts = await sample_many(ctx, n=4, prompt="Q: 6 times 7?\nA: ", lark=lark)
     for text in texts:
         assert text.startswith("The answer is ")
         assert text.endswith(".")
         assert text[len("The answer is ") : -1].isdigit()
 
 
-def test_grammar_branching_at_a_choice_point(ctx: lloyal.Context) -> None:
+@pytest.mark.asyncio
+async def test_grammar_branching_at_a_choice_point(ctx: lloyal.Context) -> None:
     """Generate to the enum value, fork three ways, force each value."""
     schema = {
         "type": "object",
@@ -183,80 +192,73 @@ def test_grammar_branching_at_a_choice_point(ctx: lloyal.Context) -> None:
         "additionalProperties": False,
     }
 
-    async def main() -> list[str]:
-        root = lloyal.Branch.create(ctx, lloyal.GREEDY, json_schema=schema)
-        await root.prefill(await ctx.tokenize("Favourite color as JSON: "))
-        prefix: list[int] = []
-        # Up to the opening quote of the value: the grammar then allows
-        # exactly the enum's spellings.
-        while not (await ctx.detokenize(prefix)).endswith('"color": "'):
-            p = await root.produce()
-            await root.commit(p.token)
-            prefix.append(p.token)
-            assert len(prefix) < 20
-        texts = []
-        for value in ["red", "green", "blue"]:
-            child = await root.fork()
-            forced = await ctx.tokenize(value, add_special=False)
-            for t in forced:
-                await child.commit(t)
-            rest = [tok.token async for tok in child]
-            texts.append(await ctx.detokenize(prefix + forced + rest))
-            await child.prune()
-        await root.prune()
-        return texts
+    root = lloyal.Branch.create(ctx, lloyal.GREEDY, json_schema=schema)
+    await root.prefill(await ctx.tokenize("Favourite color as JSON: "))
+    prefix: list[int] = []
+    # Up to the opening quote of the value: the grammar then allows
+    # exactly the enum's spellings.
+    while not (await ctx.detokenize(prefix)).endswith('"color": "'):
+        p = await root.produce()
+        await root.commit(p.token)
+        prefix.append(p.token)
+        assert len(prefix) < 20
+    texts = []
+    for value in ["red", "green", "blue"]:
+        child = await root.fork()
+        forced = await ctx.tokenize(value, add_special=False)
+        for t in forced:
+            await child.commit(t)
+        rest = [tok.token async for tok in child]
+        texts.append(await ctx.detokenize(prefix + forced + rest))
+        await child.prune()
+    await root.prune()
 
-    texts = asyncio.run(main())
     for value, text in zip(["red", "green", "blue"], texts, strict=True):
         doc = json.loads(text)
         jsonschema.validate(doc, schema)
         assert doc["color"] == value
 
 
-def test_forbidden_token_raises_and_changes_nothing(ctx: lloyal.Context) -> None:
-    async def main() -> None:
-        b = lloyal.Branch.create(ctx, lloyal.GREEDY, grammar='root ::= "yes" | "no"')
-        await b.prefill(await ctx.tokenize("Answer: "))
-        position, ppl = b.position, b.perplexity
-        bad = (await ctx.tokenize("maybe", add_special=False))[0]
-        with pytest.raises(lloyal.GrammarError, match="not allowed"):
-            await b.commit(bad)
-        with pytest.raises(lloyal.GrammarError):
-            b.accept(bad)
-        assert (b.position, b.perplexity) == (position, ppl)
-        assert b.grammar_accepting is False
-        # A stop token is forbidden until the grammar accepts.
-        with pytest.raises(lloyal.GrammarError):
-            await b.commit(ctx.eog_token)
-        text = "".join([t.text async for t in b])
-        assert text in ("yes", "no")
-        assert b.grammar_accepting is True
-        await b.prune()
-
-    asyncio.run(main())
+@pytest.mark.asyncio
+async def test_forbidden_token_raises_and_changes_nothing(ctx: lloyal.Context) -> None:
+    b = lloyal.Branch.create(ctx, lloyal.GREEDY, grammar='root ::= "yes" | "no"')
+    await b.prefill(await ctx.tokenize("Answer: "))
+    position, ppl = b.position, b.perplexity
+    bad = (await ctx.tokenize("maybe", add_special=False))[0]
+    with pytest.raises(lloyal.GrammarError, match="not allowed"):
+        await b.commit(bad)
+    with pytest.raises(lloyal.GrammarError):
+        b.accept(bad)
+    assert (b.position, b.perplexity) == (position, ppl)
+    assert b.grammar_accepting is False
+    # A stop token is forbidden until the grammar accepts.
+    with pytest.raises(lloyal.GrammarError):
+        await b.commit(ctx.eog_token)
+    text = "".join([t.text async for t in b])
+    assert text in ("yes", "no")
+    assert b.grammar_accepting is True
+    await b.prune()
 
 
-def test_fork_clones_grammar_state_and_set_grammar_swaps(ctx: lloyal.Context) -> None:
-    async def main() -> None:
-        root = lloyal.Branch.create(ctx, lloyal.GREEDY, grammar='root ::= "ab" | "cd"')
-        await root.prefill(await ctx.tokenize("Letters: "))
-        a = (await ctx.tokenize("a", add_special=False))[0]
-        await root.commit(a)
-        child = await root.fork()
-        assert child.has_grammar
-        # The child continues the parent's grammar: after "a" only "b".
-        rest = "".join([t.text async for t in child])
-        assert rest == "b"
-        # Swapping the parent's grammar does not touch existing children.
-        root.set_grammar(lark='start: "!"')
-        p = await root.produce()
-        assert p.text == "!"
-        root.set_grammar()
-        assert not root.has_grammar
-        assert root.grammar_accepting is None
-        await root.prune_subtree()
-
-    asyncio.run(main())
+@pytest.mark.asyncio
+async def test_fork_clones_grammar_state_and_set_grammar_swaps(ctx: lloyal.Context) -> None:
+    root = lloyal.Branch.create(ctx, lloyal.GREEDY, grammar='root ::= "ab" | "cd"')
+    await root.prefill(await ctx.tokenize("Letters: "))
+    a = (await ctx.tokenize("a", add_special=False))[0]
+    await root.commit(a)
+    child = await root.fork()
+    assert child.has_grammar
+    # The child continues the parent's grammar: after "a" only "b".
+    rest = "".join([t.text async for t in child])
+    assert rest == "b"
+    # Swapping the parent's grammar does not touch existing children.
+    root.set_grammar(lark='start: "!"')
+    p = await root.produce()
+    assert p.text == "!"
+    root.set_grammar()
+    assert not root.has_grammar
+    assert root.grammar_accepting is None
+    await root.prune_subtree()
 
 
 def test_handle_api(ctx: lloyal.Context) -> None:
