@@ -70,9 +70,7 @@ class BackendInfo:
     @property
     def gpu_backends(self) -> tuple[str, ...]:
         """Names of the GPU backends found (``("CUDA",)``, or ``()``)."""
-        return tuple(
-            dict.fromkeys(d.backend for d in self.devices if d.kind in ("gpu", "igpu"))
-        )
+        return tuple(dict.fromkeys(d.backend for d in self.devices if d.kind in ("gpu", "igpu")))
 
 
 def _cpu_features(system_info: str) -> tuple[str, ...]:

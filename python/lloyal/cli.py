@@ -408,8 +408,9 @@ def _chat_flag(p: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lloyal", description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--version", action="version", version=f"lloyal {__version__} (llama-cpp-2 "
-        f"{LLAMA_CPP_2_VERSION})"
+        "--version",
+        action="version",
+        version=f"lloyal {__version__} (llama-cpp-2 {LLAMA_CPP_2_VERSION})",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -212,7 +212,9 @@ pub fn backend_info() -> Result<BackendInfo> {
     // not call it at the same time.
     let system_info = {
         static SYSTEM_INFO: Mutex<()> = Mutex::new(());
-        let _guard = SYSTEM_INFO.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _guard = SYSTEM_INFO
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let ptr = unsafe { llama_cpp_sys_2::llama_print_system_info() };
         if ptr.is_null() {
             String::new()
@@ -274,6 +276,9 @@ mod tests {
         let info = backend_info().expect("backend");
         assert!(info.devices.iter().any(|d| d.kind == "cpu"), "{info:?}");
         assert!(info.system_info.contains("CPU"), "{info:?}");
-        assert_eq!(info.dynamic_backends, info.cpu_variant.is_some() || info.module_dir.is_some());
+        assert_eq!(
+            info.dynamic_backends,
+            info.cpu_variant.is_some() || info.module_dir.is_some()
+        );
     }
 }

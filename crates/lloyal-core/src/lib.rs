@@ -34,7 +34,9 @@ pub mod params;
 pub mod sampling;
 pub mod store;
 
-pub use backend::{backend, backend_info, supports_gpu_offload, BackendInfo, Device, LLAMA_CPP_2_VERSION};
+pub use backend::{
+    backend, backend_info, supports_gpu_offload, BackendInfo, Device, LLAMA_CPP_2_VERSION,
+};
 pub use branch::{BranchId, BranchState, Branches};
 pub use context::{after_job, join_workers, Context, Reply, Stats, WorkerHold};
 pub use embed::Embeddings;
