@@ -59,20 +59,38 @@ def shared_ctx(request: pytest.FixtureRequest) -> Iterator[lloyal.Context]:
 
 
 ROUTE_NOISE = 2.0
-"""How far apart (in logits) a greedy step's two best tokens must be for
-every decoding route to make the same choice.
+"""How far two decoding routes may move the same logits apart, in logits.
 
 llama.cpp's CPU kernels give the same bits when the same tokens are decoded
 the same way (same batch layout, same KV cells, same thread count), but not
 when the route differs: a token decoded alone or inside a batch, a prompt in
-one call or split, other KV cells. On the test models that moved logits by
-up to 0.9 (docs/determinism.md), by an amount that differs with the host's
-CPU. The tests allow ROUTE_NOISE / 2 = 1.0 per logit, over the 0.9 measured.
-Then a top-1 margin of at least ROUTE_NOISE keeps the argmax on every route
-(closing it takes the best token down and the runner-up up by 1.0 each), and
-a surprisal or log-probability (a log-softmax value) moves by at most
-2 x 1.0 = ROUTE_NOISE.
+one call or split, other KV cells. How much differs with the host's CPU.
+docs/determinism.md measured up to 0.9 for one logit on the development VM;
+on an AVX-512 host Gemma 3 moved one logit by up to 1.24 (far down the
+distribution), its two best logits by at most 0.4 and the difference
+between them by at most 0.18 (SmolLM2 kept the same bits on every route
+tried). So the tests take it that, between any two routes or hosts:
+
+- a greedy choice whose best two logits are ROUTE_NOISE apart is made the
+  same way (undoing it takes the best down and the runner-up up by 1.0 each,
+  over twice what the best two moved);
+- two routes' logits for the same tokens are within ROUTE_NOISE of each
+  other (another row or a wrong cache is 17 or more off);
+- a surprisal or log-probability moves by at most ROUTE_NOISE (a log-softmax
+  value: its token's logit minus a log-sum-exp led by the best logits).
+
+A test that compares greedy tokens from two routes compares them up to the
+first step below ROUTE_NOISE (``Greedy.check``), and asserts what needs every
+step (acceptance rates, round counts) only when there is none.
 """
+
+COUNTING = {
+    "smollm2": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "gemma3": "1 2 3 4 5 6 7 8 9 10 11 12",
+}
+"""A prompt per model whose greedy continuation has wide margins: on an
+AVX-512 host the first 16 steps' were at least 3.79 (SmolLM2) and 4.0
+(Gemma 3), far above ROUTE_NOISE on any route."""
 
 
 def top1_margin(logits: npt.ArrayLike) -> float:

@@ -10,7 +10,7 @@ import lloyal
 import numpy as np
 import pytest
 
-from tests.conftest import ROUTE_NOISE, Greedy, branch_greedy, top1_margin
+from tests.conftest import COUNTING, ROUTE_NOISE, Greedy, branch_greedy, top1_margin
 
 pytestmark = pytest.mark.anyio
 
@@ -26,10 +26,10 @@ async def greedy_tokens(branch: lloyal.Branch, n: int) -> list[int]:
     return out
 
 
-async def test_fork_shares_prefix_and_continues_identically(model: Path) -> None:
+async def test_fork_shares_prefix_and_continues_identically(model: Path, model_name: str) -> None:
     async with await lloyal.create_context(model, n_ctx=512, n_seq_max=4) as ctx:
         root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
-        prompt = await ctx.tokenize(PROMPT)
+        prompt = await ctx.tokenize(COUNTING[model_name])  # wide greedy margins
         await root.prefill(prompt)
         assert root.position == len(prompt)
         child = await root.fork()
@@ -46,7 +46,7 @@ async def test_fork_shares_prefix_and_continues_identically(model: Path) -> None
         # ROUTE_NOISE in each surprisal.
         ours = await branch_greedy(child, 6)
         theirs = await branch_greedy(root, 6)
-        ours.check(theirs.tokens, at_least=3)
+        ours.check(theirs.tokens, at_least=6)
         if theirs.tokens == ours.tokens:
             assert np.log(child.perplexity) == pytest.approx(
                 np.log(root.perplexity), abs=ROUTE_NOISE
@@ -70,7 +70,7 @@ async def test_forks_without_reseed_match_and_reseeded_forks_diverge(smollm2: Pa
         assert await greedy_tokens(c, 12) != await greedy_tokens(d, 12)
 
 
-async def test_batched_decode_matches_decoding_alone(model: Path) -> None:
+async def test_batched_decode_matches_decoding_alone(model: Path, model_name: str) -> None:
     """A branch decoded with 7 siblings gets the greedy text it gets when
     decoded alone, and logits within route noise of those."""
     # A batch of 8 and a single token are different routes: CPU kernels
@@ -80,7 +80,7 @@ async def test_batched_decode_matches_decoding_alone(model: Path) -> None:
     async with await lloyal.create_context(model, n_ctx=1024, n_seq_max=9, n_gpu_layers=0) as ctx:
         store = lloyal.BranchStore(ctx)
         root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
-        await root.prefill(await ctx.tokenize(PROMPT))
+        await root.prefill(await ctx.tokenize(COUNTING[model_name]))  # wide greedy margins
         alone = await root.fork()
         alone_tokens, alone_logits, margins = [], [], []
         for _ in range(4):
@@ -101,12 +101,12 @@ async def test_batched_decode_matches_decoding_alone(model: Path) -> None:
             await store.commit(produced)
             together_tokens.append(produced[0][1])
             if together_tokens == alone_tokens[: step + 1]:
-                # The same tokens by another route: each logit within ROUTE_NOISE / 2.
+                # The same tokens by another route: each logit within ROUTE_NOISE.
                 np.testing.assert_allclose(
-                    family[0].logits, alone_logits[step], rtol=0, atol=ROUTE_NOISE / 2
+                    family[0].logits, alone_logits[step], rtol=0, atol=ROUTE_NOISE
                 )
         # The same tokens up to the first near-tie.
-        Greedy(alone_tokens, margins, []).check(together_tokens, at_least=2)
+        Greedy(alone_tokens, margins, []).check(together_tokens, at_least=4)
 
 
 async def test_async_iteration_stops_at_eog(smollm2: Path) -> None:
@@ -210,12 +210,14 @@ async def test_two_operations_in_flight_are_refused(smollm2: Path) -> None:
         assert root.position == len(prompt)
 
 
-async def test_fork_and_prune_run_at_once_when_the_worker_is_idle(model: Path) -> None:
+async def test_fork_and_prune_run_at_once_when_the_worker_is_idle(
+    model: Path, model_name: str
+) -> None:
     """An idle worker lets fork and prune finish without suspending (no
     thread hand-off); the result is the same as through the worker."""
     async with await lloyal.create_context(model, n_ctx=512, n_seq_max=3) as ctx:
         root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
-        await root.prefill(await ctx.tokenize(PROMPT))
+        await root.prefill(await ctx.tokenize(COUNTING[model_name]))  # wide greedy margins
         fork = root.fork()
         with pytest.raises(StopIteration) as done:
             fork.send(None)  # completes on the first step: nothing awaited
@@ -226,7 +228,7 @@ async def test_fork_and_prune_run_at_once_when_the_worker_is_idle(model: Path) -
         np.testing.assert_array_equal(child.logits, root.logits)  # a copy
         # The root's cells come after the child's, another route: the same
         # tokens up to the first near-tie (tests/conftest.py).
-        (await branch_greedy(child, 3)).check((await branch_greedy(root, 3)).tokens, at_least=1)
+        (await branch_greedy(child, 3)).check((await branch_greedy(root, 3)).tokens, at_least=3)
         prune = child.prune()
         with pytest.raises(StopIteration):
             prune.send(None)

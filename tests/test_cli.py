@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from lloyal import create_context
+
+from tests.conftest import COUNTING, Greedy, greedy_reference
 
 
 def lloyal(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -24,6 +29,8 @@ def test_generate_streams_text_and_prints_a_summary() -> None:
         "generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0"
     )
     assert result.returncode == 0, result.stderr
+    # One route, but host-dependent logits: " Paris" leads by 2.5 logits, over
+    # ROUTE_NOISE (tests/conftest.py), so every host picks it.
     assert "Paris" in result.stdout
     assert "tok/s" in result.stderr
     assert "perplexity" in result.stderr
@@ -80,6 +87,8 @@ def test_best_of_n_prints_the_winner_and_every_candidate() -> None:
 def test_beam_with_width_1_is_generate_at_temperature_0() -> None:
     beam = lloyal("beam", "The capital of France is", "--width", "1", "--max-tokens", "4")
     assert beam.returncode == 0, beam.stderr
+    # Same route, so the same bits: a fresh context each, the prompt in one
+    # decode, then one token per decode into the same cells.
     greedy = lloyal(
         "generate", "The capital of France is", "--max-tokens", "4",
         "--temperature", "0", "--repeat-penalty", "1",
@@ -90,16 +99,25 @@ def test_beam_with_width_1_is_generate_at_temperature_0() -> None:
 
 def test_speculative_reports_acceptance_and_compares(smollm2: Path) -> None:
     result = lloyal(
-        "speculative", "1, 2, 3, 1, 2, 3, 1, 2, 3,", "--max-tokens", "6", "--compare",
+        "speculative", COUNTING["smollm2"], "--max-tokens", "6", "--compare",
         "--draft", str(smollm2), "-k", "2",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "accepted" in result.stderr
     assert "speed-up" in result.stderr
+    # Speculative and plain decoding are different routes: the same text only
+    # without near-ties, which this prompt's margins rule out (tests/conftest.py).
+    greedy = asyncio.run(reference(smollm2, COUNTING["smollm2"], 6))
+    assert greedy.all_sure, greedy.margins
     assert "the same text" in result.stderr
     lookup = lloyal("speculative", "1, 2, 3, 1, 2, 3, 1, 2, 3,", "--max-tokens", "4")
     assert lookup.returncode == 0, lookup.stderr
     assert "0 draft decode calls" in lookup.stderr
+
+
+async def reference(model: Path, prompt: str, max_tokens: int) -> Greedy:
+    async with await create_context(model, n_ctx=256) as ctx:
+        return await greedy_reference(ctx, prompt, max_tokens)
 
 
 def test_chat_reads_turns_from_stdin() -> None:

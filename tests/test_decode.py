@@ -8,6 +8,8 @@ import lloyal
 import numpy as np
 import pytest
 
+from tests.conftest import COUNTING, ROUTE_NOISE, top1_margin
+
 pytestmark = pytest.mark.anyio
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox"
@@ -32,6 +34,7 @@ async def greedy_continuation(
 
 
 async def test_greedy_generation_is_deterministic(model: Path) -> None:
+    # Same route twice (fresh contexts, the same calls): the same bits.
     runs = []
     for _ in range(2):
         async with await lloyal.create_context(model, n_ctx=256) as ctx:
@@ -47,21 +50,23 @@ async def test_greedy_sample_equals_sampler_at_temperature_zero(model: Path) -> 
         assert ctx.sample(lloyal.GREEDY) == ctx.greedy_sample() == int(np.argmax(ctx.get_logits()))
 
 
-async def test_one_call_equals_token_by_token(model: Path) -> None:
-    """Decoding a sequence in one call or one token at a time predicts the
-    same next token (and nearly the same logits)."""
+async def test_one_call_equals_token_by_token(model: Path, model_name: str) -> None:
+    """Decoding a sequence in one call or one token at a time gives nearly
+    the same logits, and predicts the same next token when it is clear."""
     async with await lloyal.create_context(model, n_ctx=256, n_seq_max=2) as ctx:
-        tokens = await ctx.tokenize(PROMPT)
+        tokens = await ctx.tokenize(COUNTING[model_name])  # a clear next token
         await ctx.decode(tokens, 0, seq_id=0)
         batched = ctx.get_logits()
         for i, t in enumerate(tokens):
             await ctx.decode([t], i, seq_id=1)
         stepwise = ctx.get_logits()
-    assert int(np.argmax(batched)) == int(np.argmax(stepwise))
-    # Batched and single-token matmuls round differently (quantised
-    # activations), so logits differ slightly; the distributions agree.
-    p, q = np.exp(log_softmax(batched)), np.exp(log_softmax(stepwise))
-    assert np.abs(p - q).max() < 0.05
+    # Two routes: batched and single-token matmuls round differently
+    # (quantised activations), by an amount that varies with the host CPU.
+    # Each logit stays within ROUTE_NOISE, and the argmax is the same
+    # when the best two are ROUTE_NOISE apart (tests/conftest.py).
+    np.testing.assert_allclose(stepwise, batched, rtol=0, atol=ROUTE_NOISE)
+    if top1_margin(batched) >= ROUTE_NOISE:
+        assert int(np.argmax(batched)) == int(np.argmax(stepwise))
 
 
 async def test_logits_are_a_read_only_copy(model: Path) -> None:
@@ -134,7 +139,7 @@ async def test_seeded_sampling_is_reproducible_and_varies(smollm2: Path) -> None
             return [ctx.sample(p) for _ in range(20)]
 
     a, b = await draws(params), await draws(params)
-    assert a == b
+    assert a == b  # same route (fresh contexts, the same calls): the same bits
     assert len(set(a)) > 1
     assert await draws(params.with_(seed=124)) != a
 

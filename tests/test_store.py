@@ -7,7 +7,10 @@ from pathlib import Path
 
 import anyio
 import lloyal
+import numpy as np
 import pytest
+
+from tests.conftest import ROUTE_NOISE, top1_margin
 
 pytestmark = pytest.mark.anyio
 
@@ -77,11 +80,16 @@ async def test_prefill_packs_into_ceil_total_over_n_batch(model: Path) -> None:
         for k, s, (_, t) in zip(kids, start, items, strict=True):
             assert k.position == s + len(t)
         # Each branch got the logits of its own last token: compare with a
-        # fork of the same prefix prefilled alone.
+        # fork of the same prefix prefilled alone. That is another route (a
+        # batch of its own), so each logit within ROUTE_NOISE and the
+        # same argmax where the best two are ROUTE_NOISE apart
+        # (tests/conftest.py); another branch's row would be far off.
         for k, (_, t) in zip(kids, items, strict=True):
             solo = await k.parent.fork()  # type: ignore[union-attr]
             await solo.prefill(t)
-            assert int(solo.logits.argmax()) == int(k.logits.argmax())
+            np.testing.assert_allclose(k.logits, solo.logits, rtol=0, atol=ROUTE_NOISE)
+            if top1_margin(solo.logits) >= ROUTE_NOISE:
+                assert int(solo.logits.argmax()) == int(k.logits.argmax())
             await solo.prune()
 
 

@@ -15,14 +15,10 @@ import pytest
 from lloyal import strategies
 from lloyal.models import model_path
 
-from tests.conftest import ROUTE_NOISE, greedy_reference, open_sync
+from tests.conftest import COUNTING, ROUTE_NOISE, greedy_reference, open_sync
 
-# Prompts whose greedy continuations have wide top-1 margins: llama.cpp's CPU
-# kernels are not batch- or cell-layout-invariant, so a near-tie may resolve
-# differently in a verification batch than in one-token decoding (see
-# ROUTE_NOISE in tests/conftest.py and docs/determinism.md).
 CHAT = "Name the largest planet in the solar system."
-COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
+MODEL = {"smol": "smollm2", "gemma": "gemma3"}
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +79,11 @@ def test_wider_beams_find_likelier_continuations(smol: lloyal.Context) -> None:
     greedy = run(strategies.beam_search(smol, prompt, width=1, max_tokens=8, stop=stop))
     wide = run(strategies.beam_search(smol, prompt, width=3, max_tokens=8, stop=stop))
     assert len(wide.beams) == 3
-    # (Up to float noise: the same tokens scored in forks with another KV
-    # cell layout differ in the third decimal.)
-    assert wide.output.log_prob >= greedy.output.log_prob - 0.05
+    # Up to route noise: three forks decoded in one batch are another route
+    # than one branch alone, and each token's log-probability may differ by
+    # ROUTE_NOISE between them (tests/conftest.py).
+    assert wide.output.log_prob >= greedy.output.log_prob - ROUTE_NOISE * len(greedy.tokens)
+    # The same search's own numbers, summed two ways: the same route.
     assert list(wide.scores) == sorted(wide.scores, reverse=True)
     for beam, score in zip(wide.beams, wide.scores, strict=True):
         if not beam.stopped:
@@ -98,14 +96,12 @@ def test_wider_beams_find_likelier_continuations(smol: lloyal.Context) -> None:
 def test_speculative_with_a_draft_model_is_the_targets_greedy_output(
     smol: lloyal.Context, smol_draft: lloyal.Context
 ) -> None:
-    prompt, stop = chat_prompt(smol, CHAT)
-    greedy = run(greedy_reference(smol, prompt, 16, stop))
-    spec = run(
-        strategies.speculative_decode(smol, prompt, draft=smol_draft, k=4, max_tokens=16, stop=stop)
-    )
+    prompt = COUNTING["smollm2"]  # wide margins: see tests/conftest.py
+    greedy = run(greedy_reference(smol, prompt, 16))
+    spec = run(strategies.speculative_decode(smol, prompt, draft=smol_draft, k=4, max_tokens=16))
     # The draft (one token per decode) and the verification (a packed batch)
     # are other routes than the greedy reference: the same tokens up to the
-    # first near-tie.
+    # first near-tie (ROUTE_NOISE in tests/conftest.py).
     greedy.check(spec.tokens, at_least=8)
     assert 0.0 <= spec.acceptance_rate <= 1.0
     assert spec.decode_calls == spec.rounds + 1  # the prompt prefill, then one per round
@@ -124,12 +120,13 @@ def test_speculative_with_prompt_lookup_is_greedy(
     which: str, request: pytest.FixtureRequest
 ) -> None:
     ctx: lloyal.Context = request.getfixturevalue(which)
-    greedy = run(greedy_reference(ctx, COUNTING, 16))
-    spec = run(strategies.speculative_decode(ctx, COUNTING, k=4, max_tokens=16))
-    # The verification batch is another route than the greedy reference:
-    # the same tokens up to the first near-tie, and surprisals within
-    # ROUTE_NOISE of the reference's there.
-    n = greedy.check(spec.tokens, at_least=12)
+    prompt = COUNTING[MODEL[which]]  # wide margins, and lookup finds the pattern
+    greedy = run(greedy_reference(ctx, prompt, 16))
+    spec = run(strategies.speculative_decode(ctx, prompt, k=4, max_tokens=16))
+    # The verification batch is another route than the greedy reference: the
+    # same tokens up to the first near-tie, and surprisals within ROUTE_NOISE
+    # of the reference's there (tests/conftest.py).
+    n = greedy.check(spec.tokens, at_least=8)
     assert spec.output.surprisals[:n] == pytest.approx(greedy.surprisals[:n], abs=ROUTE_NOISE)
     assert 0.0 <= spec.acceptance_rate <= 1.0
     assert spec.accepted <= spec.drafted

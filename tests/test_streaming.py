@@ -9,9 +9,12 @@ import sys
 from pathlib import Path
 
 import lloyal
+import numpy as np
 import pytest
 from lloyal.models import model_path
 from lloyal.streaming import stream_perplexity
+
+from tests.conftest import ROUTE_NOISE, top1_margin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from streaming import three_ways
@@ -43,9 +46,14 @@ def test_branch_clear_and_reseed_keeps_sampler_and_metrics() -> None:
             assert b.sampler_params == params
             assert child.position == 40  # children keep their own cells
             # The reseeded branch predicts what a fresh 20-token context does.
+            # Its cells lie elsewhere, another route: each logit within
+            # ROUTE_NOISE, the same argmax where the best two are
+            # ROUTE_NOISE apart (tests/conftest.py).
             fresh = lloyal.Branch.create(ctx, lloyal.GREEDY)
             await fresh.prefill(tokens[:4] + tokens[24:40])
-            assert (b.logits.argmax()) == (fresh.logits.argmax())
+            np.testing.assert_allclose(b.logits, fresh.logits, rtol=0, atol=ROUTE_NOISE)
+            if top1_margin(fresh.logits) >= ROUTE_NOISE:
+                assert b.logits.argmax() == fresh.logits.argmax()
             with pytest.raises(ValueError, match="both empty"):
                 await b.clear_and_reseed([], [])
             with pytest.raises(ValueError, match="n_ctx"):

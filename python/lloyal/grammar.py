@@ -98,17 +98,19 @@ class Grammar:
     :meth:`Context.create_grammar`).
 
     >>> import asyncio, lloyal
+    >>> import numpy as np
     >>> async def main():
     ...     async with await lloyal.create_context(MODEL) as ctx:
     ...         g = ctx.create_grammar('root ::= "yes" | "no"')
     ...         await ctx.decode(await ctx.tokenize("Is water wet? Answer:"), 0)
     ...         logits = ctx.get_logits().copy()
     ...         g.apply(logits)  # forbidden tokens -> -inf
-    ...         token = int(logits.argmax())
-    ...         g.accept(token)
-    ...         return ctx.token_to_text(token), g.is_accepting
+    ...         allowed = [ctx.token_to_text(int(t)) for t in np.flatnonzero(logits > -np.inf)]
+    ...         for t in ctx.tokenize_sync("no", add_special=False):
+    ...             g.accept(t)
+    ...         return sorted(allowed), g.is_accepting
     >>> asyncio.run(main())
-    ('yes', True)
+    (['n', 'no', 'y', 'ye', 'yes'], True)
     """
 
     __slots__ = ("_native",)
