@@ -74,6 +74,23 @@ ROOT_TEXT = (
 )
 
 
+def print_header(args: argparse.Namespace, left: str, right: str) -> None:
+    print(f"threads={args.threads} prompt={PROMPT_TOKENS} generated={args.gen} runs={args.runs}")
+    header = f"{'model':<10} {'':<8} {left:>13} {right:>13} {'ratio':>7}"
+    print(header)
+    print("-" * len(header))
+
+
+def model_prompt(name: str) -> tuple[Path, list[int], str]:
+    """The model's path, its 512-token prompt, and a file holding the prompt
+    (the child processes read it; the caller removes it)."""
+    path = model_path(name) if name in KNOWN_MODELS else Path(name)
+    prompt = make_prompt(path)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompt, f)
+    return path, prompt, f.name
+
+
 def child(path: Path, tokens_file: str, n_gen: int, threads: int) -> None:
     """One timed Python run in this interpreter's lloyal, as JSON on stdout."""
     with open(tokens_file) as f:
@@ -87,16 +104,9 @@ def child(path: Path, tokens_file: str, n_gen: int, threads: int) -> None:
 def compare_wheel(args: argparse.Namespace, names: list[str]) -> None:
     """Native source build vs the installed wheel, alternating child processes."""
     sides = {"native": sys.executable, "wheel": args.compare_wheel}
-    print(f"threads={args.threads} prompt={PROMPT_TOKENS} generated={args.gen} runs={args.runs}")
-    header = f"{'model':<10} {'':<8} {'native tok/s':>13} {'wheel tok/s':>12} {'ratio':>7}"
-    print(header)
-    print("-" * len(header))
+    print_header(args, "native tok/s", "wheel tok/s")
     for name in names:
-        path = model_path(name) if name in KNOWN_MODELS else Path(name)
-        prompt = make_prompt(path)
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(prompt, f)
-            tokens_file = f.name
+        path, prompt, tokens_file = model_prompt(name)
         rates: dict[str, dict[str, list[float]]] = {
             side: {"prefill": [], "decode": []} for side in sides
         }
@@ -113,7 +123,7 @@ def compare_wheel(args: argparse.Namespace, names: list[str]) -> None:
         os.unlink(tokens_file)
         for phase in ("prefill", "decode"):
             n_med, w_med = median(rates["native"][phase]), median(rates["wheel"][phase])
-            print(f"{name:<10} {phase:<8} {n_med:>13.1f} {w_med:>12.1f} {w_med / n_med:>6.3f}x")
+            print(f"{name:<10} {phase:<8} {n_med:>13.1f} {w_med:>13.1f} {w_med / n_med:>6.3f}x")
         same = "the same" if outputs["native"] == outputs["wheel"] else "different"
         print(f"  wheel's CPU variant: {builds['wheel']}; greedy tokens {same}")
 
@@ -140,16 +150,9 @@ def main() -> None:
         return
     raw_bin = build_example("raw_decode")
 
-    print(f"threads={args.threads} prompt={PROMPT_TOKENS} generated={args.gen} runs={args.runs}")
-    header = f"{'model':<10} {'':<8} {'raw tok/s':>10} {'python tok/s':>13} {'ratio':>7}"
-    print(header)
-    print("-" * len(header))
+    print_header(args, "raw tok/s", "python tok/s")
     for name in names:
-        path = model_path(name) if name in KNOWN_MODELS else Path(name)
-        prompt = make_prompt(path)
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(prompt, f)
-            tokens_file = f.name
+        path, prompt, tokens_file = model_prompt(name)
         raw: dict[str, list[float]] = {"prefill": [], "decode": []}
         py: dict[str, list[float]] = {"prefill": [], "decode": []}
         for _ in range(args.runs):
@@ -166,7 +169,7 @@ def main() -> None:
         os.unlink(tokens_file)
         for phase in ("prefill", "decode"):
             r_med, p_med = median(raw[phase]), median(py[phase])
-            print(f"{name:<10} {phase:<8} {r_med:>10.1f} {p_med:>13.1f} {p_med / r_med:>6.3f}x")
+            print(f"{name:<10} {phase:<8} {r_med:>13.1f} {p_med:>13.1f} {p_med / r_med:>6.3f}x")
 
 
 if __name__ == "__main__":
