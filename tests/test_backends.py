@@ -3,11 +3,13 @@ every test here over the three)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import anyio
 import lloyal
 import pytest
+from lloyal import _bridge
 
 pytestmark = pytest.mark.anyio
 
@@ -69,3 +71,40 @@ async def test_long_text_tokenizes_off_the_loop(smollm2: Path) -> None:
         text = "lorem ipsum " * 5000
         tokens = await ctx.tokenize(text, add_special=False)
         assert await ctx.detokenize(tokens) == text
+
+
+class _NoReaderLoop(asyncio.SelectorEventLoop):
+    """An asyncio loop that cannot watch file descriptors, as Windows'
+    Proactor loop cannot."""
+
+    def add_reader(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError
+
+
+def test_a_loop_without_add_reader_is_handed_results_by_callback(smollm2: Path) -> None:
+    async def main() -> tuple[list[int], list[int]]:
+        async with await lloyal.create_context(smollm2, n_ctx=256, n_seq_max=3) as ctx:
+            prompt = await ctx.tokenize("1, 2, 3, 4, 5, 6, 7, 8,")
+            await ctx.decode(prompt, 0)  # call_native
+            flat = [ctx.greedy_sample()]
+            store = lloyal.BranchStore(ctx)
+            root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+            await root.prefill(prompt)
+            a, b = await root.fork(), await root.fork()
+            branch = []
+            for _ in range(3):
+                pa, pb = await a.produce(), await b.produce()
+                await store.commit([(a, pa.token), (b, pb.token)])  # start_batch
+                branch.append(pa.token)
+            await root.prune_subtree()
+            # The fallback was taken: no pipe, no native queue.
+            assert _bridge._wakers[asyncio.get_running_loop()]._queue is None
+            return flat, branch
+
+    loop = _NoReaderLoop()
+    try:
+        flat, branch = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert len(flat) == 1
+    assert len(branch) == 3

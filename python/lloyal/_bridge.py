@@ -10,6 +10,8 @@ for whichever event loop is running:
   without taking the GIL; the loop wakes once, and the queue's native
   ``settle`` (the reader callback) settles the future of every result that
   arrived meanwhile (one wake-up for a whole batch).
+  A loop without ``add_reader`` (Windows' Proactor loop) is handed each
+  result with ``call_soon_threadsafe`` instead.
 * trio: the worker reschedules the waiting task through its ``TrioToken``.
 
 Cancelling the awaiting task abandons the wait; the native operation still
@@ -43,25 +45,50 @@ def _in_trio() -> bool:
 class _LoopWaker:
     """The pipe and result queue that complete futures on one asyncio loop.
     It holds its loop weakly: once the loop is gone, so are the waker and
-    its pipe (the queue owns and closes both ends)."""
+    its pipe (the queue owns and closes both ends).
+
+    A loop that cannot watch a file descriptor (``add_reader`` raises
+    ``NotImplementedError``: Windows' default Proactor loop, some embedded
+    loops) gets plain callbacks instead: the worker takes the GIL to hand
+    each result to the loop with ``call_soon_threadsafe``."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)
         read_fd, wake_fd = os.pipe()
         os.set_blocking(read_fd, False)
         os.set_blocking(wake_fd, False)
-        self._queue = _lloyal.ResultQueue(read_fd, wake_fd)
-        self._loop = weakref.ref(loop)
-        loop.add_reader(read_fd, self._queue.settle)
+        self._queue: _lloyal.ResultQueue | None = _lloyal.ResultQueue(read_fd, wake_fd)
+        try:
+            loop.add_reader(read_fd, self._queue.settle)
+        except NotImplementedError:
+            self._queue = None  # closes both ends
 
-    def completion(self, fut: asyncio.Future[Any]) -> _lloyal.Completion:
+    def completion(self, fut: asyncio.Future[Any]) -> _lloyal.Completion | Done:
         """The ``done`` object that settles ``fut`` from the worker."""
-        return _lloyal.Completion(fut, self._queue)
+        if self._queue is not None:
+            return _lloyal.Completion(fut, self._queue)
+        loop = fut.get_loop()
+
+        def done(error: BaseException | None, value: Any) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                loop.call_soon_threadsafe(_settle, fut, error, value)
+
+        return done
 
     def __del__(self) -> None:
         loop = self._loop()
         with contextlib.suppress(Exception):
-            if loop is not None and not loop.is_closed():
+            if self._queue is not None and loop is not None and not loop.is_closed():
                 loop.remove_reader(self._queue.read_fd)
+
+
+def _settle(fut: asyncio.Future[Any], error: BaseException | None, value: Any) -> None:
+    if fut.done():  # cancelled while the worker ran
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
 
 
 _wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker]
