@@ -153,3 +153,35 @@ async def test_wrong_types(smollm2: Path) -> None:
         with pytest.raises(ValueError, match="integers"):
             await ctx.decode(["a"], 0)  # type: ignore[list-item]
         await still_works(ctx)
+
+
+async def test_n_batch_over_n_ctx_is_clamped_not_an_abort(model: Path) -> None:
+    """llama.cpp clamps n_batch to n_ctx and aborts on a decode larger than
+    that: lloyal splits at the clamped size and reports it."""
+    text = "The river ran past the mill and under the bridge. " * 40
+    async with await lloyal.create_context(model, n_ctx=300, n_seq_max=2) as ctx:
+        assert ctx.n_batch == 300  # not the default 512
+        tokens = (await ctx.tokenize(text))[:400]
+        assert len(tokens) == 400
+        await ctx.decode(tokens, 0)  # two llama_decode calls, 300 + 100
+        assert ctx.kv_seq_pos_max(0) == 399
+        await ctx.kv_cache_clear()  # 512 cells: room for one 400-token copy
+        b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await b.prefill(tokens)  # the branch path splits the same way
+        assert b.position == 400
+        await b.prune()
+    async with await lloyal.create_context(model, n_ctx=256, n_batch=10**9) as ctx:
+        assert ctx.n_batch == 256
+        too_long = (await ctx.tokenize(text))[:300]
+        with pytest.raises(lloyal.KVCacheFullError):
+            await ctx.decode(too_long, 0)
+        await still_works(ctx)
+
+
+async def test_embedding_n_batch_fits_n_ctx_and_n_seq_max(smollm2: Path) -> None:
+    async with await lloyal.create_context(
+        smollm2, embeddings=True, n_ctx=256, n_batch=256, n_seq_max=3
+    ) as ctx:
+        assert ctx.n_batch == 255  # a multiple of 3 that llama.cpp keeps
+        vectors = await ctx.embed(["a cat", "a kitten", "tax law"])
+        assert vectors.shape == (3, ctx.embedding_dim)

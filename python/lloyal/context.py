@@ -198,7 +198,9 @@ class Context:
 
     @property
     def n_batch(self) -> int:
-        """Most tokens per ``llama_decode`` call."""
+        """Most tokens per ``llama_decode`` call: the requested ``n_batch``,
+        clamped to ``n_ctx`` (llama.cpp does the same, and aborts on a larger
+        decode), and for embedding contexts a multiple of ``n_seq_max``."""
         return int(self._native.n_batch)
 
     @property

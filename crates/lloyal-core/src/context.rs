@@ -192,11 +192,7 @@ impl Context {
             on_ready(Err(e));
             return;
         }
-        if params.embeddings {
-            // llama.cpp splits embedding batches evenly across sequences and
-            // asserts (aborts) when n_batch is not a multiple of n_seq_max.
-            params.n_batch = params.n_batch.div_ceil(params.n_seq_max) * params.n_seq_max;
-        }
+        params.n_batch = effective_n_batch(&params);
         let spawned = std::thread::Builder::new()
             .name(WORKER_THREAD_NAME.into())
             .spawn(move || {
@@ -591,6 +587,33 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
     run(&engine, &rx);
 }
 
+/// The batch size lloyal splits inputs at, which is the one llama.cpp uses.
+///
+/// llama.cpp clamps `n_batch` to `n_ctx` for causal models and asserts
+/// (aborts the process) when a decode holds more tokens than that, so a
+/// split at the requested value (`n_ctx=256` with the default 512) would
+/// abort: clamp first, to the requested `n_ctx` (llama.cpp only ever
+/// allocates more cells than asked for). Embedding contexts also need a
+/// multiple of `n_seq_max` (llama.cpp splits their batches evenly across
+/// sequences and asserts otherwise): round up, or down where up would
+/// pass `n_ctx`.
+fn effective_n_batch(params: &ContextParams) -> u32 {
+    let n_batch = params.n_batch.min(params.n_ctx);
+    if !params.embeddings {
+        return n_batch;
+    }
+    let seqs = params.n_seq_max;
+    let up = n_batch.div_ceil(seqs).saturating_mul(seqs);
+    let down = n_batch / seqs * seqs;
+    if up <= params.n_ctx || down == 0 {
+        // (down == 0: n_ctx < n_seq_max. llama.cpp pads n_ctx to a multiple
+        // of 256 >= MAX_SEQUENCES, so `up` still fits what it allocates.)
+        up
+    } else {
+        down
+    }
+}
+
 fn create_llama_context<'m>(model: &'m Model, params: &ContextParams) -> Result<LlamaContext<'m>> {
     let threads = i32::try_from(params.effective_threads()).unwrap_or(1);
     let cparams = LlamaContextParams::default()
@@ -842,5 +865,37 @@ impl Worker<'_> {
 
     pub(crate) fn refresh_pos(&self, slot: usize, seq: i32) {
         self.shared.pos_max[slot].store(self.ctx.kv_cache_seq_pos_max(seq), Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(n_ctx: u32, n_batch: u32, n_seq_max: u32, embeddings: bool) -> ContextParams {
+        ContextParams {
+            n_ctx,
+            n_batch,
+            n_seq_max,
+            embeddings,
+            ..ContextParams::default()
+        }
+    }
+
+    #[test]
+    fn n_batch_never_exceeds_n_ctx() {
+        assert_eq!(effective_n_batch(&params(256, 512, 1, false)), 256);
+        assert_eq!(effective_n_batch(&params(256, 1_000_000_000, 1, false)), 256);
+        assert_eq!(effective_n_batch(&params(2048, 512, 4, false)), 512);
+    }
+
+    #[test]
+    fn embedding_n_batch_is_a_multiple_of_n_seq_max_within_n_ctx() {
+        // Rounded up while that fits, down otherwise.
+        assert_eq!(effective_n_batch(&params(2048, 512, 3, true)), 513);
+        assert_eq!(effective_n_batch(&params(256, 256, 3, true)), 255);
+        assert_eq!(effective_n_batch(&params(256, 512, 8, true)), 256);
+        // n_ctx below n_seq_max: one token per sequence (llama.cpp pads n_ctx).
+        assert_eq!(effective_n_batch(&params(8, 512, 16, true)), 16);
     }
 }
