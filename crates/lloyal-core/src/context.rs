@@ -885,7 +885,10 @@ mod tests {
     #[test]
     fn n_batch_never_exceeds_n_ctx() {
         assert_eq!(effective_n_batch(&params(256, 512, 1, false)), 256);
-        assert_eq!(effective_n_batch(&params(256, 1_000_000_000, 1, false)), 256);
+        assert_eq!(
+            effective_n_batch(&params(256, 1_000_000_000, 1, false)),
+            256
+        );
         assert_eq!(effective_n_batch(&params(2048, 512, 4, false)), 512);
     }
 
