@@ -49,6 +49,8 @@ async def test_bad_options(smollm2: Path) -> None:
         await lloyal.create_context(smollm2, type_k="q3_k")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="n_threads"):
         await lloyal.create_context(smollm2, n_threads=0)
+    with pytest.raises(ValueError, match=r"n_threads must be in \[1, 512\]"):
+        await lloyal.create_context(smollm2, n_threads=1000)
 
 
 async def test_empty_input(model: Path) -> None:

@@ -112,6 +112,9 @@ impl KvType {
     }
 }
 
+/// The most threads llama.cpp's CPU backend can use (`GGML_MAX_N_THREADS`).
+pub const MAX_THREADS: u32 = 512;
+
 /// Everything `create_context` accepts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ContextParams {
@@ -158,8 +161,14 @@ impl ContextParams {
                 self.n_seq_max
             )));
         }
-        if self.n_threads == Some(0) {
-            return Err(invalid("n_threads must be >= 1 (or None for the default)"));
+        if let Some(n) = self.n_threads {
+            // llama.cpp's own limit (GGML_MAX_N_THREADS): past it, it
+            // still starts every thread, and each decode crawls.
+            if !(1..=MAX_THREADS).contains(&n) {
+                return Err(invalid(format!(
+                    "n_threads must be in [1, {MAX_THREADS}] (or None for every core), got {n}"
+                )));
+            }
         }
         if self.n_gpu_layers < -1 {
             return Err(invalid(format!(
