@@ -1,29 +1,18 @@
-"""What llama.cpp build is running: `backend_info()`, `lloyal info`, `lloyal
---version`. The same file runs against the source build (`make test`) and
-the installed wheel (`make test-wheel`), and checks what each promises."""
+"""What llama.cpp build is running: `backend_info()` (`lloyal info` and
+`--version` are in test_cli.py). The same file runs against the source build
+(`make test`) and the installed wheel (`make test-wheel`), and checks what
+each promises."""
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import lloyal
 
 # llama.cpp's x86 CPU modules (GGML_CPU_ALL_VARIANTS) that need no AVX2.
 PRE_AVX2 = {"x64", "sse42", "sandybridge", "ivybridge", "piledriver"}
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lloyal", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def host_flags() -> set[str]:
@@ -66,20 +55,3 @@ def test_gpu_backends_are_the_gpu_devices() -> None:
     assert set(info.gpu_backends) == gpus
     if gpus:
         assert lloyal.supports_gpu_offload()
-
-
-def test_version_flag() -> None:
-    result = run_cli("--version")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == (
-        f"lloyal {lloyal.__version__} (llama-cpp-2 {lloyal.LLAMA_CPP_2_VERSION})"
-    )
-
-
-def test_info_prints_the_build_and_the_model(smollm2: Path) -> None:
-    result = run_cli("info", "--model", str(smollm2), "--n-ctx", "256")
-    assert result.returncode == 0, result.stderr
-    info = lloyal.backend_info()
-    assert re.search(rf"^cpu variant\s+{re.escape(info.cpu_variant or '-')}$", result.stdout, re.M)
-    assert re.search(r"^architecture\s+llama$", result.stdout, re.M)
-    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in result.stdout

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from lloyal import create_context
+from lloyal import LLAMA_CPP_2_VERSION, __version__, backend_info, create_context
 
 from tests.conftest import COUNTING, Greedy, greedy_reference
 
@@ -154,3 +155,18 @@ def test_embed_prints_similarities_and_json() -> None:
     assert len(data[0]["embedding"]) > 100
     empty = lloyal("embed", input="")
     assert empty.returncode == 2
+
+
+def test_version_flag() -> None:
+    result = lloyal("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (f"lloyal {__version__} (llama-cpp-2 {LLAMA_CPP_2_VERSION})")
+
+
+def test_info_prints_the_build_and_the_model(smollm2: Path) -> None:
+    result = lloyal("info", "--model", str(smollm2), "--n-ctx", "256")
+    assert result.returncode == 0, result.stderr
+    info = backend_info()
+    assert re.search(rf"^cpu variant\s+{re.escape(info.cpu_variant or '-')}$", result.stdout, re.M)
+    assert re.search(r"^architecture\s+llama$", result.stdout, re.M)
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in result.stdout

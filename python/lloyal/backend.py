@@ -17,7 +17,6 @@ True
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from lloyal import _lloyal
@@ -73,14 +72,6 @@ class BackendInfo:
         return tuple(dict.fromkeys(d.backend for d in self.devices if d.kind in ("gpu", "igpu")))
 
 
-def _cpu_features(system_info: str) -> tuple[str, ...]:
-    # "CPU : SSE3 = 1 | AVX = 1 | ... | OPENMP = 1 | REPACK = 1 |": the
-    # features that are on, of the CPU backend's section only.
-    m = re.search(r"CPU\s*:(.*?)(?:\|\s*[A-Za-z]\w*\s*:|$)", system_info)
-    section = m.group(1) if m else ""
-    return tuple(name for name, on in re.findall(r"(\w+)\s*=\s*(\d+)", section) if on != "0")
-
-
 def backend_info() -> BackendInfo:
     """Describe the llama.cpp build in use and the devices it found.
 
@@ -101,7 +92,7 @@ def backend_info() -> BackendInfo:
         dynamic_backends=raw["dynamic_backends"],
         cpu_variant=raw["cpu_variant"],
         module_dir=raw["module_dir"],
-        cpu_features=_cpu_features(raw["system_info"]),
+        cpu_features=tuple(raw["cpu_features"]),
         system_info=raw["system_info"],
         devices=tuple(Device(**d) for d in raw["devices"]),
     )

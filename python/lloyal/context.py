@@ -651,9 +651,9 @@ async def create_context(
     path = os.fspath(model_path)
     if not isinstance(path, str):
         raise TypeError("model_path must be a str or os.PathLike[str]")
-    if n_threads is not None and not 1 <= n_threads <= 512:
-        # 512: llama.cpp's limit (GGML_MAX_N_THREADS); the engine checks too.
-        raise ValueError(f"n_threads must be in [1, 512] (or None for every core), got {n_threads}")
+    if n_threads is not None and n_threads < 1:
+        # (The engine checks the upper limit, llama.cpp's GGML_MAX_N_THREADS.)
+        raise ValueError(f"n_threads must be >= 1 or None, got {n_threads}")
     for name, value in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_seq_max", n_seq_max)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")

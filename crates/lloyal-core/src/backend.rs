@@ -197,6 +197,9 @@ pub struct BackendInfo {
     /// llama.cpp's own summary of the CPU features it uses
     /// (`llama_print_system_info`), e.g. `"CPU : SSE3 = 1 | AVX2 = 1 | ..."`.
     pub system_info: String,
+    /// The features the CPU backend's kernels use, from `system_info`'s CPU
+    /// section: `["SSE3", "AVX2", "FMA", ...]`.
+    pub cpu_features: Vec<String>,
     /// Every device llama.cpp found (the CPU always; GPUs where a GPU
     /// backend is built in or loaded).
     pub devices: Vec<Device>,
@@ -255,11 +258,27 @@ pub fn backend_info() -> Result<BackendInfo> {
         dynamic_backends: cfg!(feature = "dynamic-backends"),
         cpu_variant,
         module_dir,
+        cpu_features: cpu_features(&system_info),
         system_info,
         devices,
     })
 }
 
+/// The features that are on in the CPU section of llama.cpp's summary,
+/// `"CPU : SSE3 = 1 | AVX = 1 | AMX_INT8 = 0 | ... |"` (other backends'
+/// sections, `"CUDA : ..."`, follow after a `NAME :` of their own).
+fn cpu_features(system_info: &str) -> Vec<String> {
+    let Some((_, rest)) = system_info.split_once("CPU :") else {
+        return Vec::new();
+    };
+    rest.split('|')
+        .map(str::trim)
+        .take_while(|item| !item.contains(':'))
+        .filter_map(|item| item.split_once('='))
+        .filter(|(_, on)| on.trim() != "0")
+        .map(|(name, _)| name.trim().to_owned())
+        .collect()
+}
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -269,6 +288,13 @@ mod tests {
         let manifest = include_str!("../../../Cargo.toml");
         let pin = format!("llama-cpp-2 = {{ version = \"={LLAMA_CPP_2_VERSION}\"");
         assert!(manifest.contains(&pin), "Cargo.toml does not pin {pin}");
+    }
+
+    #[test]
+    fn cpu_features_come_from_the_cpu_section_only() {
+        let info = "CPU : SSE3 = 1 | AVX = 1 | AMX_INT8 = 0 | OPENMP = 1 | CUDA : ARCHS = 900 |";
+        assert_eq!(cpu_features(info), ["SSE3", "AVX", "OPENMP"]);
+        assert!(cpu_features("").is_empty());
     }
 
     #[test]

@@ -19,6 +19,7 @@ pub fn backend_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         info.module_dir.map(|d| d.to_string_lossy().into_owned()),
     )?;
     out.set_item("system_info", info.system_info)?;
+    out.set_item("cpu_features", info.cpu_features)?;
     let devices = PyList::empty(py);
     for d in info.devices {
         let dev = PyDict::new(py);
