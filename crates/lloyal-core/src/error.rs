@@ -9,6 +9,9 @@ pub enum Error {
     /// The model path does not exist.
     #[error("model file not found: {0}")]
     ModelNotFound(PathBuf),
+    /// The model path is a directory.
+    #[error("model path is a directory, not a GGUF file: {0}")]
+    ModelIsDirectory(PathBuf),
     /// The file exists but llama.cpp could not load it (not a GGUF, unsupported
     /// architecture, truncated file...).
     #[error("could not load model {path}: {reason}")]

@@ -24,6 +24,7 @@ pub mod context;
 pub mod embed;
 pub mod error;
 pub mod gbnf;
+pub mod gguf;
 pub mod grammar;
 mod kv;
 pub mod kv_cache;

@@ -4,7 +4,6 @@
 //! tokenize, which llama.cpp allows: the model is read-only after load.
 
 use std::collections::{HashMap, HashSet};
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -14,6 +13,7 @@ use llama_cpp_2::token::LlamaToken;
 
 use crate::backend::backend;
 use crate::error::{invalid, Error, Result};
+use crate::gguf;
 use crate::sampling::Sampler;
 
 /// Facts about a model, read once at load time.
@@ -51,19 +51,29 @@ impl std::fmt::Debug for Model {
     }
 }
 
-const GGUF_MAGIC: &[u8; 4] = b"GGUF";
-
 impl Model {
     /// Load a GGUF file. `n_gpu_layers < 0` offloads every layer that the
     /// build can offload (none on a CPU-only build).
     pub fn load(path: impl AsRef<Path>, n_gpu_layers: i32) -> Result<Arc<Model>> {
         let path = path.as_ref().to_path_buf();
-        check_gguf_file(&path)?;
+        let file = check_gguf_file(&path)?;
         let backend = backend()?;
         let layers = u32::try_from(n_gpu_layers).unwrap_or(u32::MAX >> 1);
         let params = LlamaModelParams::default().with_n_gpu_layers(layers);
-        let llama =
-            LlamaModel::load_from_file(backend, &path, &params).map_err(|e| Error::ModelLoad {
+        // llama.cpp takes a C string: a path that is not UTF-8 is handed over
+        // as the descriptor of the file we already opened (Linux).
+        let load_path = if path.to_str().is_some() {
+            path.clone()
+        } else {
+            fd_path(&file).ok_or_else(|| Error::ModelLoad {
+                path: path.clone(),
+                reason: "the path is not valid UTF-8, which llama.cpp needs on this platform"
+                    .to_owned(),
+            })?
+        };
+        let loaded = LlamaModel::load_from_file(backend, &load_path, &params);
+        drop(file);
+        let llama = loaded.map_err(|e| Error::ModelLoad {
                 path: path.clone(),
                 reason: format!(
                     "llama.cpp rejected the file ({e}); it may be truncated or use an unsupported architecture"
@@ -266,19 +276,42 @@ impl Model {
     }
 }
 
-/// Check the path before llama.cpp sees it: a missing file or a non-GGUF file
-/// gets a precise error instead of llama.cpp's generic failure.
-fn check_gguf_file(path: &Path) -> Result<()> {
+/// Check the file before llama.cpp sees it: a missing file, a directory or a
+/// non-GGUF file gets a precise error instead of llama.cpp's generic failure,
+/// and the header's hyper-parameters that llama.cpp asserts on (a block
+/// count of 0, say) are refused here instead of aborting the process.
+/// Returns the open file (kept open while llama.cpp loads it).
+fn check_gguf_file(path: &Path) -> Result<std::fs::File> {
+    if path.is_dir() {
+        return Err(Error::ModelIsDirectory(path.to_path_buf()));
+    }
     if !path.is_file() {
         return Err(Error::ModelNotFound(path.to_path_buf()));
     }
-    let mut magic = [0u8; 4];
-    let read = std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut magic));
-    if read.is_err() || &magic != GGUF_MAGIC {
-        return Err(Error::ModelLoad {
-            path: path.to_path_buf(),
-            reason: "not a GGUF file (missing GGUF magic bytes)".to_owned(),
-        });
+    let refuse = |reason: String| Error::ModelLoad {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let mut file =
+        std::fs::File::open(path).map_err(|e| refuse(format!("cannot open the file: {e}")))?;
+    let header = gguf::read_header(&mut file)
+        .and_then(|h| gguf::check_hparams(&h).map(|()| h))
+        .map_err(|e| refuse(e.0))?;
+    debug_assert!(header.version >= 2);
+    Ok(file)
+}
+
+/// `/proc/self/fd/N` for an open file, where the platform has it.
+fn fd_path(file: &std::fs::File) -> Option<PathBuf> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let p = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+        p.exists().then_some(p)
     }
-    Ok(())
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = file;
+        None
+    }
 }

@@ -2,7 +2,7 @@
 
 use lloyal_core::Error;
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyFileNotFoundError, PyValueError};
+use pyo3::exceptions::{PyException, PyFileNotFoundError, PyIsADirectoryError, PyValueError};
 use pyo3::prelude::*;
 
 create_exception!(
@@ -78,6 +78,7 @@ pub fn to_pyerr(error: Error) -> PyErr {
     let message = error.to_string();
     match error {
         Error::ModelNotFound(_) => PyFileNotFoundError::new_err(message),
+        Error::ModelIsDirectory(_) => PyIsADirectoryError::new_err(message),
         Error::ModelLoad { .. } | Error::ContextCreate(_) => ModelLoadError::new_err(message),
         Error::ContextClosed => ContextClosedError::new_err(message),
         Error::InvalidArgument(_) => PyValueError::new_err(message),
