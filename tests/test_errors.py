@@ -43,6 +43,8 @@ async def test_bad_options(smollm2: Path) -> None:
         await lloyal.create_context(smollm2, n_seq_max=257)
     with pytest.raises(ValueError, match="n_ctx"):
         await lloyal.create_context(smollm2, n_ctx=0)
+    with pytest.raises(ValueError, match=r"n_ctx must be in \[8, 1073741824\]"):
+        await lloyal.create_context(smollm2, n_ctx=2**32 - 1)
     with pytest.raises(ValueError, match="pooling"):
         await lloyal.create_context(smollm2, pooling="max")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="KV cache type"):

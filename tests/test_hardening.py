@@ -100,3 +100,16 @@ async def test_model_at_a_non_utf8_path(smollm2: Path, tmp_path: Path) -> None:
         assert ctx.model_info.n_layer == 30
         assert await ctx.tokenize("hi", add_special=False)
     shutil.rmtree(tmp_path)
+
+
+# -- options bounded before llama.cpp allocates ----------------------------
+
+
+async def test_n_ctx_beyond_memory_is_a_memory_error_with_the_bytes(model: Path) -> None:
+    """The KV cache for 10**9 cells is checked against available memory
+    before llama.cpp allocates anything (it used to take ~4 GiB, then fail
+    with "null reference")."""
+    with pytest.raises(MemoryError, match=r"n_ctx=1000000000 cells needs [0-9.]+ TiB"):
+        await lloyal.create_context(model, n_ctx=10**9)
+    async with await lloyal.create_context(model, n_ctx=256) as ctx:
+        await ctx.decode(await ctx.tokenize("still fine"), 0)

@@ -1,8 +1,11 @@
 """The exception hierarchy. Everything lloyal raises on purpose is a
 ``LloyalError`` subclass, except where Python has a better-known builtin:
-``FileNotFoundError`` for a missing model and ``ValueError`` for bad
-arguments (token ids out of range, positions that do not continue a
-sequence, empty input).
+``FileNotFoundError`` for a missing model (``IsADirectoryError`` for a
+directory), ``ValueError`` for bad arguments (token ids out of range,
+positions that do not continue a sequence, empty input), ``TypeError`` for
+arguments of the wrong type, and ``MemoryError`` for a KV cache larger than
+the memory available. docs/limits.md lists every bound and what crossing it
+raises.
 
 >>> import lloyal
 >>> issubclass(lloyal.KVCacheFullError, lloyal.DecodeError)

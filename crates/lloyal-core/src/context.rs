@@ -477,23 +477,9 @@ impl Context {
     }
 
     fn kv_cache_bytes(&self) -> u64 {
-        let m = &self.model.llama;
-        let arch = self.model.info().architecture.clone();
-        let meta_u64 = |key: &str| {
-            self.model
-                .meta(&format!("{arch}.{key}"))
-                .and_then(|v| v.trim().parse::<u64>().ok())
-        };
-        let n_head = u64::from(m.n_head().max(1));
-        let head_dim = u64::from(self.model.info().n_embd) / n_head;
-        let k_len = meta_u64("attention.key_length").unwrap_or(head_dim);
-        let v_len = meta_u64("attention.value_length").unwrap_or(head_dim);
-        let n_head_kv = u64::from(m.n_head_kv());
-        let per_cell = u64::from(m.n_layer())
-            * n_head_kv
-            * (k_len as f64 * self.params.type_k.bytes_per_element()
-                + v_len as f64 * self.params.type_v.bytes_per_element()) as u64;
-        per_cell * u64::from(self.n_ctx)
+        self.model
+            .kv_bytes_per_cell(self.params.type_k, self.params.type_v)
+            .saturating_mul(u64::from(self.n_ctx))
     }
 }
 
@@ -532,15 +518,16 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
             return;
         }
     };
-    let ctx = match create_llama_context(&model, &params) {
-        Ok(c) => c,
-        Err(e) => {
-            if let Some(ready) = on_ready.take() {
-                ready(Err(e));
+    let ctx =
+        match check_memory(&model, &params).and_then(|()| create_llama_context(&model, &params)) {
+            Ok(c) => c,
+            Err(e) => {
+                if let Some(ready) = on_ready.take() {
+                    ready(Err(e));
+                }
+                return;
             }
-            return;
-        }
-    };
+        };
     let (tx, rx) = crossbeam_channel::unbounded();
     let shared = Arc::new(Shared {
         closed: AtomicBool::new(false),
@@ -611,6 +598,34 @@ fn effective_n_batch(params: &ContextParams) -> u32 {
         up
     } else {
         down
+    }
+}
+
+/// Refuse a KV cache the machine cannot hold before llama.cpp tries to
+/// allocate it (`n_ctx=10**9` used to allocate gigabytes, then fail with
+/// "null reference"). Only for a KV cache in host memory: a GPU build that
+/// offloads layers keeps it in device memory, where llama.cpp's own
+/// allocation failure is a clean error.
+fn check_memory(model: &Model, params: &ContextParams) -> Result<()> {
+    let offloaded = params.n_gpu_layers != 0 && crate::backend::supports_gpu_offload();
+    if offloaded {
+        return Ok(());
+    }
+    // llama.cpp pads n_ctx to a multiple of 256 with unified KV.
+    let cells = u64::from(params.n_ctx).div_ceil(256) * 256;
+    let needed = model
+        .kv_bytes_per_cell(params.type_k, params.type_v)
+        .saturating_mul(cells);
+    match crate::sysmem::available_bytes() {
+        Some(free) if needed > free => Err(Error::OutOfMemory(format!(
+            "a KV cache of n_ctx={} cells needs {} ({} per cell) but only {} of memory is available; \
+             lower n_ctx or use a quantised type_k/type_v",
+            params.n_ctx,
+            crate::sysmem::human(needed),
+            crate::sysmem::human(model.kv_bytes_per_cell(params.type_k, params.type_v)),
+            crate::sysmem::human(free),
+        ))),
+        _ => Ok(()),
     }
 }
 

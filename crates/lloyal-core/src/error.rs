@@ -19,6 +19,9 @@ pub enum Error {
     /// llama.cpp refused to create a context with these parameters.
     #[error("could not create context: {0}")]
     ContextCreate(String),
+    /// Not enough memory for what was asked (maps to `MemoryError`).
+    #[error("not enough memory: {0}")]
+    OutOfMemory(String),
     /// The context was closed; nothing more can run on it.
     #[error("the context is closed")]
     ContextClosed,

@@ -34,6 +34,7 @@ mod omp;
 pub mod params;
 pub mod sampling;
 pub mod store;
+mod sysmem;
 
 pub use backend::{
     backend, backend_info, supports_gpu_offload, BackendInfo, Device, LLAMA_CPP_2_VERSION,

@@ -14,6 +14,7 @@ use llama_cpp_2::token::LlamaToken;
 use crate::backend::backend;
 use crate::error::{invalid, Error, Result};
 use crate::gguf;
+use crate::params::KvType;
 use crate::sampling::Sampler;
 
 /// Facts about a model, read once at load time.
@@ -265,6 +266,26 @@ impl Model {
             .clone();
         drop(cache);
         sampler.set_dry_breakers(set);
+    }
+
+    /// KV cache bytes one cell takes (every layer's K and V), from the GGUF
+    /// hyper-parameters: an estimate, llama.cpp adds small buffers on top.
+    pub fn kv_bytes_per_cell(&self, type_k: KvType, type_v: KvType) -> u64 {
+        let m = &self.llama;
+        let arch = &self.info.architecture;
+        let meta_u64 = |key: &str| {
+            self.meta(&format!("{arch}.{key}"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        };
+        let n_head = u64::from(m.n_head().max(1));
+        let head_dim = u64::from(self.info.n_embd) / n_head;
+        let k_len = meta_u64("attention.key_length").unwrap_or(head_dim);
+        let v_len = meta_u64("attention.value_length").unwrap_or(head_dim);
+        let n_head_kv = u64::from(m.n_head_kv());
+        u64::from(m.n_layer())
+            * n_head_kv
+            * (k_len as f64 * type_k.bytes_per_element()
+                + v_len as f64 * type_v.bytes_per_element()) as u64
     }
 
     /// The text of `text` when it is exactly one token, else `None`.

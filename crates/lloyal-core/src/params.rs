@@ -115,6 +115,10 @@ impl KvType {
 /// The most threads llama.cpp's CPU backend can use (`GGML_MAX_N_THREADS`).
 pub const MAX_THREADS: u32 = 512;
 
+/// The largest `n_ctx` accepted: positions are `i32` in llama.cpp, which
+/// also pads `n_ctx` up in 32-bit arithmetic. Memory runs out long before.
+pub const MAX_N_CTX: u32 = 1 << 30;
+
 /// Everything `create_context` accepts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ContextParams {
@@ -149,8 +153,11 @@ impl Default for ContextParams {
 
 impl ContextParams {
     pub fn validate(&self) -> Result<()> {
-        if self.n_ctx < 8 {
-            return Err(invalid(format!("n_ctx must be >= 8, got {}", self.n_ctx)));
+        if !(8..=MAX_N_CTX).contains(&self.n_ctx) {
+            return Err(invalid(format!(
+                "n_ctx must be in [8, {MAX_N_CTX}], got {}",
+                self.n_ctx
+            )));
         }
         if self.n_batch == 0 {
             return Err(invalid("n_batch must be >= 1"));

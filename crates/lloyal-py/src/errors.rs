@@ -2,7 +2,9 @@
 
 use lloyal_core::Error;
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyFileNotFoundError, PyIsADirectoryError, PyValueError};
+use pyo3::exceptions::{
+    PyException, PyFileNotFoundError, PyIsADirectoryError, PyMemoryError, PyValueError,
+};
 use pyo3::prelude::*;
 
 create_exception!(
@@ -79,6 +81,7 @@ pub fn to_pyerr(error: Error) -> PyErr {
     match error {
         Error::ModelNotFound(_) => PyFileNotFoundError::new_err(message),
         Error::ModelIsDirectory(_) => PyIsADirectoryError::new_err(message),
+        Error::OutOfMemory(_) => PyMemoryError::new_err(message),
         Error::ModelLoad { .. } | Error::ContextCreate(_) => ModelLoadError::new_err(message),
         Error::ContextClosed => ContextClosedError::new_err(message),
         Error::InvalidArgument(_) => PyValueError::new_err(message),

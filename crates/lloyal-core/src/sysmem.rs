@@ -1,0 +1,62 @@
+//! How much memory the process can still take: the smaller of the kernel's
+//! `MemAvailable` and what the cgroup (a container's limit) leaves.
+
+/// Bytes the process can still allocate, where the platform tells.
+pub(crate) fn available_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
+    let system = meminfo.as_deref().and_then(mem_available);
+    let cgroup = cgroup_left();
+    match (system, cgroup) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// `MemAvailable` from the text of `/proc/meminfo`, in bytes.
+fn mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// cgroup v2: `memory.max - memory.current` of the process's own cgroup.
+fn cgroup_left() -> Option<u64> {
+    let dir = std::path::Path::new("/sys/fs/cgroup");
+    let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
+    let max: u64 = read("memory.max")?.trim().parse().ok()?; // "max" = no limit
+    let current: u64 = read("memory.current")?.trim().parse().ok()?;
+    Some(max.saturating_sub(current))
+}
+
+/// `1.5 GiB`, `12.0 MiB`, `512 B`.
+pub(crate) fn human(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_mem_available() {
+        let text = "MemTotal:       24000000 kB\nMemAvailable:   1000 kB\n";
+        assert_eq!(mem_available(text), Some(1_024_000));
+        assert_eq!(mem_available("MemTotal: 5 kB\n"), None);
+    }
+
+    #[test]
+    fn formats_sizes() {
+        assert_eq!(human(512), "512 B");
+        assert_eq!(human(3 << 29), "1.5 GiB");
+    }
+}
