@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zlib
 from pathlib import Path
 
 import lloyal
@@ -113,3 +114,61 @@ async def test_n_ctx_beyond_memory_is_a_memory_error_with_the_bytes(model: Path)
         await lloyal.create_context(model, n_ctx=10**9)
     async with await lloyal.create_context(model, n_ctx=256) as ctx:
         await ctx.decode(await ctx.tokenize("still fine"), 0)
+
+
+# -- forged states -----------------------------------------------------------
+
+
+def reframe(state: bytes, payload_at: int, cell: int, pos: int) -> bytes:
+    """`state` with the position of cell `cell` of the (first) llama.cpp
+    cache set to `pos`, and the checksum recomputed: a forgery that passes
+    the frame checks. `payload_at` is where llama.cpp's bytes start in the
+    frame's body."""
+    header, body = bytearray(state[:24]), bytearray(state[24:])
+    # llama.cpp's magic and seq id, n_stream, n_cells, then (pos, n_seq, seq)
+    # per cell
+    at = payload_at + 16 + cell * 12
+    body[at : at + 4] = pos.to_bytes(4, "little", signed=True)
+    header[20:24] = zlib.crc32(body).to_bytes(4, "little")
+    return bytes(header + body)
+
+
+FORGED_POSITIONS = [-5, 2**31 - 2, 1 << 30]
+
+
+async def test_forged_positions_in_a_flat_state_are_refused(model: Path) -> None:
+    async with await lloyal.create_context(model, n_ctx=256, n_seq_max=2) as ctx:
+        tokens = await ctx.tokenize("The quick brown fox")
+        await ctx.decode(tokens, 0, 0)
+        state = await ctx.kv_cache_save(0, tokens)
+        await ctx.decode(tokens[:3], 0, 1)  # what seq 1 holds before the load
+        for pos in FORGED_POSITIONS:
+            forged = reframe(state, 8 + 4 * len(tokens), 1, pos)
+            with pytest.raises(lloyal.StateError, match=f"position {pos}"):
+                await ctx.kv_cache_load(1, forged)
+            assert ctx.kv_seq_pos_max(1) == 2  # untouched
+        duplicate = reframe(state, 8 + 4 * len(tokens), 1, 0)
+        with pytest.raises(lloyal.StateError, match="position 0 twice"):
+            await ctx.kv_cache_load(1, duplicate)
+        # The genuine state still loads, and decoding continues from it.
+        assert await ctx.kv_cache_load(1, state) == tokens
+        await ctx.decode(await ctx.tokenize(" jumps", add_special=False), len(tokens), 1)
+
+
+async def test_forged_positions_in_a_branch_snapshot_are_refused(model: Path) -> None:
+    async with await lloyal.create_context(model, n_ctx=256, n_seq_max=3) as ctx:
+        b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await b.prefill(await ctx.tokenize("The quick brown fox"))
+        snapshot = await b.save()
+        # Body: token count (0), then the branch payload: logits count and
+        # logits, then llama.cpp's bytes.
+        n_logits = int.from_bytes(snapshot[24 + 8 : 24 + 16], "little")
+        for pos in FORGED_POSITIONS:
+            forged = reframe(snapshot, 8 + 8 + 4 * n_logits, 0, pos)
+            with pytest.raises(lloyal.StateError, match=f"position {pos}"):
+                await lloyal.Branch.restore(ctx, forged, lloyal.GREEDY)
+        again = await lloyal.Branch.restore(ctx, snapshot, lloyal.GREEDY)
+        assert again.position == b.position
+        assert (await again.produce()).token == (await b.produce()).token
+        await again.prune()
+        await b.prune()

@@ -210,10 +210,7 @@ impl Worker<'_> {
                 let fp = kv::fingerprint(&self.model, &self.params);
                 let result = kv::decode(fp, &data).and_then(|(tokens, payload)| {
                     self.model.check_tokens(&tokens)?;
-                    let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
-                    kv::write_seq(&mut self.ctx, seq, payload).inspect_err(|_| {
-                        let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
-                    })?;
+                    kv::replace_seq(&mut self.ctx, seq, payload)?;
                     Ok(tokens)
                 });
                 self.refresh_all();

@@ -806,10 +806,9 @@ impl Worker<'_> {
         let (logits, llama) = unpack_branch(payload, self.model.vocab_size() as usize)?;
         let mut state = BranchState::new(0, params)?;
         self.model.bind_sampler(state.sampler_mut());
+        crate::kv::check_payload(llama, self.ctx.n_ctx())?;
         let seq = lock(&self.shared.branches).lease()?;
-        let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
         if let Err(e) = crate::kv::write_seq(&mut self.ctx, seq, llama) {
-            let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
             lock(&self.shared.branches).release(seq);
             self.refresh_seq(seq);
             return Err(e);
