@@ -83,7 +83,8 @@ class _NoReaderLoop(asyncio.SelectorEventLoop):
 
 def test_a_loop_without_add_reader_is_handed_results_by_callback(smollm2: Path) -> None:
     async def main() -> tuple[list[int], list[int]]:
-        async with await lloyal.create_context(smollm2, n_ctx=256, n_seq_max=3) as ctx:
+        # Four sequences: the flat loop's 0, and three branches.
+        async with await lloyal.create_context(smollm2, n_ctx=256, n_seq_max=4) as ctx:
             prompt = await ctx.tokenize("1, 2, 3, 4, 5, 6, 7, 8,")
             await ctx.decode(prompt, 0)  # call_native
             flat = [ctx.greedy_sample()]

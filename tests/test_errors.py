@@ -154,7 +154,7 @@ async def test_wrong_types(smollm2: Path) -> None:
     async with await lloyal.create_context(smollm2, n_ctx=256) as ctx:
         with pytest.raises(TypeError):
             await ctx.tokenize(b"bytes")  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="integers"):
+        with pytest.raises(TypeError, match="integers"):
             await ctx.decode(["a"], 0)  # type: ignore[list-item]
         await still_works(ctx)
 

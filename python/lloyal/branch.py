@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import numpy.typing as npt
 
 from lloyal._bridge import Waiter, call_native, start_batch
-from lloyal.context import Base, Logits, _logits_arg, _token_id, _token_list
+from lloyal.context import Base, Context, Logits, _logits_arg, _token_id, _token_list
 from lloyal.errors import BranchDisposedError
 from lloyal.grammar import Grammar, _compile
 from lloyal.sampling import SamplingParams
 from lloyal.text import TextStream
-
-if TYPE_CHECKING:
-    from lloyal.context import Context
 
 
 @dataclass(frozen=True)
@@ -46,7 +44,10 @@ class _CommitQueue:
     submits them all."""
 
     def __init__(self, ctx: Context) -> None:
-        self._ctx = ctx
+        # The native handle, not the Context: a queue stored on its context
+        # must not make a reference cycle (the context's memory would wait
+        # for the garbage collector).
+        self._native = ctx._native
         self._pending: list[tuple[int, int, Waiter]] = []
 
     async def commit(self, handle: int, token: int) -> None:
@@ -64,7 +65,7 @@ class _CommitQueue:
         self._pending = []
         if not items:
             return
-        native = self._ctx._native
+        native = self._native
         pairs = [(h, t) for h, t, _ in items]
         start_batch(lambda done: native.branch_commit(pairs, done), [w for _, _, w in items])
 
@@ -77,12 +78,21 @@ def _queue(ctx: Context) -> _CommitQueue:
     return queue
 
 
-def _registry(ctx: Context) -> dict[int, Branch]:
-    reg: dict[int, Branch] | None = getattr(ctx, "_branch_objects", None)
+def _registry(ctx: Context) -> weakref.WeakValueDictionary[int, Branch]:
+    """The live Branch object of each handle, so ``parent``/``children``
+    return the objects the user holds. Weak: a branch object refers to its
+    context, and a strong registry on the context would be a reference
+    cycle holding a closed context's model until the garbage collector ran."""
+    reg: weakref.WeakValueDictionary[int, Branch] | None = getattr(ctx, "_branch_objects", None)
     if reg is None:
-        reg = {}
+        reg = weakref.WeakValueDictionary()
         ctx._branch_objects = reg  # type: ignore[attr-defined]
     return reg
+
+
+def _check_context(ctx: object) -> None:
+    if not isinstance(ctx, Context):
+        raise TypeError(f"ctx must be a lloyal.Context, got {type(ctx).__name__}")
 
 
 def _raise_first(errors: Sequence[BaseException | None] | None) -> None:
@@ -150,6 +160,7 @@ class Branch:
         >>> asyncio.run(main())
         True
         """
+        _check_context(ctx)
         ctx._check_open()
         compiled = _compile(ctx, grammar, json_schema, lark)
         handle = ctx._native.branch_create(params or SamplingParams())
@@ -271,7 +282,10 @@ class Branch:
     ) -> Branch:
         """A new root branch (with its own lease) from :meth:`save` bytes.
         Corrupt or foreign data raises :class:`StateError`."""
+        _check_context(ctx)
         ctx._check_open()
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"data must be bytes, got {type(data).__name__}")
         raw = bytes(data)
         native = ctx._native
         p = params or SamplingParams()
@@ -434,6 +448,10 @@ class Branch:
 
 
 def _biases(biases: Mapping[int, float]) -> list[tuple[int, float]]:
+    if not isinstance(biases, Mapping):
+        raise TypeError(
+            f"biases must be a mapping of token id to bias, got {type(biases).__name__}"
+        )
     return [(_token_id(t), float(b)) for t, b in biases.items()]
 
 
@@ -455,14 +473,37 @@ class BranchStore:
     """
 
     def __init__(self, ctx: Context) -> None:
+        _check_context(ctx)
         self._ctx = ctx
+
+    def _handle(self, branch: Branch, what: str) -> int:
+        """`branch`'s handle, after checking it is a Branch of this store's
+        context (before anything runs: a bad item changes nothing)."""
+        if not isinstance(branch, Branch):
+            raise TypeError(f"{what} must be a lloyal.Branch, got {type(branch).__name__}")
+        if branch._ctx is not self._ctx:
+            raise ValueError(f"{what} belongs to another context than this BranchStore's")
+        return branch._handle
+
+    def _pairs(self, items: Sequence[tuple[Branch, Any]], what: str) -> list[tuple[Branch, Any]]:
+        if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+            raise TypeError(f"items must be a sequence of (Branch, {what}) pairs")
+        pairs = []
+        for i, item in enumerate(items):
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise TypeError(f"items[{i}] must be a (Branch, {what}) pair, got {item!r}")
+            pairs.append(item)
+        return pairs
 
     async def commit(self, items: Sequence[tuple[Branch, int]]) -> None:
         """Accept and decode one token per branch, in one ``llama_decode``
         (more only past ``n_batch`` branches). Items that fail alone (a
         pruned branch) do not stop the others; the first such error is
         raised after the rest are committed."""
-        pairs = [(b._handle, _token_id(t)) for b, t in items]
+        pairs = [
+            (self._handle(b, f"items[{i}][0]"), _token_id(t))
+            for i, (b, t) in enumerate(self._pairs(items, "token"))
+        ]
         native = self._ctx._native
         errors = await call_native(lambda done: native.branch_commit(pairs, done))
         _raise_first(errors)
@@ -470,7 +511,10 @@ class BranchStore:
     async def prefill(self, items: Sequence[tuple[Branch, Sequence[int]]]) -> None:
         """Decode a token list into each branch, packed into
         ``ceil(total / n_batch)`` decodes (long lists are split)."""
-        pairs = [(b._handle, _token_list(t)) for b, t in items]
+        pairs = [
+            (self._handle(b, f"items[{i}][0]"), _token_list(t))
+            for i, (b, t) in enumerate(self._pairs(items, "tokens"))
+        ]
         native = self._ctx._native
         errors = await call_native(lambda done: native.branch_prefill(pairs, done))
         _raise_first(errors)
@@ -478,15 +522,17 @@ class BranchStore:
     async def retain_only(self, winner: Branch) -> None:
         """Keep ``winner``'s KV and prune every other branch (one pass over
         the cache). ``winner`` becomes a root."""
+        handle = self._handle(winner, "winner")
         native = self._ctx._native
-        await call_native(lambda done: native.branch_retain_only(winner._handle, done))
+        await call_native(lambda done: native.branch_retain_only(handle, done))
         reg = _registry(self._ctx)
-        for handle in [h for h in reg if h != winner._handle]:
-            reg.pop(handle, None)
+        for other in [h for h in list(reg.keys()) if h != handle]:
+            reg.pop(other, None)
 
     @property
     def available(self) -> int:
-        """KV leases free now."""
+        """KV leases free now: sequences held neither by a branch nor by
+        tokens the flat API decoded (a lease never wipes those)."""
         return int(self._ctx._native.leases_available())
 
 

@@ -17,7 +17,7 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from lloyal import _lloyal
+from lloyal import _check, _lloyal
 from lloyal._bridge import call_native
 from lloyal.errors import ContextClosedError
 from lloyal.grammar import Grammar, _compile
@@ -104,7 +104,7 @@ def _token_id(token: int) -> int:
     try:
         t = operator.index(token)
     except TypeError:
-        raise ValueError(f"token ids must be integers, got {token!r}") from None
+        raise TypeError(f"token ids must be integers, got {token!r}") from None
     if not -_I32 <= t < _I32:
         raise ValueError(f"token id {t} is out of range")
     return t
@@ -112,7 +112,9 @@ def _token_id(token: int) -> int:
 
 def _token_list(tokens: Iterable[int]) -> list[int]:
     if isinstance(tokens, (str, bytes)):
-        raise ValueError("tokens must be a sequence of integers, not text")
+        raise TypeError("tokens must be a sequence of integers, not text")
+    if not isinstance(tokens, Iterable):
+        raise TypeError(f"tokens must be a sequence of integers, got {type(tokens).__name__}")
     return [_token_id(t) for t in tokens]
 
 
@@ -266,6 +268,7 @@ class Context:
         >>> asyncio.run(main())
         'Hello world'
         """
+        _check.instance(text, str, "text", "a str")
         if len(text) <= _INLINE_TOKENIZE_CHARS:
             return self.tokenize_sync(text, add_special, parse_special)
         return await anyio.to_thread.run_sync(self.tokenize_sync, text, add_special, parse_special)
@@ -383,11 +386,12 @@ class Context:
         """
         self._check_open()
         ids = _token_list(tokens)
-        await call_native(lambda done: self._native.decode(ids, int(pos), int(seq_id), done))
+        p, seq = _check.integer(pos, "pos"), _check.integer(seq_id, "seq_id")
+        await call_native(lambda done: self._native.decode(ids, p, seq, done))
 
     def kv_seq_pos_max(self, seq_id: int = 0) -> int:
         """Largest position held for ``seq_id``; ``-1`` when it is empty."""
-        return int(self._native.kv_seq_pos_max(int(seq_id)))
+        return int(self._native.kv_seq_pos_max(_check.integer(seq_id, "seq_id")))
 
     def get_logits(self) -> Logits:
         """The last decoded token's logits: a read-only float32 copy of shape
@@ -435,7 +439,7 @@ class Context:
 
     def kv_cache_size(self, seq_id: int = 0) -> int:
         """Tokens held by ``seq_id`` (``kv_seq_pos_max(seq_id) + 1``)."""
-        return int(self._native.kv_cache_size(int(seq_id)))
+        return int(self._native.kv_cache_size(_check.integer(seq_id, "seq_id")))
 
     async def kv_cache_remove(self, seq_id: int, start: int, end: int = -1) -> None:
         """Remove positions ``[start, end)`` of ``seq_id`` (``end=-1``: to the end)."""
@@ -454,7 +458,7 @@ class Context:
         """Drop every cell that ``seq_id`` does not hold. Queued like
         :meth:`kv_seq_copy`; refused while branches hold KV."""
         self._check_open()
-        self._native.kv_seq_keep(int(seq_id))
+        self._native.kv_seq_keep(_check.integer(seq_id, "seq_id"))
 
     async def kv_cache_clear(self) -> None:
         """Clear every sequence (refused while branches hold KV)."""
@@ -651,6 +655,12 @@ async def create_context(
     path = os.fspath(model_path)
     if not isinstance(path, str):
         raise TypeError("model_path must be a str or os.PathLike[str]")
+    for name, value in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_seq_max", n_seq_max)):
+        _check.integer(value, name)
+    if n_threads is not None:
+        _check.integer(n_threads, "n_threads")
+    _check.integer(n_gpu_layers, "n_gpu_layers")
+    _check.instance(embeddings, bool, "embeddings", "a bool")
     if n_threads is not None and n_threads < 1:
         # (The engine checks the upper limit, llama.cpp's GGML_MAX_N_THREADS.)
         raise ValueError(f"n_threads must be >= 1 or None, got {n_threads}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -58,6 +59,20 @@ class SamplingParams:
     dry_sequence_breakers: tuple[str, ...] = ("\n", ":", '"', "*")
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type == "float" and (
+                isinstance(value, bool) or not isinstance(value, numbers.Real)
+            ):
+                raise TypeError(f"{field.name} must be a float, got {type(value).__name__}")
+            if field.type == "int" and (
+                isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            ):
+                raise TypeError(f"{field.name} must be an int, got {type(value).__name__}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+        ):
+            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
         bias = self.logit_bias
         pairs = bias.items() if isinstance(bias, Mapping) else bias
         normalised = tuple((int(t), float(b)) for t, b in pairs)

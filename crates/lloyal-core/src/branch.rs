@@ -14,26 +14,36 @@ use crate::grammar::Grammar;
 use crate::metrics::{self, Base, LogitStats, PerplexityTracker};
 use crate::sampling::{Sampler, SamplingParams};
 
-/// An opaque, generational branch handle.
+/// An opaque, generational branch handle that also names its context: a
+/// handle used with another context's branches is refused, never mistaken
+/// for one of theirs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BranchId {
-    index: u32,
+    /// Slot index. Slots are reused, and every live branch holds one of at
+    /// most `MAX_SEQUENCES` leases, so it fits 16 bits.
+    index: u16,
+    /// The [`Branches`] (one per context) that issued it.
+    context: u16,
     generation: u32,
 }
 
 impl BranchId {
     /// Pack into one integer (for bindings).
     pub fn to_bits(self) -> u64 {
-        (u64::from(self.generation) << 32) | u64::from(self.index)
+        (u64::from(self.generation) << 32) | (u64::from(self.context) << 16) | u64::from(self.index)
     }
 
     pub fn from_bits(bits: u64) -> Self {
         Self {
-            index: bits as u32,
+            index: bits as u16,
+            context: (bits >> 16) as u16,
             generation: (bits >> 32) as u32,
         }
     }
 }
+
+/// Tags for [`Branches`]: distinct for the last 65,536 contexts created.
+static NEXT_CONTEXT_TAG: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
 
 /// What a branch carries. Cloned on fork, except `steer` (per-branch) and
 /// the topology fields.
@@ -272,8 +282,9 @@ struct Slot {
 
 /// Every branch of a context, plus the free KV sequence ids.
 pub struct Branches {
+    tag: u16,
     slots: Vec<Slot>,
-    free_slots: Vec<u32>,
+    free_slots: Vec<u16>,
     free_seqs: Vec<i32>,
     n_seq_max: u32,
 }
@@ -283,6 +294,7 @@ impl Branches {
     /// until a branch needs it; branches take the highest free ids first.
     pub fn new(n_seq_max: u32) -> Self {
         Self {
+            tag: NEXT_CONTEXT_TAG.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             slots: Vec::new(),
             free_slots: Vec::new(),
             free_seqs: (0..n_seq_max as i32).collect(),
@@ -295,18 +307,35 @@ impl Branches {
         self.free_seqs.len()
     }
 
+    /// The sequence ids no branch holds.
+    pub fn free_seqs(&self) -> impl Iterator<Item = i32> + '_ {
+        self.free_seqs.iter().copied()
+    }
+
     pub fn n_seq_max(&self) -> u32 {
         self.n_seq_max
     }
 
-    pub(crate) fn lease(&mut self) -> Result<i32> {
-        self.free_seqs.pop().ok_or_else(|| {
-            Error::NoLease(format!(
+    /// Take a free sequence id, the highest first, skipping those for which
+    /// `holds_flat_data` is true: a lease never takes (and wipes) cells the
+    /// flat API decoded.
+    pub(crate) fn lease(&mut self, holds_flat_data: impl Fn(i32) -> bool) -> Result<i32> {
+        if let Some(at) = self.free_seqs.iter().rposition(|&s| !holds_flat_data(s)) {
+            return Ok(self.free_seqs.remove(at));
+        }
+        if self.free_seqs.is_empty() {
+            return Err(Error::NoLease(format!(
                 "all {} KV leases (n_seq_max) are held by live branches; prune a branch \
                  (or retain_only a winner) to free one, or create the context with a larger n_seq_max",
                 self.n_seq_max
-            ))
-        })
+            )));
+        }
+        Err(Error::NoLease(format!(
+            "every KV sequence not held by a branch holds tokens the flat API decoded \
+             (seq_id {:?}); a branch would wipe them. Remove them first \
+             (ctx.kv_cache_remove(seq_id, 0)) or create the context with a larger n_seq_max",
+            self.free_seqs
+        )))
     }
 
     /// Give a lease back. Call only after its KV cells were cleared.
@@ -321,16 +350,19 @@ impl Branches {
             slot.state = Some(state);
             BranchId {
                 index,
+                context: self.tag,
                 generation: slot.generation,
             }
         } else {
-            let index = self.slots.len() as u32;
+            let index = u16::try_from(self.slots.len())
+                .expect("live branches are bounded by n_seq_max <= 256");
             self.slots.push(Slot {
                 generation: 0,
                 state: Some(state),
             });
             BranchId {
                 index,
+                context: self.tag,
                 generation: 0,
             }
         }
@@ -351,7 +383,19 @@ impl Branches {
         Ok(state)
     }
 
+    /// Refuse a handle issued by another context's `Branches`.
+    fn own(&self, id: BranchId) -> Result<()> {
+        if id.context == self.tag {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(
+                "the branch belongs to another context".to_owned(),
+            ))
+        }
+    }
+
     pub fn get(&self, id: BranchId) -> Result<&BranchState> {
+        self.own(id)?;
         self.slots
             .get(id.index as usize)
             .filter(|s| s.generation == id.generation)
@@ -360,6 +404,7 @@ impl Branches {
     }
 
     pub fn get_mut(&mut self, id: BranchId) -> Result<&mut BranchState> {
+        self.own(id)?;
         self.slots
             .get_mut(id.index as usize)
             .filter(|s| s.generation == id.generation)
@@ -384,6 +429,21 @@ impl Branches {
         Ok(order)
     }
 
+    /// Take every branch out (the context is closing): their handles are
+    /// stale from now on and their states are returned to be dropped.
+    pub(crate) fn take_all(&mut self) -> Vec<BranchState> {
+        let mut states = Vec::new();
+        for (index, slot) in self.slots.iter_mut().enumerate() {
+            if let Some(state) = slot.state.take() {
+                slot.generation = slot.generation.wrapping_add(1);
+                self.free_slots.push(index as u16);
+                self.free_seqs.push(state.seq);
+                states.push(state);
+            }
+        }
+        states
+    }
+
     /// Every live branch.
     pub fn ids(&self) -> Vec<BranchId> {
         self.slots
@@ -391,7 +451,8 @@ impl Branches {
             .enumerate()
             .filter(|(_, s)| s.state.is_some())
             .map(|(i, s)| BranchId {
-                index: i as u32,
+                index: i as u16,
+                context: self.tag,
                 generation: s.generation,
             })
             .collect()
@@ -408,7 +469,7 @@ mod tests {
     use super::*;
 
     fn state(b: &mut Branches) -> BranchState {
-        let seq = b.lease().unwrap();
+        let seq = b.lease(|_| false).unwrap();
         BranchState::new(seq, SamplingParams::greedy()).unwrap()
     }
 
@@ -430,10 +491,10 @@ mod tests {
     #[test]
     fn leases_run_out_and_come_back() {
         let mut b = Branches::new(2);
-        let x = b.lease().unwrap();
-        let _y = b.lease().unwrap();
+        let x = b.lease(|_| false).unwrap();
+        let _y = b.lease(|_| false).unwrap();
         assert_eq!(b.available(), 0);
-        let err = b.lease().unwrap_err();
+        let err = b.lease(|_| false).unwrap_err();
         assert!(err.to_string().contains("all 2 KV leases"), "{err}");
         b.release(x);
         assert_eq!(b.available(), 1);
@@ -446,7 +507,7 @@ mod tests {
         let root = b.insert(s);
         let mut kids = Vec::new();
         for _ in 0..2 {
-            let seq = b.lease().unwrap();
+            let seq = b.lease(|_| false).unwrap();
             let child = b.get(root).unwrap().fork(seq, root);
             let id = b.insert(child);
             b.get_mut(root).unwrap().children.push(id);

@@ -117,6 +117,15 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Whether the flat API's cells are in sequence `seq` (as of the last
+    /// finished job): such a sequence is never leased to a branch.
+    pub(crate) fn holds_flat_data(&self, seq: i32) -> bool {
+        usize::try_from(seq)
+            .ok()
+            .and_then(|s| self.pos_max.get(s))
+            .is_some_and(|p| p.load(Ordering::Acquire) >= 0)
+    }
+
     /// Index of `seq` in the per-sequence tables, or an error naming the range.
     fn seq_slot(&self, seq: i32) -> Result<usize> {
         usize::try_from(seq)
@@ -700,9 +709,15 @@ fn run(engine: &Engine, rx: &Receiver<Job>) {
                 for rest in rx.try_iter() {
                     rest.fail(Error::ContextClosed);
                 }
-                // Free the llama.cpp context here, on the thread that used it.
+                // Free every branch's state and the llama.cpp context here,
+                // on the thread that used them, then give the memory back.
+                if let Some(w) = guard.as_ref() {
+                    let states = lock(&w.shared.branches).take_all();
+                    drop(states);
+                }
                 drop(guard.take());
                 drop(guard);
+                crate::sysmem::release_free_memory();
                 reply(Ok(()));
                 return;
             }

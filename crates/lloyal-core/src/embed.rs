@@ -135,23 +135,22 @@ impl Worker<'_> {
         }
     }
 
-    /// Borrow up to `want` free sequences (never the flat API's sequence 0
-    /// while it holds cells).
+    /// Borrow up to `want` free sequences (never one the flat API holds
+    /// cells in).
     fn borrow_seqs(&mut self, want: usize) -> Result<Vec<i32>> {
-        let mut branches = lock(&self.shared.branches);
+        let shared = std::sync::Arc::clone(&self.shared);
+        let mut branches = lock(&shared.branches);
         let mut seqs = Vec::new();
         while seqs.len() < want {
-            let Ok(seq) = branches.lease() else { break };
-            if seq == 0 && self.ctx.kv_cache_seq_pos_max(0) >= 0 {
-                branches.release(seq);
+            let Ok(seq) = branches.lease(|s| shared.holds_flat_data(s)) else {
                 break;
-            }
+            };
             seqs.push(seq);
         }
         if seqs.is_empty() {
             return Err(Error::NoLease(
                 "embedding needs a free KV sequence, and every one is held by a branch \
-                 (or sequence 0 by the flat API); prune a branch or clear sequence 0"
+                 or holds flat-API cells; prune a branch or remove those cells"
                     .to_owned(),
             ));
         }

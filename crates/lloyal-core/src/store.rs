@@ -266,7 +266,7 @@ impl Context {
     pub fn branch_create(&self, params: SamplingParams) -> Result<BranchId> {
         self.check_open()?;
         let mut branches = lock(&self.shared.branches);
-        let seq = branches.lease()?;
+        let seq = branches.lease(|s| self.shared.holds_flat_data(s))?;
         let state = match BranchState::new(seq, params) {
             Ok(mut s) => {
                 self.model().bind_sampler(s.sampler_mut());
@@ -303,13 +303,18 @@ impl Context {
 
     /// Read a branch's state even while an operation is in flight.
     pub fn read_branch<T>(&self, id: BranchId, f: impl FnOnce(&BranchState) -> T) -> Result<T> {
+        self.check_open()?;
         let branches = lock(&self.shared.branches);
         Ok(f(branches.get(id)?))
     }
 
     /// Leases free now.
     pub fn leases_available(&self) -> usize {
-        lock(&self.shared.branches).available()
+        let branches = lock(&self.shared.branches);
+        branches
+            .free_seqs()
+            .filter(|&s| !self.shared.holds_flat_data(s))
+            .count()
     }
 
     /// Replace the branch's sampling parameters. Returns whether anything
@@ -693,7 +698,7 @@ impl Worker<'_> {
             let p = branches.get(parent)?;
             (p.seq, p.position)
         };
-        let dst = branches.lease()?;
+        let dst = branches.lease(|s| shared.holds_flat_data(s))?;
         // The lease may hold flat-API cells; a fork starts from the parent's.
         // (`seq_rm` scans every cell, so skip it when the sequence is empty.)
         if self.ctx.kv_cache_seq_pos_max(dst) >= 0 {
@@ -807,7 +812,7 @@ impl Worker<'_> {
         let mut state = BranchState::new(0, params)?;
         self.model.bind_sampler(state.sampler_mut());
         crate::kv::check_payload(llama, self.ctx.n_ctx())?;
-        let seq = lock(&self.shared.branches).lease()?;
+        let seq = lock(&self.shared.branches).lease(|s| self.shared.holds_flat_data(s))?;
         if let Err(e) = crate::kv::write_seq(&mut self.ctx, seq, llama) {
             lock(&self.shared.branches).release(seq);
             self.refresh_seq(seq);

@@ -7,7 +7,24 @@ use pyo3::types::PyDict;
 use crate::errors::IntoPyResult;
 
 /// Read a `lloyal.SamplingParams` (or any object with the same attributes).
+/// Anything else is a `TypeError` that names the parameter.
 pub fn params_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SamplingParams> {
+    read_params(obj).map_err(|e| {
+        let py = obj.py();
+        if e.is_instance_of::<pyo3::exceptions::PyValueError>(py) {
+            return e;
+        }
+        let kind = obj
+            .get_type()
+            .name()
+            .map_or_else(|_| "?".to_owned(), |n| n.to_string());
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "params must be a lloyal.SamplingParams, got {kind} ({e})"
+        ))
+    })
+}
+
+fn read_params(obj: &Bound<'_, PyAny>) -> PyResult<SamplingParams> {
     let seed: Option<u64> = obj.getattr("seed")?.extract()?;
     let params = SamplingParams {
         temperature: obj.getattr("temperature")?.extract()?,
