@@ -339,3 +339,94 @@ def test_closing_with_unpruned_branches_keeps_rss_flat(smollm2: Path, gemma3: Pa
     growth = [float(x) for x in out.stdout.split()]
     assert len(growth) == 2
     assert all(g < 50 for g in growth), growth  # it was ~9 MiB a cycle
+
+
+# -- chat templates: bounded parse and render, without the GIL ---------------
+
+CHAINS = [
+    "{{ a" + ".b" * 100_000 + " }}",
+    "{{ 1" + " + 1" * 100_000 + " }}",
+    "{{ x" + "|e" * 100_000 + " }}",
+    "{{ " + "-" * 100_000 + "1 }}",
+    "{{ " + "not " * 100_000 + "1 }}",
+]
+
+
+def test_deep_template_expressions_are_refused_not_a_stack_overflow(smollm2: Path) -> None:
+    """These overflowed the stack in minijinja's compiler (SIGSEGV)."""
+    out = run_child(
+        """
+        import asyncio, sys, lloyal
+        from lloyal._lloyal import validate_chat_template
+        chains = [
+            "{{ a" + ".b" * 100_000 + " }}",
+            "{{ 1" + " + 1" * 100_000 + " }}",
+            "{{ x" + "|e" * 100_000 + " }}",
+            "{{ " + "-" * 100_000 + "1 }}",
+            "{{ " + "not " * 100_000 + "1 }}",
+        ]
+        ctx = asyncio.run(lloyal.create_context(sys.argv[1], n_ctx=256))
+        for source in chains:
+            print(validate_chat_template(source))
+            try:
+                ctx.format_chat([{"role": "user", "content": "hi"}], template=source)
+            except lloyal.ChatTemplateError as e:
+                print("refused:", e)
+        print(ctx.format_chat([{"role": "user", "content": "hi"}]).prompt.count("hi"))
+        ctx.close()
+        """,
+        str(smollm2),
+    )
+    lines = out.stdout.splitlines()
+    assert lines.count("False") == len(CHAINS)
+    assert sum("tokens; at most 2000" in line for line in lines) == len(CHAINS)
+    assert lines[-1] == "1"
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        (
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "fuel",
+        ),
+        ("{% for i in range(100000) %}{{ 'a' * 1000 }}{% endfor %}", "exceed 67108864 bytes"),
+        ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursion limit"),
+        ("{{ 'a' * 2147483648 }}", "failed to render"),
+        ("x" * (1 << 20) + "x", "at most 1048576"),
+    ],
+)
+def test_costly_templates_hit_a_limit(
+    shared_ctx: lloyal.Context, template: str, message: str
+) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(lloyal.ChatTemplateError, match=message):
+        shared_ctx.format_chat(messages, template=template)
+    assert "hi" in shared_ctx.format_chat(messages, template="chatml").prompt
+
+
+def test_a_template_renders_without_holding_the_gil(shared_ctx: lloyal.Context) -> None:
+    """A render that runs until its fuel is spent used to freeze every
+    Python thread; now the others run meanwhile."""
+    import threading
+    import time
+
+    spin = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    ticks = 0
+    done = threading.Event()
+
+    def other_thread() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            time.sleep(0.001)
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    try:
+        with pytest.raises(lloyal.ChatTemplateError, match="fuel"):
+            shared_ctx.format_chat([{"role": "user", "content": "hi"}], template=spin)
+    finally:
+        done.set()
+        worker.join()
+    assert ticks >= 10  # the render takes ~0.5 s; the GIL-bound version gave 0-1

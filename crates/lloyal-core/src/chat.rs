@@ -83,8 +83,151 @@ pub fn resolve_template<'a>(
     }
 }
 
+/// Limits on what a template may cost. Chat templates come from model files
+/// and from users, so each is bounded; crossing one is a `ChatTemplateError`.
+pub mod limits {
+    /// Largest template source accepted (Hugging Face's are under 20 KiB).
+    pub const MAX_SOURCE_BYTES: usize = 1 << 20;
+    /// Most lexical tokens in one `{{ }}` or `{% %}` tag. Long operator or
+    /// attribute chains (`a.b.b.b...`) build an expression tree as deep as
+    /// the chain, which minijinja compiles and frees recursively; the
+    /// longest tag of a real chat template has a few dozen tokens.
+    pub const MAX_TAG_TOKENS: usize = 2_000;
+    /// Instructions one render may run (minijinja's fuel). A 100-message
+    /// conversation through a large Hugging Face template takes about
+    /// 100,000.
+    pub const FUEL: u64 = 20_000_000;
+    /// Largest rendered prompt, in bytes.
+    pub const MAX_OUTPUT_BYTES: usize = 64 << 20;
+    /// Wall-clock limit of one parse and render.
+    pub const TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+    /// Stack of the thread templates are parsed and rendered on.
+    pub(crate) const STACK_BYTES: usize = 64 << 20;
+}
+
+/// Refuse sources whose size or tag length could exhaust the stack or the
+/// memory before minijinja's own limits apply.
+fn check_source(source: &str) -> Result<()> {
+    if source.len() > limits::MAX_SOURCE_BYTES {
+        return Err(Error::Template(format!(
+            "the template is {} bytes; at most {} are accepted",
+            source.len(),
+            limits::MAX_SOURCE_BYTES
+        )));
+    }
+    let longest = longest_tag(source);
+    if longest > limits::MAX_TAG_TOKENS {
+        return Err(Error::Template(format!(
+            "a {{{{ }}}} or {{% %}} tag holds {longest} tokens; at most {} are accepted",
+            limits::MAX_TAG_TOKENS
+        )));
+    }
+    Ok(())
+}
+
+/// The most lexical tokens (names, numbers and string literals count one,
+/// each other character one) in any one tag of `source`.
+fn longest_tag(source: &str) -> usize {
+    let bytes = source.as_bytes();
+    let (mut i, mut longest) = (0, 0);
+    while i + 1 < bytes.len() {
+        let open = (bytes[i], bytes[i + 1]);
+        let close = match open {
+            (b'{', b'{') => b'}',
+            (b'{', b'%') => b'%',
+            (b'{', b'#') => {
+                // A comment: skip to its end.
+                i = source[i + 2..]
+                    .find("#}")
+                    .map_or(bytes.len(), |at| i + 2 + at + 2);
+                continue;
+            }
+            _ => {
+                i += 1;
+                continue;
+            }
+        };
+        i += 2;
+        let mut tokens = 0;
+        while i < bytes.len() {
+            let c = bytes[i];
+            if c == close && bytes.get(i + 1) == Some(&b'}') {
+                i += 2;
+                break;
+            }
+            if c.is_ascii_whitespace() {
+                i += 1;
+                continue;
+            }
+            tokens += 1;
+            if c == b'"' || c == b'\'' {
+                i += 1;
+                while i < bytes.len() && bytes[i] != c {
+                    i += if bytes[i] == b'\\' { 2 } else { 1 };
+                }
+                i += 1;
+            } else if c.is_ascii_alphanumeric() || c == b'_' || c >= 0x80 {
+                while i < bytes.len()
+                    && (bytes[i].is_ascii_alphanumeric() || bytes[i] == b'_' || bytes[i] >= 0x80)
+                {
+                    i += 1;
+                }
+            } else {
+                i += 1;
+            }
+        }
+        longest = longest.max(tokens);
+    }
+    longest
+}
+
+/// Run `f` (a parse or render) on a thread of its own, with a large stack,
+/// and wait at most [`limits::TIMEOUT`] for it. Fuel bounds the work, so a
+/// render that times out still ends soon after; its result is dropped.
+fn bounded<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    std::thread::Builder::new()
+        .name("lloyal-template".into())
+        .stack_size(limits::STACK_BYTES)
+        .spawn(move || {
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+                .unwrap_or_else(|p| Err(Error::from_panic(p)));
+            let _ = tx.send(result);
+        })
+        .map_err(|e| Error::Template(format!("could not start the template thread: {e}")))?;
+    rx.recv_timeout(limits::TIMEOUT).unwrap_or_else(|_| {
+        Err(Error::Template(format!(
+            "the template did not finish rendering within {} s",
+            limits::TIMEOUT.as_secs()
+        )))
+    })
+}
+
+/// Render output that refuses to grow past `limit` bytes.
+struct CappedOutput {
+    text: Vec<u8>,
+    limit: usize,
+    overflowed: bool,
+}
+
+impl std::io::Write for CappedOutput {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.text.len() + buf.len() > self.limit {
+            self.overflowed = true;
+            return Err(std::io::Error::other("output limit"));
+        }
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 fn environment() -> Environment<'static> {
     let mut env = Environment::new();
+    env.set_fuel(Some(limits::FUEL));
     // Hugging Face renders chat templates with these two flags on.
     if let Ok(syntax) = minijinja::syntax::SyntaxConfig::builder()
         .trim_blocks(true)
@@ -145,9 +288,19 @@ fn strftime_now(fmt: &str) -> String {
         .replace("%b", &month_name[..3])
 }
 
-/// Whether `source` parses as a Jinja template.
+/// Whether `source` parses as a Jinja template (within [`limits`]).
 pub fn validate_template(source: &str) -> bool {
-    environment().template_from_str(source).is_ok()
+    if check_source(source).is_err() {
+        return false;
+    }
+    let source = source.to_owned();
+    bounded(move || {
+        environment()
+            .template_from_str(&source)
+            .map(|_| ())
+            .map_err(|e| Error::Template(e.to_string()))
+    })
+    .is_ok()
 }
 
 /// Render `source` with `messages` (JSON array of message objects) and any
@@ -189,13 +342,29 @@ pub fn render(
         .or_insert_with(|| special_text(Some(model.eog_token())).into());
     vars.insert("messages".into(), messages);
     vars.insert("add_generation_prompt".into(), add_generation_prompt.into());
-    let env = environment();
-    let template = env
-        .template_from_str(source)
-        .map_err(|e| Error::Template(format!("template does not parse: {e:#}")))?;
-    template
-        .render(Value::from(minijinja::value::Serde(&vars)))
-        .map_err(|e| Error::Template(format!("template failed to render: {e:#}")))
+    check_source(source)?;
+    let source = source.to_owned();
+    bounded(move || {
+        let env = environment();
+        let template = env
+            .template_from_str(&source)
+            .map_err(|e| Error::Template(format!("template does not parse: {e:#}")))?;
+        let mut out = CappedOutput {
+            text: Vec::new(),
+            limit: limits::MAX_OUTPUT_BYTES,
+            overflowed: false,
+        };
+        let ctx = Value::from(minijinja::value::Serde(&vars));
+        let rendered = template.render_captured_to(ctx, &mut out).map(drop);
+        match rendered {
+            Ok(()) => Ok(String::from_utf8_lossy(&out.text).into_owned()),
+            Err(_) if out.overflowed => Err(Error::Template(format!(
+                "the rendered prompt would exceed {} bytes",
+                limits::MAX_OUTPUT_BYTES
+            ))),
+            Err(e) => Err(Error::Template(format!("template failed to render: {e:#}"))),
+        }
+    })
 }
 
 /// Render a conversation and collect the tokens that end the turn.
@@ -267,6 +436,33 @@ mod tests {
             assert!(validate_template(src), "{name} does not parse");
         }
         assert!(!validate_template("{% for %}"));
+    }
+
+    #[test]
+    fn hostile_templates_are_errors_not_crashes() {
+        // Chains that used to overflow the stack in minijinja's compiler.
+        for chain in [".b", " + 1", "|e", " ~ 'x'"] {
+            let src = format!("{{{{ a{} }}}}", chain.repeat(100_000));
+            assert!(!validate_template(&src));
+            let e = check_source(&src).unwrap_err();
+            assert!(e.to_string().contains("tokens"), "{e}");
+        }
+        assert!(!validate_template(&format!(
+            "{{{{ {}1 }}}}",
+            "-".repeat(100_000)
+        )));
+        assert!(!validate_template(
+            &"x".repeat(limits::MAX_SOURCE_BYTES + 1)
+        ));
+        // Strings, comments and raw text do not count as tag tokens.
+        let ok = format!(
+            "{}{{# {} #}}{{{{ '{}' }}}}",
+            "text ".repeat(10_000),
+            "+ ".repeat(10_000),
+            "+".repeat(10_000)
+        );
+        assert_eq!(longest_tag(&ok), 1);
+        assert!(validate_template(&ok));
     }
 
     #[test]

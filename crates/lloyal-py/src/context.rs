@@ -303,32 +303,40 @@ impl PyContext {
     #[pyo3(signature = (messages_json, add_generation_prompt, template, extra_json))]
     fn format_chat(
         &self,
+        py: Python<'_>,
         messages_json: &str,
         add_generation_prompt: bool,
         template: Option<&str>,
         extra_json: Option<&str>,
     ) -> PyResult<(String, Vec<i32>, String)> {
-        let p = chat::format_chat(
-            self.inner.model(),
-            template,
-            messages_json,
-            add_generation_prompt,
-            extra_json,
-        )
-        .py_err()?;
+        // Rendering runs bounded, on a thread of its own; other Python
+        // threads run meanwhile.
+        let model = self.inner.model();
+        let p = py
+            .detach(|| {
+                chat::format_chat(
+                    model,
+                    template,
+                    messages_json,
+                    add_generation_prompt,
+                    extra_json,
+                )
+            })
+            .py_err()?;
         Ok((p.prompt, p.stop_tokens, p.template_source))
     }
 
     #[pyo3(signature = (template=None))]
-    fn turn_separator(&self, template: Option<&str>) -> PyResult<Vec<i32>> {
-        chat::turn_separator(self.inner.model(), template).py_err()
+    fn turn_separator(&self, py: Python<'_>, template: Option<&str>) -> PyResult<Vec<i32>> {
+        let model = self.inner.model();
+        py.detach(|| chat::turn_separator(model, template)).py_err()
     }
 }
 
 /// Whether ``source`` parses as a Jinja chat template.
 #[pyfunction]
-pub fn validate_chat_template(source: &str) -> bool {
-    chat::validate_template(source)
+pub fn validate_chat_template(py: Python<'_>, source: &str) -> bool {
+    py.detach(|| chat::validate_template(source))
 }
 
 /// Names of the built-in chat templates.
