@@ -430,3 +430,49 @@ def test_a_template_renders_without_holding_the_gil(shared_ctx: lloyal.Context) 
         done.set()
         worker.join()
     assert ticks >= 10  # the render takes ~0.5 s; the GIL-bound version gave 0-1
+
+
+# -- grammars: bounded translation and compilation ---------------------------
+
+
+def test_deep_and_long_grammars_are_refused_or_compiled_not_a_crash(
+    model: Path,
+) -> None:
+    """GBNF nested 20,000 deep overflowed the translator's stack, and a
+    chain of 5,000 rules (GBNF or Lark) llguidance's compiler's (SIGSEGV)."""
+    out = run_child(
+        """
+        import asyncio, sys, lloyal
+
+        n = 20_000
+        cases = {
+            "nest": dict(grammar="root ::= " + "(" * n + '"a"' + ")" * n),
+            "gbnf-chain": dict(grammar="root ::= r0\\n"
+                + "".join(f"r{i} ::= r{i + 1}\\n" for i in range(5000)) + 'r5000 ::= "a"\\n'),
+            "lark-chain": dict(lark="start: r0\\n"
+                + "".join(f"r{i}: r{i + 1}\\n" for i in range(5000)) + 'r5000: "a"\\n'),
+            "too-big": dict(lark="start: r0\\n"
+                + "".join(f"r{i}: r{i + 1}\\n" for i in range(50000)) + 'r50000: "a"\\n'),
+        }
+
+        async def main():
+            async with await lloyal.create_context(sys.argv[1], n_ctx=256, n_seq_max=2) as ctx:
+                for name, spec in cases.items():
+                    try:
+                        b = lloyal.Branch.create(ctx, lloyal.GREEDY, **spec)
+                    except lloyal.GrammarError as e:
+                        print(name, "refused:", str(e).splitlines()[0])
+                        continue
+                    await b.prefill(await ctx.tokenize("Say a:"))
+                    print(name, "compiled:", repr((await b.produce()).text))
+                    await b.prune()
+
+        asyncio.run(main())
+        """,
+        str(model),
+    )
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert "nest more than 30 deep" in lines["nest"]
+    assert lines["gbnf-chain"] == "compiled: 'a'"
+    assert lines["lark-chain"] == "compiled: 'a'"
+    assert "at most 524288 are accepted" in lines["too-big"]

@@ -14,6 +14,10 @@
 use std::collections::BTreeSet;
 use std::fmt::Write;
 
+/// How deep parentheses may nest: llguidance's own Lark limit, checked here
+/// first (the translator recurses on them).
+pub const MAX_NESTING: usize = 30;
+
 /// Translate GBNF text to a Lark grammar for llguidance, or say what is
 /// wrong (with a line number).
 pub fn gbnf_to_lark(gbnf: &str) -> Result<String, String> {
@@ -23,6 +27,7 @@ pub fn gbnf_to_lark(gbnf: &str) -> Result<String, String> {
         line: 1,
         defined: BTreeSet::new(),
         used: BTreeSet::new(),
+        depth: 0,
     };
     let mut rules = Vec::new();
     loop {
@@ -68,6 +73,8 @@ struct Parser<'a> {
     line: usize,
     defined: BTreeSet<String>,
     used: BTreeSet<String>,
+    /// Parentheses open around the current position.
+    depth: usize,
 }
 
 impl Parser<'_> {
@@ -169,9 +176,17 @@ impl Parser<'_> {
                     "/(?s:.)/".to_owned()
                 }
                 Some(b'(') => {
+                    if self.depth >= MAX_NESTING {
+                        return Err(
+                            self.error(format!("parentheses nest more than {MAX_NESTING} deep"))
+                        );
+                    }
                     self.pos += 1;
                     self.skip_space(true);
-                    let inner = self.alternates(true)?;
+                    self.depth += 1;
+                    let inner = self.alternates(true);
+                    self.depth -= 1;
+                    let inner = inner?;
                     self.skip_space(true);
                     if self.peek() != Some(b')') {
                         return Err(self.error(format!("expected `)`, found {}", self.found())));

@@ -48,6 +48,32 @@ impl std::fmt::Debug for GrammarFactory {
     }
 }
 
+/// Bounds on grammars (llguidance adds its own: `ParserLimits`, whose
+/// defaults bound grammar size, lexer states and per-token work).
+pub mod limits {
+    /// Largest grammar or JSON schema text accepted.
+    pub const MAX_SOURCE_BYTES: usize = 512 << 10;
+    /// How deep GBNF parentheses may nest (llguidance's Lark limit too).
+    pub const MAX_NESTING: usize = crate::gbnf::MAX_NESTING;
+    /// Stack of the thread grammars are compiled on: enough for the
+    /// longest rule chain `MAX_SOURCE_BYTES` can spell (about 3 KiB of
+    /// stack per rule).
+    pub(crate) const STACK_BYTES: usize = 512 << 20;
+}
+
+/// Run `f` on a thread with a [`limits::STACK_BYTES`] stack and wait for it.
+fn on_big_stack<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    let handle = std::thread::Builder::new()
+        .name("lloyal-grammar".into())
+        .stack_size(limits::STACK_BYTES)
+        .spawn(move || {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+                .unwrap_or_else(|p| Err(Error::from_panic(p)))
+        })
+        .map_err(|e| grammar_error(format!("could not start the grammar thread: {e}")))?;
+    handle.join().unwrap_or_else(|p| Err(Error::from_panic(p)))
+}
+
 fn grammar_error(message: impl std::fmt::Display) -> Error {
     Error::Grammar(message.to_string())
 }
@@ -157,16 +183,34 @@ impl std::fmt::Debug for Grammar {
 impl Grammar {
     /// Compile `spec` for `model`. An invalid grammar or schema is an
     /// [`Error::Grammar`] here, never an unconstrained matcher later.
+    ///
+    /// Compilation runs on a thread of its own with a large stack
+    /// ([`limits`]): llguidance recurses along chains of rules (a chain of
+    /// 3,000 rules overflowed an 8 MiB stack).
     pub fn new(model: &Model, spec: &GrammarSpec) -> Result<Self> {
         let env = token_env(model)?;
-        let parser = env
-            .factory
-            .create_parser(top_level(spec)?)
-            .map_err(|e| grammar_error(error_head(&e.to_string())))?;
-        let matcher = Matcher::new(Ok(parser));
-        if let Some(e) = matcher.get_error() {
-            return Err(grammar_error(e));
+        let size = match spec {
+            GrammarSpec::Gbnf(t) | GrammarSpec::Lark(t) | GrammarSpec::JsonSchema(t) => t.len(),
+        };
+        if size > limits::MAX_SOURCE_BYTES {
+            return Err(grammar_error(format!(
+                "the grammar is {size} bytes; at most {} are accepted",
+                limits::MAX_SOURCE_BYTES
+            )));
         }
+        let spec = spec.clone();
+        let compile_env = Arc::clone(&env);
+        let matcher = on_big_stack(move || {
+            let parser = compile_env
+                .factory
+                .create_parser(top_level(&spec)?)
+                .map_err(|e| grammar_error(error_head(&e.to_string())))?;
+            let matcher = Matcher::new(Ok(parser));
+            match matcher.get_error() {
+                Some(e) => Err(grammar_error(e)),
+                None => Ok(matcher),
+            }
+        })?;
         Ok(Self {
             matcher,
             env,
