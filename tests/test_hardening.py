@@ -9,11 +9,14 @@ every other branch stay usable. docs/limits.md lists what each input raises.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -268,8 +271,6 @@ def test_wrong_types_are_type_errors_naming_the_parameter(
         with pytest.raises(TypeError, match=message):
             call(shared_ctx, b)
     finally:
-        import asyncio
-
         asyncio.run(b.prune())
 
 
@@ -408,9 +409,6 @@ def test_costly_templates_hit_a_limit(
 def test_a_template_renders_without_holding_the_gil(shared_ctx: lloyal.Context) -> None:
     """A render that runs until its fuel is spent used to freeze every
     Python thread; now the others run meanwhile."""
-    import threading
-    import time
-
     spin = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
     ticks = 0
     done = threading.Event()
@@ -476,3 +474,52 @@ def test_deep_and_long_grammars_are_refused_or_compiled_not_a_crash(
     assert lines["gbnf-chain"] == "compiled: 'a'"
     assert lines["lark-chain"] == "compiled: 'a'"
     assert "at most 524288 are accepted" in lines["too-big"]
+
+
+# -- one context, two event loops in two threads ------------------------------
+
+
+def test_two_event_loops_in_two_threads_share_a_context(smollm2: Path) -> None:
+    """Concurrent commits from two loops used to share one commit queue:
+    one loop's flush raced the other's append and a commit was never sent
+    (3 runs of 3 hung). Each thread now batches its own."""
+    out = run_child(
+        """
+        import asyncio, sys, threading, lloyal
+
+        ctx = asyncio.run(lloyal.create_context(sys.argv[1], n_ctx=2048, n_seq_max=4))
+        results = {}
+
+        def drive(name):
+            async def main():
+                b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+                await b.prefill(await ctx.tokenize("Once upon a time"))
+                for _ in range(200):
+                    await b.commit((await b.produce()).token)
+                position = b.position
+                await b.prune()
+                return position
+
+            try:
+                results[name] = asyncio.run(asyncio.wait_for(main(), 60))
+            except BaseException as e:
+                results[name] = repr(e)
+
+        threads = [threading.Thread(target=drive, args=(n,)) for n in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        print(results["a"], results["b"])
+        ctx.close()
+        """,
+        str(smollm2),
+        timeout=180,
+    )
+    prompt = len(asyncio.run(_tokenize(smollm2, "Once upon a time")))
+    assert out.stdout.split() == [str(prompt + 200)] * 2, out.stdout
+
+
+async def _tokenize(path: Path, text: str) -> list[int]:
+    async with await lloyal.create_context(path, n_ctx=256) as ctx:
+        return await ctx.tokenize(text)

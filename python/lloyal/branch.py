@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,10 +72,16 @@ class _CommitQueue:
 
 
 def _queue(ctx: Context) -> _CommitQueue:
-    queue: _CommitQueue | None = getattr(ctx, "_commit_queue", None)
+    """This thread's commit queue for ``ctx``. One per thread (so per event
+    loop): batching is per loop tick, and a queue shared by two loops in two
+    threads lost commits to the race between appending and flushing (the
+    awaiting task hung)."""
+    local: threading.local | None = getattr(ctx, "_commit_queues", None)
+    if local is None:
+        local = ctx.__dict__.setdefault("_commit_queues", threading.local())
+    queue: _CommitQueue | None = getattr(local, "queue", None)
     if queue is None:
-        queue = _CommitQueue(ctx)
-        ctx._commit_queue = queue  # type: ignore[attr-defined]
+        queue = local.queue = _CommitQueue(ctx)
     return queue
 
 
