@@ -179,6 +179,15 @@ async def test_forged_positions_in_a_branch_snapshot_are_refused(model: Path) ->
         await b.prune()
 
 
+async def test_more_threads_than_cpus_is_a_warning(smollm2: Path) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    with pytest.warns(RuntimeWarning, match=f"more than the {cpus} CPUs"):
+        ctx = await lloyal.create_context(smollm2, n_ctx=256, n_threads=cpus + 1)
+    async with ctx:
+        assert ctx.n_threads == cpus + 1
+        await ctx.decode(await ctx.tokenize("fine"), 0)
+
+
 # -- ownership: handles, contexts, leases ------------------------------------
 
 

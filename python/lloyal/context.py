@@ -6,6 +6,7 @@ import atexit
 import json
 import operator
 import os
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,16 @@ Logits = npt.NDArray[np.float32]
 _INLINE_TOKENIZE_CHARS = 16_384
 
 _live_contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+
+# llama.cpp's GGML_MAX_N_THREADS; the engine refuses more.
+_MAX_THREADS = 512
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 @atexit.register
@@ -664,6 +675,14 @@ async def create_context(
     if n_threads is not None and n_threads < 1:
         # (The engine checks the upper limit, llama.cpp's GGML_MAX_N_THREADS.)
         raise ValueError(f"n_threads must be >= 1 or None, got {n_threads}")
+    cpus = _usable_cpus()
+    if n_threads is not None and n_threads > cpus and n_threads <= _MAX_THREADS:
+        warnings.warn(
+            f"n_threads={n_threads} is more than the {cpus} CPUs this process may run on: "
+            "llama.cpp's threads will take turns and decoding slows down",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     for name, value in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_seq_max", n_seq_max)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")

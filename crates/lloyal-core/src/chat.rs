@@ -127,7 +127,7 @@ fn check_source(source: &str) -> Result<()> {
 
 /// The most lexical tokens (names, numbers and string literals count one,
 /// each other character one) in any one tag of `source`.
-fn longest_tag(source: &str) -> usize {
+pub(crate) fn longest_tag(source: &str) -> usize {
     let bytes = source.as_bytes();
     let (mut i, mut longest) = (0, 0);
     while i + 1 < bytes.len() {

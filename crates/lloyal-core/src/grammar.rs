@@ -55,6 +55,23 @@ pub mod limits {
     pub const MAX_SOURCE_BYTES: usize = 512 << 10;
     /// How deep GBNF parentheses may nest (llguidance's Lark limit too).
     pub const MAX_NESTING: usize = crate::gbnf::MAX_NESTING;
+    /// llguidance's own bounds, set explicitly (they are its defaults; the
+    /// values are listed in docs/limits.md): grammar size in symbols, lexer
+    /// states, and the work one token's mask may take (past which the
+    /// matcher reports an error instead of running on).
+    pub fn llguidance() -> llguidance::api::ParserLimits {
+        llguidance::api::ParserLimits {
+            max_items_in_row: 2_000,
+            initial_lexer_fuel: 1_000_000,
+            step_lexer_fuel: 200_000,
+            max_lexer_states: 250_000,
+            max_grammar_size: 500_000,
+            step_max_items: 50_000,
+            precompute_large_lexemes: true,
+            verbose_errors: true,
+        }
+    }
+
     /// Stack of the thread grammars are compiled on: enough for the
     /// longest rule chain `MAX_SOURCE_BYTES` can spell (about 3 KiB of
     /// stack per rule).
@@ -126,6 +143,7 @@ fn build_env(model: &Model) -> std::result::Result<TokenEnv, String> {
     let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
     let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
     factory.quiet();
+    *factory.limits_mut() = limits::llguidance();
     Ok(TokenEnv { factory, is_eog })
 }
 

@@ -36,6 +36,30 @@ pub mod sampling;
 pub mod store;
 mod sysmem;
 
+/// Entry points of the parsers that read untrusted bytes, for the fuzz
+/// targets (`tests/fuzz.rs`). Not part of the API.
+#[doc(hidden)]
+pub mod fuzzing {
+    /// Check a framed KV state the way loading does, without a context:
+    /// the frame (fingerprint `fingerprint`), then llama.cpp's payload
+    /// against a context of `n_cells` cells.
+    pub fn check_state(fingerprint: u64, data: &[u8], n_cells: u32) -> crate::Result<Vec<i32>> {
+        let (tokens, payload) = crate::kv::decode(fingerprint, data)?;
+        crate::kv::check_payload(payload, n_cells)?;
+        Ok(tokens)
+    }
+
+    /// Frame `payload` as a saved state holding `tokens`.
+    pub fn frame_state(fingerprint: u64, tokens: &[i32], payload: &[u8]) -> Vec<u8> {
+        crate::kv::encode(fingerprint, tokens, payload)
+    }
+
+    /// The longest tag of a chat template, in tokens (its pre-check).
+    pub fn template_tag_tokens(source: &str) -> usize {
+        crate::chat::longest_tag(source)
+    }
+}
+
 pub use backend::{
     backend, backend_info, supports_gpu_offload, BackendInfo, Device, LLAMA_CPP_2_VERSION,
 };
