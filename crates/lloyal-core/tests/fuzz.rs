@@ -173,7 +173,11 @@ fn gguf_header() -> impl Strategy<Value = Vec<u8>> {
         prop::collection::vec(0..8u32, 0..600).prop_map(Kv::U32s),
     ];
     (
-        prop_oneof![Just("llama".to_owned()), Just("gemma3".to_owned()), "[a-z]{1,8}"],
+        prop_oneof![
+            Just("llama".to_owned()),
+            Just("gemma3".to_owned()),
+            "[a-z]{1,8}"
+        ],
         prop::collection::vec((key, value), 0..8),
         prop::collection::vec(mutation(), 0..4),
     )
@@ -314,7 +318,10 @@ fn gbnf_text() -> impl Strategy<Value = String> {
             prop::collection::vec(inner.clone(), 1..4).prop_map(|v| v.join(" ")),
             prop::collection::vec(inner.clone(), 1..4).prop_map(|v| v.join(" | ")),
             inner.clone().prop_map(|e| format!("({e})")),
-            (inner, prop_oneof!["\\*", "\\+", "\\?", "\\{[0-9]{0,2},?[0-9]{0,2}\\}"])
+            (
+                inner,
+                prop_oneof!["\\*", "\\+", "\\?", "\\{[0-9]{0,2},?[0-9]{0,2}\\}"]
+            )
                 .prop_map(|(e, op)| format!("({e}){op}")),
         ]
     });
