@@ -27,6 +27,13 @@ import pytest
 pytestmark = pytest.mark.anyio
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    """These tests are about inputs, not event loops: asyncio only (the
+    loop-specific paths have their own suites)."""
+    return "asyncio"
+
+
 def run_child(code: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """Run `code` in a fresh interpreter; it must exit 0 (not by a signal)
     and print nothing to stderr that looks like an abort."""
