@@ -17,12 +17,15 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any
 
 import lloyal
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.anyio
 
@@ -193,6 +196,16 @@ async def test_more_threads_than_cpus_is_a_warning(smollm2: Path) -> None:
     async with ctx:
         assert ctx.n_threads == cpus + 1
         await ctx.decode(await ctx.tokenize("fine"), 0)
+
+
+async def test_n_batch_below_n_seq_max_is_raised_not_an_abort(model: Path) -> None:
+    """llama.cpp reserves an output row per sequence within n_batch and
+    asserted when n_batch < n_seq_max (found by the property test below)."""
+    async with await lloyal.create_context(model, n_ctx=256, n_batch=2, n_seq_max=4) as ctx:
+        assert ctx.n_batch == 4
+        await ctx.decode(await ctx.tokenize("hello world, again and again"), 0)
+    with pytest.raises(ValueError, match=r"n_seq_max \(75\) must be <= n_ctx \(42\)"):
+        await lloyal.create_context(model, n_ctx=42, n_seq_max=75)
 
 
 # -- ownership: handles, contexts, leases ------------------------------------
@@ -539,3 +552,106 @@ def test_two_event_loops_in_two_threads_share_a_context(smollm2: Path) -> None:
 async def _tokenize(path: Path, text: str) -> list[int]:
     async with await lloyal.create_context(path, n_ctx=256) as ctx:
         return await ctx.tokenize(text)
+
+
+# -- property tests: options, grammars, templates ----------------------------
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n_ctx=st.one_of(st.integers(-5, 20), st.integers(20, 5000), st.just(10**9)),
+    n_batch=st.one_of(st.integers(-1, 3), st.integers(1, 5000), st.just(10**9)),
+    n_seq_max=st.integers(-1, 300),
+    n_threads=st.one_of(st.none(), st.integers(-1, 3), st.just(600)),
+    embeddings=st.booleans(),
+)
+def test_any_options_give_a_working_context_or_a_clear_error(
+    smollm2: Path, n_ctx: int, n_batch: int, n_seq_max: int, n_threads: int | None, embeddings: bool
+) -> None:
+    async def attempt() -> None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # n_threads > CPUs
+                ctx = await lloyal.create_context(
+                    smollm2,
+                    n_ctx=n_ctx,
+                    n_batch=n_batch,
+                    n_seq_max=n_seq_max,
+                    n_threads=n_threads,
+                    embeddings=embeddings,
+                )
+        except (ValueError, MemoryError):
+            return
+        async with ctx:
+            assert 1 <= ctx.n_batch <= ctx.n_ctx
+            text = "The river ran past the mill. " * 4
+            if embeddings:
+                if len(await ctx.tokenize(text)) > ctx.n_batch:
+                    with pytest.raises(ValueError, match="does not fit one batch"):
+                        await ctx.embed([text])
+                    return
+                vectors = await ctx.embed([text])
+                assert vectors.shape == (1, ctx.embedding_dim)
+            else:
+                tokens = await ctx.tokenize(text * 20)
+                fits = tokens[: ctx.n_ctx - 8]
+                await ctx.decode(fits, 0)  # split at n_batch, never an abort
+                assert ctx.kv_seq_pos_max(0) == len(fits) - 1
+
+    asyncio.run(attempt())
+
+
+GBNF_PIECES = ['"a"', '"b"', "[a-c]", "[^x]", ".", "r1", "(", ")", "|", "*", "+", "?", "{1,2}", " "]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    body=st.lists(st.sampled_from(GBNF_PIECES), min_size=1, max_size=30),
+    helper=st.lists(st.sampled_from(GBNF_PIECES), min_size=0, max_size=10),
+)
+def test_random_gbnf_compiles_or_is_a_grammar_error(
+    shared_ctx: lloyal.Context, body: list[str], helper: list[str]
+) -> None:
+    rule = "".join(helper) or '"z"'
+    grammar = "root ::= " + "".join(body) + "\nr1 ::= " + rule + "\n"
+    try:
+        b = lloyal.Branch.create(shared_ctx, lloyal.GREEDY, grammar=grammar)
+    except lloyal.GrammarError:
+        return
+    asyncio.run(b.prune())
+
+
+JINJA_PIECES = [
+    "{{ ",
+    " }}",
+    "{% if ",
+    " %}",
+    "{% endif %}",
+    "{% for m in messages %}",
+    "{% endfor %}",
+    "m.content",
+    "m.role",
+    "|trim",
+    "~",
+    "'x'",
+    "(",
+    ")",
+    "+",
+    "1",
+    "not ",
+    "[",
+    "]",
+    "text",
+    "\n",
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(st.sampled_from(JINJA_PIECES), max_size=40))
+def test_random_templates_render_or_are_a_template_error(
+    shared_ctx: lloyal.Context, pieces: list[str]
+) -> None:
+    try:
+        shared_ctx.format_chat([{"role": "user", "content": "hi"}], template="".join(pieces))
+    except lloyal.ChatTemplateError:
+        pass

@@ -589,24 +589,23 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
 /// (aborts the process) when a decode holds more tokens than that, so a
 /// split at the requested value (`n_ctx=256` with the default 512) would
 /// abort: clamp first, to the requested `n_ctx` (llama.cpp only ever
-/// allocates more cells than asked for). Embedding contexts also need a
-/// multiple of `n_seq_max` (llama.cpp splits their batches evenly across
-/// sequences and asserts otherwise): round up, or down where up would
-/// pass `n_ctx`.
+/// allocates more cells than asked for). It also reserves one output row
+/// per sequence within `n_batch` and asserts on fewer, so `n_batch` is at
+/// least `n_seq_max` (which `validate` keeps within `n_ctx`). Embedding
+/// contexts also need a multiple of `n_seq_max` (llama.cpp splits their
+/// batches evenly across sequences and asserts otherwise): round up, or
+/// down where up would pass `n_ctx`.
 fn effective_n_batch(params: &ContextParams) -> u32 {
-    let n_batch = params.n_batch.min(params.n_ctx);
+    let seqs = params.n_seq_max;
+    let n_batch = params.n_batch.min(params.n_ctx).max(seqs);
     if !params.embeddings {
         return n_batch;
     }
-    let seqs = params.n_seq_max;
     let up = n_batch.div_ceil(seqs).saturating_mul(seqs);
-    let down = n_batch / seqs * seqs;
-    if up <= params.n_ctx || down == 0 {
-        // (down == 0: n_ctx < n_seq_max. llama.cpp pads n_ctx to a multiple
-        // of 256 >= MAX_SEQUENCES, so `up` still fits what it allocates.)
+    if up <= params.n_ctx {
         up
     } else {
-        down
+        n_batch / seqs * seqs // >= seqs: n_batch >= n_seq_max
     }
 }
 
@@ -920,6 +919,9 @@ mod tests {
             256
         );
         assert_eq!(effective_n_batch(&params(2048, 512, 4, false)), 512);
+        // At least one output row per sequence (llama.cpp asserts).
+        assert_eq!(effective_n_batch(&params(256, 2, 4, false)), 4);
+        assert_eq!(effective_n_batch(&params(42, 512, 42, false)), 42);
     }
 
     #[test]
@@ -928,7 +930,7 @@ mod tests {
         assert_eq!(effective_n_batch(&params(2048, 512, 3, true)), 513);
         assert_eq!(effective_n_batch(&params(256, 256, 3, true)), 255);
         assert_eq!(effective_n_batch(&params(256, 512, 8, true)), 256);
-        // n_ctx below n_seq_max: one token per sequence (llama.cpp pads n_ctx).
-        assert_eq!(effective_n_batch(&params(8, 512, 16, true)), 16);
+        assert_eq!(effective_n_batch(&params(42, 1_000_000_000, 41, true)), 41);
+        assert_eq!(effective_n_batch(&params(256, 2, 4, true)), 4);
     }
 }

@@ -168,6 +168,14 @@ impl ContextParams {
                 self.n_seq_max
             )));
         }
+        if self.n_seq_max > self.n_ctx {
+            // llama.cpp reserves an output row per sequence within
+            // n_batch <= n_ctx, and aborts when they do not fit.
+            return Err(invalid(format!(
+                "n_seq_max ({}) must be <= n_ctx ({})",
+                self.n_seq_max, self.n_ctx
+            )));
+        }
         if let Some(n) = self.n_threads {
             // llama.cpp's own limit (GGML_MAX_N_THREADS): past it, it
             // still starts every thread, and each decode crawls.
