@@ -652,6 +652,9 @@ def test_random_templates_render_or_are_a_template_error(
     shared_ctx: lloyal.Context, pieces: list[str]
 ) -> None:
     try:
-        shared_ctx.format_chat([{"role": "user", "content": "hi"}], template="".join(pieces))
+        rendered = shared_ctx.format_chat(
+            [{"role": "user", "content": "hi"}], template="".join(pieces)
+        )
     except lloyal.ChatTemplateError:
-        pass
+        return
+    assert rendered.template_source == "custom"
