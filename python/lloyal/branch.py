@@ -7,9 +7,10 @@ import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, overload
 
 import anyio
+import numpy as np
 import numpy.typing as npt
 
 from lloyal._bridge import Waiter, call_native, start_batch
@@ -187,13 +188,43 @@ class Branch:
 
     # -- decoding --------------------------------------------------------------
 
-    async def prefill(self, tokens: Sequence[int]) -> None:
+    @overload
+    async def prefill(self, tokens: Sequence[int], *, logits: Literal["last"] = "last") -> None: ...
+    @overload
+    async def prefill(self, tokens: Sequence[int], *, logits: Literal["all"]) -> Rows: ...
+    async def prefill(
+        self, tokens: Sequence[int], *, logits: Literal["last", "all"] = "last"
+    ) -> Rows | None:
         """Decode ``tokens`` into this branch and keep the last logits. Does
-        not accept them (no penalty history, no perplexity)."""
+        not accept them (no penalty history, no perplexity).
+
+        ``logits="all"`` also returns every position's logits from the same
+        decode, a read-only ``(len(tokens), vocab)`` float32 array: row
+        ``i`` is the distribution after ``tokens[i]``. One decode then
+        verifies a whole draft (speculative decoding) or scores every token
+        of a text; it costs a copy of ``vocab`` floats per token.
+
+        >>> import asyncio, lloyal
+        >>> import numpy as np
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         tokens = await ctx.tokenize("The capital of France is Paris")
+        ...         rows = await b.prefill(tokens, logits="all")
+        ...         after_is = ctx.token_to_text(int(np.argmax(rows[-2])))
+        ...         return rows.shape == (len(tokens), ctx.vocab_size), after_is
+        >>> asyncio.run(main())
+        (True, ' Paris')
+        """
+        all_rows = _logits_mode(logits)
         ids = _token_list(tokens)
         native = self._ctx._native
-        errors = await call_native(lambda done: native.branch_prefill([(self._handle, ids)], done))
+        handle = self._handle
+        errors = await call_native(
+            lambda done: native.branch_prefill([(handle, ids)], done, all_rows)
+        )
         _raise_first(errors)
+        return _take_rows(native, handle) if all_rows else None
 
     async def clear_and_reseed(self, sinks: Sequence[int], tail: Sequence[int]) -> None:
         """BlinkKV streaming past ``n_ctx`` for this branch: drop its KV and
@@ -454,6 +485,24 @@ class Branch:
         return f"<lloyal.Branch position={info['position']} children={len(info['children'])}>"
 
 
+Rows = npt.NDArray[np.float32]
+"""Per-position logits: ``(n, vocab)`` float32, read-only."""
+
+
+def _logits_mode(logits: object) -> bool:
+    if logits not in ("last", "all"):
+        raise ValueError(f'logits must be "last" or "all", got {logits!r}')
+    return logits == "all"
+
+
+def _take_rows(native: Any, handle: int) -> Rows:
+    rows: Rows | None = native.branch_take_rows(handle)
+    if rows is None:  # taken by a concurrent prefill of the same branch
+        raise RuntimeError("the rows of this prefill were already taken")
+    rows.flags.writeable = False
+    return rows
+
+
 def _biases(biases: Mapping[int, float]) -> list[tuple[int, float]]:
     if not isinstance(biases, Mapping):
         raise TypeError(
@@ -515,16 +564,33 @@ class BranchStore:
         errors = await call_native(lambda done: native.branch_commit(pairs, done))
         _raise_first(errors)
 
-    async def prefill(self, items: Sequence[tuple[Branch, Sequence[int]]]) -> None:
+    @overload
+    async def prefill(
+        self, items: Sequence[tuple[Branch, Sequence[int]]], *, logits: Literal["last"] = "last"
+    ) -> None: ...
+    @overload
+    async def prefill(
+        self, items: Sequence[tuple[Branch, Sequence[int]]], *, logits: Literal["all"]
+    ) -> list[Rows]: ...
+    async def prefill(
+        self,
+        items: Sequence[tuple[Branch, Sequence[int]]],
+        *,
+        logits: Literal["last", "all"] = "last",
+    ) -> list[Rows] | None:
         """Decode a token list into each branch, packed into
-        ``ceil(total / n_batch)`` decodes (long lists are split)."""
+        ``ceil(total / n_batch)`` decodes (long lists are split).
+        ``logits="all"`` returns each item's per-position logits (see
+        :meth:`Branch.prefill`), in item order."""
+        all_rows = _logits_mode(logits)
         pairs = [
             (self._handle(b, f"items[{i}][0]"), _token_list(t))
             for i, (b, t) in enumerate(self._pairs(items, "tokens"))
         ]
         native = self._ctx._native
-        errors = await call_native(lambda done: native.branch_prefill(pairs, done))
+        errors = await call_native(lambda done: native.branch_prefill(pairs, done, all_rows))
         _raise_first(errors)
+        return [_take_rows(native, h) for h, _ in pairs] if all_rows else None
 
     async def retain_only(self, winner: Branch) -> None:
         """Keep ``winner``'s KV and prune every other branch (one pass over

@@ -77,6 +77,9 @@ pub struct BranchState {
     pub children: Vec<BranchId>,
     /// An operation on this branch is queued or running on the worker.
     pub(crate) busy: bool,
+    /// Every position's logits from the last `prefill` that asked for them
+    /// (`n * vocab`, row-major), until taken. Not inherited by forks.
+    pub(crate) rows: Option<Vec<f32>>,
 }
 
 impl BranchState {
@@ -97,6 +100,7 @@ impl BranchState {
             parent: None,
             children: Vec::new(),
             busy: false,
+            rows: None,
         })
     }
 
@@ -109,6 +113,7 @@ impl BranchState {
         child.parent = Some(parent);
         child.children.clear();
         child.busy = false;
+        child.rows = None;
         child
     }
 

@@ -200,6 +200,9 @@ pub(crate) enum BranchJob {
     },
     Prefill {
         items: Vec<(BranchId, Vec<i32>)>,
+        /// Keep every position's logits (see `BranchState::rows`), not
+        /// only the last token's.
+        all_rows: bool,
         reply: Reply<ItemResults>,
     },
     RetainOnly {
@@ -539,8 +542,15 @@ impl Context {
     }
 
     /// Decode a token list into each branch, packed into as few
-    /// `llama_decode` calls as `n_batch` allows.
-    pub fn branch_prefill(&self, items: Vec<(BranchId, Vec<i32>)>, reply: Reply<ItemResults>) {
+    /// `llama_decode` calls as `n_batch` allows. With `all_rows`, every
+    /// position's logits are kept for [`Context::branch_take_rows`] (one
+    /// decode verifies a whole draft), not only the last token's.
+    pub fn branch_prefill(
+        &self,
+        items: Vec<(BranchId, Vec<i32>)>,
+        all_rows: bool,
+        reply: Reply<ItemResults>,
+    ) {
         let model = Arc::clone(self.model());
         self.submit_items(
             items,
@@ -551,8 +561,20 @@ impl Context {
                 model.check_tokens(tokens)
             },
             reply,
-            |items, reply| BranchJob::Prefill { items, reply },
+            move |items, reply| BranchJob::Prefill {
+                items,
+                all_rows,
+                reply,
+            },
         );
+    }
+
+    /// The logits of every position of the branch's last `prefill` with
+    /// `all_rows`, row-major (`n * vocab`), taken (a second call gives
+    /// `None`).
+    pub fn branch_take_rows(&self, id: BranchId) -> Result<Option<Vec<f32>>> {
+        self.check_open()?;
+        Ok(lock(&self.shared.branches).get_mut(id)?.rows.take())
     }
 
     /// Keep `keep`'s KV and prune every other branch.
@@ -675,9 +697,13 @@ impl Worker<'_> {
                 clear_busy(&mut lock(&self.shared.branches), ids);
                 reply(result);
             }
-            BranchJob::Prefill { items, reply } => {
+            BranchJob::Prefill {
+                items,
+                all_rows,
+                reply,
+            } => {
                 let ids: Vec<BranchId> = items.iter().map(|(id, _)| *id).collect();
-                let result = catch_unwind(AssertUnwindSafe(|| self.prefill(&items)))
+                let result = catch_unwind(AssertUnwindSafe(|| self.prefill(&items, all_rows)))
                     .unwrap_or_else(|p| Err(Error::from_panic(p)));
                 clear_busy(&mut lock(&self.shared.branches), ids);
                 reply(result);
@@ -840,7 +866,7 @@ impl Worker<'_> {
         };
         let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
         self.refresh_seq(seq);
-        match self.prefill(&[(id, tokens)])?.pop() {
+        match self.prefill(&[(id, tokens)], false)?.pop() {
             Some(result) => result,
             None => Ok(()),
         }
@@ -1002,7 +1028,7 @@ impl Worker<'_> {
         Ok(results)
     }
 
-    fn prefill(&mut self, items: &[(BranchId, Vec<i32>)]) -> Result<ItemResults> {
+    fn prefill(&mut self, items: &[(BranchId, Vec<i32>)], all_rows: bool) -> Result<ItemResults> {
         let mut undo = Vec::new();
         let mut results: ItemResults = Vec::with_capacity(items.len());
         // (id, seq, start position, tokens, greedy)
@@ -1021,26 +1047,44 @@ impl Worker<'_> {
             }
         }
         // Greedy bin packing: fill each batch to n_batch, splitting items
-        // across batches where needed; logits only for each item's last token.
+        // across batches where needed; logits for each item's last token
+        // (every token's with `all_rows`).
         let mut undo = Some(undo);
         let mut fresh = Vec::with_capacity(work.len());
         // (id, advance, row, greedy)
         let mut rows: Vec<(BranchId, i32, i32, bool)> = Vec::new();
+        // With `all_rows`: each item's rows so far, and (item, batch row)
+        // of the tokens in the current batch.
+        let mut all: Vec<Vec<f32>> = Vec::new();
+        if all_rows {
+            let vocab = self.model.vocab_size() as usize;
+            all = work
+                .iter()
+                .map(|w| Vec::with_capacity(w.3.len() * vocab))
+                .collect();
+        }
+        let mut batch_rows: Vec<(usize, i32)> = Vec::new();
         let total: usize = work.iter().map(|w| w.3.len()).sum();
         let mut added = 0usize;
         self.batch.clear();
-        for &(id, seq, start, tokens, greedy) in &work {
+        for (item, &(id, seq, start, tokens, greedy)) in work.iter().enumerate() {
             for (j, &t) in tokens.iter().enumerate() {
                 let last = j + 1 == tokens.len();
                 if last {
                     rows.push((id, tokens.len() as i32, self.batch.n_tokens(), greedy));
                 }
+                if all_rows {
+                    batch_rows.push((item, self.batch.n_tokens()));
+                }
                 self.batch
-                    .add(LlamaToken(t), start + j as i32, &[seq], last)
+                    .add(LlamaToken(t), start + j as i32, &[seq], last || all_rows)
                     .map_err(|e| Error::Internal(format!("batch add: {e}")))?;
                 added += 1;
                 if self.batch.n_tokens() as usize == self.n_batch || added == total {
                     self.decode_or_undo(&mut undo)?;
+                    for (item, row) in batch_rows.drain(..) {
+                        all[item].extend_from_slice(self.ctx.get_logits_ith(row));
+                    }
                     let wanted: Vec<(i32, bool)> = rows.iter().map(|r| (r.2, r.3)).collect();
                     let logits = self.rows_logits(&wanted);
                     fresh.extend(rows.drain(..).zip(logits).map(|(r, l)| (r.0, r.1, l)));
@@ -1052,6 +1096,14 @@ impl Worker<'_> {
             self.refresh_seq(seq);
         }
         self.apply(fresh);
+        if all_rows {
+            let mut branches = lock(&self.shared.branches);
+            for (w, item_rows) in work.iter().zip(all) {
+                if let Ok(b) = branches.get_mut(w.0) {
+                    b.rows = Some(item_rows);
+                }
+            }
+        }
         Ok(results)
     }
 }

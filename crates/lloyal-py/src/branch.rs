@@ -3,7 +3,7 @@
 
 use lloyal_core::store::ItemResults;
 use lloyal_core::{metrics, Base, BranchId};
-use numpy::{PyArray1, PyReadonlyArray1};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
@@ -98,10 +98,26 @@ impl PyContext {
             .branch_clear_and_reseed(id(branch), sinks, tail, py_reply(done, none));
     }
 
-    fn branch_prefill(&self, items: Vec<(u64, Vec<i32>)>, done: Py<PyAny>) {
+    #[pyo3(signature = (items, done, all_rows=false))]
+    fn branch_prefill(&self, items: Vec<(u64, Vec<i32>)>, done: Py<PyAny>, all_rows: bool) {
         let items = items.into_iter().map(|(b, t)| (id(b), t)).collect();
         self.inner
-            .branch_prefill(items, py_reply(done, item_errors));
+            .branch_prefill(items, all_rows, py_reply(done, item_errors));
+    }
+
+    /// Every position's logits of the branch's last ``all_rows`` prefill,
+    /// as an ``(n, vocab)`` array (``None`` once taken).
+    fn branch_take_rows<'py>(
+        &self,
+        py: Python<'py>,
+        branch: u64,
+    ) -> PyResult<Option<Bound<'py, PyArray2<f32>>>> {
+        let Some(rows) = self.inner.branch_take_rows(id(branch)).py_err()? else {
+            return Ok(None);
+        };
+        let vocab = self.inner.model().vocab_size() as usize;
+        let n = rows.len() / vocab.max(1);
+        Ok(Some(PyArray1::from_vec(py, rows).reshape([n, vocab])?))
     }
 
     /// ``(token, piece bytes, is_stop)``: one call per branch per step.

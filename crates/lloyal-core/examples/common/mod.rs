@@ -119,7 +119,7 @@ pub fn engine_forks(
     let text = "The history of the printing press begins ".repeat(20);
     let prompt: Vec<i32> = ctx.model().tokenize(&text, None, false)?[..128].to_vec();
     let root = ctx.branch_create(lloyal_core::SamplingParams::greedy())?;
-    wait(|r| ctx.branch_prefill(vec![(root, prompt.clone())], r))?;
+    wait(|r| ctx.branch_prefill(vec![(root, prompt.clone())], false, r))?;
     let kids = (0..n)
         .map(|_| wait(|r| ctx.branch_fork(root, r)))
         .collect::<lloyal_core::Result<_>>()?;
