@@ -86,3 +86,35 @@ async def test_bad_logits_mode(smollm2: Path) -> None:
             await b.prefill([1, 2], logits="some")  # type: ignore[call-overload]
         assert b.position == 0
         await b.prune()
+
+
+async def test_truncate_drops_a_rejected_draft(model: Path, model_name: str) -> None:
+    async with await lloyal.create_context(model, n_ctx=512, n_seq_max=3) as ctx:
+        prompt = await ctx.tokenize(COUNTING[model_name])
+        draft = await ctx.tokenize(" banana banana", add_special=False)
+        b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        rows = await b.prefill(prompt + draft, logits="all")
+        await b.truncate(len(prompt), logits=rows[len(prompt) - 1])
+        assert b.position == len(prompt)
+        reference = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await reference.prefill(prompt)
+        # Both continue the count the same way, and the next decode lands at
+        # the truncated position (it would be refused anywhere else).
+        for _ in range(3):
+            mine, theirs = await b.produce(), await reference.produce()
+            assert mine.token == theirs.token  # COUNTING's margins >> ROUTE_NOISE
+            await lloyal.BranchStore(ctx).commit([(b, mine.token), (reference, theirs.token)])
+            assert np.max(np.abs(b.logits - reference.logits)) < ROUTE_NOISE
+        assert b.position == len(prompt) + 3
+        # Without logits the snapshot is cleared: produce needs a decode.
+        await b.truncate(len(prompt))
+        with pytest.raises(ValueError, match="logits"):
+            await b.produce()
+        for bad in (-1, len(prompt) + 1):
+            with pytest.raises(ValueError, match="position must be in"):
+                await b.truncate(bad)
+        with pytest.raises(ValueError, match="logits"):
+            await b.truncate(0, logits=np.zeros(3, dtype=np.float32))
+        assert b.position == len(prompt)
+        await b.prune()
+        await reference.prune()

@@ -13,6 +13,7 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
+from lloyal import _check
 from lloyal._bridge import Waiter, call_native, start_batch
 from lloyal.context import Base, Context, Logits, _logits_arg, _token_id, _token_list
 from lloyal.errors import BranchDisposedError
@@ -225,6 +226,34 @@ class Branch:
         )
         _raise_first(errors)
         return _take_rows(native, handle) if all_rows else None
+
+    async def truncate(self, position: int, logits: npt.ArrayLike | None = None) -> None:
+        """Drop this branch's KV from ``position`` on, so it continues from
+        there (``0 <= position <= self.position``): a rejected speculative
+        draft, a backtrack. The logits snapshot becomes ``logits`` (the
+        distribution after the last kept token, e.g. a row of
+        ``prefill(..., logits="all")``) or is cleared, so ``produce`` needs
+        a decode first. The sampler's penalty history, the perplexities and
+        the grammar are not rewound: truncate what was prefilled, not what
+        was committed, when they matter.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         draft = await ctx.tokenize(" Lyon, of course", add_special=False)
+        ...         rows = await b.prefill(prompt + draft, logits="all")
+        ...         await b.truncate(len(prompt), logits=rows[len(prompt) - 1])
+        ...         return b.position == len(prompt), (await b.produce()).text
+        >>> asyncio.run(main())
+        (True, ' Paris')
+        """
+        p = _check.integer(position, "position")
+        arr = _logits_arg(logits)
+        native = self._ctx._native
+        handle = self._handle
+        await call_native(lambda done: native.branch_truncate(handle, p, arr, done))
 
     async def clear_and_reseed(self, sinks: Sequence[int], tail: Sequence[int]) -> None:
         """BlinkKV streaming past ``n_ctx`` for this branch: drop its KV and

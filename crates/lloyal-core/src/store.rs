@@ -223,6 +223,12 @@ pub(crate) enum BranchJob {
         tokens: Vec<i32>,
         reply: Reply<()>,
     },
+    Truncate {
+        id: BranchId,
+        position: i32,
+        logits: Option<Vec<f32>>,
+        reply: Reply<()>,
+    },
 }
 
 impl BranchJob {
@@ -237,7 +243,9 @@ impl BranchJob {
             BranchJob::Save { reply, .. } => reply(Err(error)),
             BranchJob::Restore { reply, .. } => reply(Err(error)),
             BranchJob::Prefill { reply, .. } => reply(Err(error)),
-            BranchJob::Reseed { reply, .. } => reply(Err(error)),
+            BranchJob::Reseed { reply, .. } | BranchJob::Truncate { reply, .. } => {
+                reply(Err(error))
+            }
         }
     }
 }
@@ -451,6 +459,43 @@ impl Context {
             ))));
         }
         self.submit_for(&[id], BranchJob::Reseed { id, tokens, reply });
+    }
+
+    /// Drop the branch's KV from `position` on (`0 <= position <= its
+    /// position`), so it continues from there: a rejected speculative draft,
+    /// a backtrack. The logits snapshot becomes `logits` (the distribution
+    /// after the last kept token, e.g. a row of `prefill(all_rows)`), or is
+    /// cleared. Sampler history, metrics and grammar are not rewound.
+    pub fn branch_truncate(
+        &self,
+        id: BranchId,
+        position: i32,
+        logits: Option<Vec<f32>>,
+        reply: Reply<()>,
+    ) {
+        let checked = self.read_branch(id, |b| b.position).and_then(|current| {
+            if !(0..=current).contains(&position) {
+                return Err(invalid(format!(
+                    "position must be in [0, {current}] (the branch's position), got {position}"
+                )));
+            }
+            match &logits {
+                Some(l) => self.check_logits_len(l),
+                None => Ok(()),
+            }
+        });
+        match checked {
+            Ok(()) => self.submit_for(
+                &[id],
+                BranchJob::Truncate {
+                    id,
+                    position,
+                    logits,
+                    reply,
+                },
+            ),
+            Err(e) => reply(Err(e)),
+        }
     }
 
     /// Prune a branch (`cascade`: with its whole subtree), freeing leases.
@@ -683,6 +728,16 @@ impl Worker<'_> {
                 clear_busy(&mut lock(&self.shared.branches), [id]);
                 reply(result);
             }
+            BranchJob::Truncate {
+                id,
+                position,
+                logits,
+                reply,
+            } => {
+                let result = self.truncate(id, position, logits);
+                clear_busy(&mut lock(&self.shared.branches), [id]);
+                reply(result);
+            }
             BranchJob::RetainOnly { keep, reply } => {
                 let result = self.retain_only(keep);
                 clear_busy(&mut lock(&self.shared.branches), [keep]);
@@ -870,6 +925,23 @@ impl Worker<'_> {
             Some(result) => result,
             None => Ok(()),
         }
+    }
+
+    fn truncate(&mut self, id: BranchId, position: i32, logits: Option<Vec<f32>>) -> Result<()> {
+        let seq = lock(&self.shared.branches).get(id)?.seq;
+        self.ctx
+            .kv_cache_seq_rm(seq, u32::try_from(position).ok(), None)
+            .map_err(|e| Error::Internal(format!("could not remove KV cells: {e}")))?;
+        self.refresh_seq(seq);
+        let mut branches = lock(&self.shared.branches);
+        let b = branches.get_mut(id)?;
+        b.position = position;
+        b.rows = None;
+        match logits {
+            Some(l) => b.set_logits(Arc::from(l)),
+            None => b.clear_logits(),
+        }
+        Ok(())
     }
 
     fn shared_pos_len(&self) -> i32 {

@@ -180,6 +180,23 @@ impl PyContext {
             .py_err()
     }
 
+    #[pyo3(signature = (branch, position, logits, done))]
+    fn branch_truncate(
+        &self,
+        branch: u64,
+        position: i32,
+        logits: Option<PyReadonlyArray1<'_, f32>>,
+        done: Py<PyAny>,
+    ) -> PyResult<()> {
+        let logits = match &logits {
+            Some(l) => Some(f32_slice(l)?.to_vec()),
+            None => None,
+        };
+        self.inner
+            .branch_truncate(id(branch), position, logits, py_reply(done, none));
+        Ok(())
+    }
+
     fn branch_set_logit_bias(&self, branch: u64, biases: Vec<(i32, f32)>) -> PyResult<()> {
         self.inner
             .branch_set_logit_bias(id(branch), biases)
