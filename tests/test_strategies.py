@@ -152,9 +152,34 @@ def test_speculative_sampling_is_seeded(smol: lloyal.Context, smol_draft: lloyal
     assert len(a.tokens) == 8 or a.output.stopped
 
 
-def test_speculative_needs_leases_and_a_free_target(smol: lloyal.Context) -> None:
-    with pytest.raises(ValueError, match="n_seq_max >= 9"):
-        run(strategies.speculative_decode(smol, CHAT, k=8))
+def test_speculative_verifies_k_plus_one_tokens_and_leaves_other_branches(
+    smol: lloyal.Context, smol_draft: lloyal.Context
+) -> None:
+    """Verification reads every position's logits from one decode of the
+    pending token and the k drafts (it used to fork once per draft and
+    re-decode each fork's prefix: (k+1)(k+2)/2 tokens). One lease."""
+
+    async def main() -> tuple[strategies.Speculative, int, int]:
+        bystander = lloyal.Branch.create(smol, lloyal.GREEDY)
+        await bystander.prefill(await smol.tokenize("A branch minding its own business"))
+        position = bystander.position
+        prompt_tokens = len(await smol.tokenize(COUNTING["smollm2"]))
+        before = smol.stats.tokens_decoded
+        spec = await strategies.speculative_decode(
+            smol, COUNTING["smollm2"], draft=smol_draft, k=8, max_tokens=24
+        )
+        decoded = smol.stats.tokens_decoded - before - (prompt_tokens - 1)
+        assert bystander.position == position
+        await bystander.commit((await bystander.produce()).token)
+        await bystander.prune()
+        return spec, decoded, prompt_tokens
+
+    spec, decoded, _ = run(main())
+    assert spec.rounds >= 1
+    # Each round decodes the pending token plus at most k drafts.
+    assert decoded == spec.rounds + spec.drafted
+    assert decoded <= spec.rounds * (8 + 1)
+    assert all_leases_free(smol)
     with pytest.raises(ValueError, match="different context"):
         run(strategies.speculative_decode(smol, CHAT, draft=smol))
 

@@ -732,29 +732,29 @@ async def speculative_decode(
 
     ``draft`` is a second :class:`Context` (a smaller model with the same
     vocabulary; its sequence 0 is used and cleared) or a
-    :class:`PromptLookup` (the default: no second model). Each round forks
-    the target's branch once per drafted token and prefills fork ``i`` with
-    the first ``i`` drafts in one packed ``llama_decode``, so every fork
-    holds the target's logits after its prefix. The fork holding the
-    accepted prefix is kept with :meth:`BranchStore.retain_only` (the other
-    forks' KV cells go), and the draft model rolls back its rejected tokens
-    with :meth:`Context.kv_cache_remove`.
+    :class:`PromptLookup` (the default: no second model). Each round
+    prefills the target's branch with the pending token and the ``k``
+    drafts in one ``llama_decode`` and reads every position's logits
+    (``prefill(..., logits="all")``), so verification costs ``k + 1``
+    tokens; the rejected tail is dropped with :meth:`Branch.truncate`, and
+    the draft model rolls back its rejected tokens with
+    :meth:`Context.kv_cache_remove`.
 
     At ``temperature=0`` a draft is accepted when it is the target's argmax,
-    so the output is the target's greedy output. Above 0 it uses the
+    so the output is the target's greedy output (up to how its logits move
+    with the decode layout: see docs/determinism.md). Above 0 it uses the
     speculative sampling rule (accept with probability ``min(1, p/q)``,
     otherwise resample from ``max(p - q, 0)``), which samples exactly from
     the target's softmax at that temperature (no top-k/top-p filters).
 
-    One round costs one target decode of ``(k+1)(k+2)/2`` tokens (each fork
-    re-reads its prefix; there is no API for per-token logits of one
-    sequence) and, with a draft model, ``k`` small draft decodes. It is a
-    win when the target is much slower per decode than the draft and
-    batching is cheap (GPUs); on a small CPU a decode of many tokens costs
-    several single-token decodes, so measure.
+    One round costs one target decode of ``k + 1`` tokens and, with a draft
+    model, ``k`` small draft decodes. It is a win when a decode of ``k + 1``
+    tokens costs little more than one (memory-bound decoding: GPUs, large
+    models) and drafts are often right; measure on your hardware
+    (``bench/speculative.py``).
 
-    The target context must hold no other branches (``retain_only`` clears
-    everything else) and have ``n_seq_max >= k + 1``.
+    It uses one KV lease of the target context; other branches are left
+    alone.
 
     >>> import asyncio, lloyal
     >>> from lloyal.strategies import speculative_decode
@@ -774,9 +774,7 @@ async def speculative_decode(
     tokens = await _prompt_tokens(target, prompt)
     is_stop = _stopper(target, stop)
     store = BranchStore(target)
-    if store.available != target.n_seq_max:
-        raise ValueError("speculative_decode needs a target context that holds no branches")
-    _need_leases(store, target, k + 1, f"speculative_decode(k={k})")
+    _need_leases(store, target, 1, f"speculative_decode(k={k})")
     drafter: _ModelDrafter | PromptLookup
     if draft is None or isinstance(draft, PromptLookup):
         drafter = draft or PromptLookup()
@@ -792,7 +790,6 @@ async def speculative_decode(
     rec = _Recorder()
     rounds = drafted = accepted = 0
     trunk = Branch.create(target, params=GREEDY)  # holds history[:-1]
-    forks: list[Branch] = []
     try:
         if len(history) > 1:
             await trunk.prefill(history[:-1])
@@ -806,20 +803,15 @@ async def speculative_decode(
                 qs = [None] * len(guesses)
             else:
                 guesses, qs = await drafter.propose(history, min(k, room), temperature, rng)
-            forks = []
-            for _ in guesses:
-                forks.append(await trunk.fork())
-            pending = history[-1]
-            await store.prefill(
-                [(trunk, [pending])]
-                + [(f, [pending, *guesses[: i + 1]]) for i, f in enumerate(forks)]
-            )
+            base = trunk.position  # holds history[:-1]
+            # Row i: the target's distribution after the pending token and
+            # the first i drafts.
+            rows = await trunk.prefill([history[-1], *guesses], logits="all")
             rounds += 1
             drafted += len(guesses)
-            verifiers = [trunk, *forks]
             emitted: list[tuple[int, npt.NDArray[np.float32]]] = []
             for i, guess in enumerate(guesses):
-                logits = verifiers[i].logits
+                logits = rows[i]
                 if temperature <= 0:
                     choice = int(np.argmax(logits))
                     ok = choice == guess
@@ -845,17 +837,18 @@ async def speculative_decode(
                     break
             else:
                 # Every draft accepted: the target's own next token is free.
-                logits = verifiers[len(guesses)].logits
+                logits = rows[len(guesses)]
                 if temperature <= 0:
                     bonus = int(np.argmax(logits))
                 else:
                     p = _softmax(logits, temperature)
                     bonus = int(rng.choice(p.shape[0], p=p))
                 emitted.append((bonus, logits))
-            keep = verifiers[min(len(emitted) - 1, len(guesses))]
-            if forks:
-                await store.retain_only(keep)
-                trunk = keep
+            # Keep the pending token and the accepted drafts; the last
+            # emitted token is the next round's pending one.
+            kept = len(emitted) - 1
+            if kept < len(guesses):
+                await trunk.truncate(base + 1 + kept, logits=rows[kept])
             for token, logits in emitted:
                 if is_stop(token):
                     rec.stopped = True
@@ -867,9 +860,7 @@ async def speculative_decode(
                 )
                 history.append(token)
     finally:
-        # After a cancelled retain_only the new trunk may be any fork.
-        for b in (trunk, *forks):
-            await _prune_all(b)
+        await _prune_all(trunk)
         if isinstance(drafter, _ModelDrafter):
             with anyio.CancelScope(shield=True):
                 await drafter.reset()

@@ -1,0 +1,109 @@
+"""Speculative decoding against plain decoding, side by side in one run.
+
+For each model and task it runs, alternating, `repeats` times each:
+plain greedy decoding (`strategies.generate`), speculation with the same
+model drafting for itself (a second context), and prompt lookup (n-gram
+drafts from the prompt). Tasks: "echo" (rewrite a paragraph given in the
+prompt, where lookup finds long matches) and "free" (a short poem). It
+prints acceptance, target decodes, output tokens per target decode and the
+speed-up over plain decoding (median wall time), and, for the arithmetic,
+what a decode of k + 1 tokens costs against a decode of one.
+
+    python bench/speculative.py [--models smollm2,gemma3] [--k 4] [--tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import lloyal
+from lloyal import strategies
+from lloyal.models import model_path
+
+PARAGRAPH = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. "
+    "He wound the clockwork, trimmed the wick and polished the great lens "
+    "until it shone, then sat by the window and watched the ships pass."
+)
+# (user message, start of the assistant's reply)
+TASKS = {
+    "echo": (f"Copy this paragraph word for word:\n\n{PARAGRAPH}", PARAGRAPH[:40]),
+    "free": ("Write a short poem about the sea.", ""),
+}
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+async def decode_cost(ctx: lloyal.Context, k: int, repeats: int = 20) -> float:
+    """Seconds of a (k+1)-token decode over a 1-token decode, same position."""
+    prompt = await ctx.tokenize(PARAGRAPH)
+    b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+    await b.prefill(prompt)
+    base = b.position
+    extra = prompt[: k + 1]
+    one: list[float] = []
+    many: list[float] = []
+    for _ in range(repeats):
+        for n, out in ((1, one), (k + 1, many)):
+            t = time.perf_counter()
+            await b.prefill(extra[:n])
+            out.append(time.perf_counter() - t)
+            await b.truncate(base)
+    await b.prune()
+    return median(many) / median(one)
+
+
+async def bench_model(name: str, k: int, tokens: int, repeats: int) -> None:
+    path = model_path(name)
+    async with (
+        await lloyal.create_context(path, n_ctx=1024, n_seq_max=2) as target,
+        await lloyal.create_context(path, n_ctx=1024) as draft,
+    ):
+        ratio = await decode_cost(target, k)
+        print(f"\n{name}: a {k + 1}-token decode costs {ratio:.2f}x a 1-token decode")
+        for task, (text, reply_start) in TASKS.items():
+            template = None if target.model_info.has_chat_template else "gemma"
+            chat = target.format_chat([{"role": "user", "content": text}], template=template)
+            prompt = chat.prompt + reply_start
+            runs: dict[str, list[float]] = {"plain": [], "self-draft": [], "lookup": []}
+            last: dict[str, strategies.Speculative] = {}
+            plain_tokens: list[int] = []
+            for _ in range(repeats):
+                g = await strategies.generate(target, prompt, max_tokens=tokens)
+                runs["plain"].append(g.seconds)
+                plain_tokens = g.tokens
+                for label, d in (("self-draft", draft), ("lookup", strategies.PromptLookup())):
+                    s = await strategies.speculative_decode(
+                        target, prompt, draft=d, k=k, max_tokens=tokens
+                    )
+                    runs[label].append(s.seconds)
+                    last[label] = s
+            plain = median(runs["plain"])
+            print(f"  {task}: plain {len(plain_tokens)} tokens, {plain * 1e3:.0f} ms")
+            for label, s in last.items():
+                same = "same text" if s.tokens == plain_tokens else "DIFFERENT text"
+                print(
+                    f"    {label:10} accepted {s.acceptance_rate:4.0%}  "
+                    f"{s.rounds:3d} target decodes  {s.tokens_per_round:4.2f} tok/decode  "
+                    f"speed-up {plain / median(runs[label]):4.2f}x  ({same})"
+                )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="smollm2,gemma3")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    for name in args.models.split(","):
+        asyncio.run(bench_model(name, args.k, args.tokens, args.repeats))
+
+
+if __name__ == "__main__":
+    main()
