@@ -1,10 +1,13 @@
 """Speculative decoding against plain decoding, side by side in one run.
 
 For each model and task it runs, alternating, `repeats` times each:
-plain greedy decoding (`strategies.generate`), speculation with the same
-model drafting for itself (a second context), and prompt lookup (n-gram
-drafts from the prompt). Tasks: "echo" (rewrite a paragraph given in the
-prompt, where lookup finds long matches) and "free" (a short poem). It
+plain greedy decoding (`strategies.generate`), speculation with a draft
+model, and prompt lookup (n-gram drafts from the prompt). For SmolLM2 the
+target is its F16 copy (`lloyal.models.smollm2_f16`, needs `pip install
+gguf`) and the draft the Q4_1 file; otherwise, and for Gemma 3, the model
+drafts for itself (a second context), which only checks acceptance.
+Tasks: "echo" (rewrite a paragraph given in the prompt, where lookup
+finds long matches) and "free" (a short poem). It
 prints acceptance, target decodes, output tokens per target decode and the
 speed-up over plain decoding (median wall time), and, for the arithmetic,
 what a decode of k + 1 tokens costs against a decode of one.
@@ -20,7 +23,7 @@ import time
 
 import lloyal
 from lloyal import strategies
-from lloyal.models import model_path
+from lloyal.models import ModelNotInstalledError, model_path, smollm2_f16
 
 PARAGRAPH = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. "
@@ -59,25 +62,35 @@ async def decode_cost(ctx: lloyal.Context, k: int, repeats: int = 20) -> float:
 
 
 async def bench_model(name: str, k: int, tokens: int, repeats: int) -> None:
-    path = model_path(name)
+    draft_path = target_path = model_path(name)
+    draft_label = "self-draft"
+    if name == "smollm2":
+        try:
+            target_path, draft_label = smollm2_f16(), "Q4_1 draft"
+        except ModelNotInstalledError as e:
+            print(f"({e}: SmolLM2 drafts for itself)")
     async with (
-        await lloyal.create_context(path, n_ctx=1024, n_seq_max=2) as target,
-        await lloyal.create_context(path, n_ctx=1024) as draft,
+        await lloyal.create_context(target_path, n_ctx=1024, n_seq_max=2) as target,
+        await lloyal.create_context(draft_path, n_ctx=1024) as draft,
     ):
         ratio = await decode_cost(target, k)
-        print(f"\n{name}: a {k + 1}-token decode costs {ratio:.2f}x a 1-token decode")
+        print(
+            f"\n{name}: target {target_path.name}, draft {draft_path.name}, k={k}: "
+            f"a {k + 1}-token target decode costs {ratio:.2f}x a 1-token one"
+        )
         for task, (text, reply_start) in TASKS.items():
             template = None if target.model_info.has_chat_template else "gemma"
             chat = target.format_chat([{"role": "user", "content": text}], template=template)
             prompt = chat.prompt + reply_start
-            runs: dict[str, list[float]] = {"plain": [], "self-draft": [], "lookup": []}
+            runs: dict[str, list[float]] = {"plain": [], draft_label: [], "lookup": []}
             last: dict[str, strategies.Speculative] = {}
-            plain_tokens: list[int] = []
+            plain_tokens: tuple[int, ...] = ()
             for _ in range(repeats):
                 g = await strategies.generate(target, prompt, max_tokens=tokens)
                 runs["plain"].append(g.seconds)
                 plain_tokens = g.tokens
-                for label, d in (("self-draft", draft), ("lookup", strategies.PromptLookup())):
+                drafters = ((draft_label, draft), ("lookup", strategies.PromptLookup()))
+                for label, d in drafters:
                     s = await strategies.speculative_decode(
                         target, prompt, draft=d, k=k, max_tokens=tokens
                     )

@@ -25,7 +25,7 @@ async def run(
     else:
         target_file = target_path
     async with (
-        await lloyal.create_context(target_file, n_ctx=2048, n_seq_max=k + 1) as target,
+        await lloyal.create_context(target_file, n_ctx=2048, n_seq_max=2) as target,
         await lloyal.create_context(draft_file, n_ctx=2048) as draft,
     ):
         print(f"target {target.model_info.path.name}, draft {draft.model_info.path.name}, k={k}")

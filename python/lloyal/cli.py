@@ -240,7 +240,7 @@ async def _beam(args: argparse.Namespace) -> int:
 
 async def _speculative(args: argparse.Namespace) -> int:
     progress = _Progress()
-    async with await _open(args, progress, n_seq_max=args.k + 1) as target:
+    async with await _open(args, progress, n_seq_max=2) as target:
         prompt, stop = await _prompt(target, args)
         draft: Context | strategies.PromptLookup = strategies.PromptLookup()
         draft_ctx: Context | None = None
