@@ -726,9 +726,13 @@ async def speculative_decode(
     temperature: float = 0.0,
     seed: int = 0,
     stop: Iterable[int] = (),
+    adaptive: bool = True,
 ) -> Speculative:
-    """Speculative decoding: draft ``k`` tokens cheaply, verify them in one
-    target decode, keep the accepted prefix and one token from the target.
+    """Speculative decoding: draft up to ``k`` tokens cheaply, verify them
+    in one target decode, keep the accepted prefix and one token from the
+    target. With ``adaptive`` (the default) a round drafts one token more
+    than the previous round accepted (at most ``k``), so a drafter that is
+    often wrong costs little more than plain decoding.
 
     ``draft`` is a second :class:`Context` (a smaller model with the same
     vocabulary; its sequence 0 is used and cleared) or a
@@ -789,6 +793,7 @@ async def speculative_decode(
     history = list(tokens)
     rec = _Recorder()
     rounds = drafted = accepted = 0
+    k_now = k
     trunk = Branch.create(target, params=GREEDY)  # holds history[:-1]
     try:
         if len(history) > 1:
@@ -799,10 +804,10 @@ async def speculative_decode(
             if room == 0:
                 guesses, qs = [], []
             elif isinstance(drafter, PromptLookup):
-                guesses = drafter.propose(history, min(k, room))
+                guesses = drafter.propose(history, min(k_now, room))
                 qs = [None] * len(guesses)
             else:
-                guesses, qs = await drafter.propose(history, min(k, room), temperature, rng)
+                guesses, qs = await drafter.propose(history, min(k_now, room), temperature, rng)
             base = trunk.position  # holds history[:-1]
             # Row i: the target's distribution after the pending token and
             # the first i drafts.
@@ -847,6 +852,8 @@ async def speculative_decode(
             # Keep the pending token and the accepted drafts; the last
             # emitted token is the next round's pending one.
             kept = len(emitted) - 1
+            if adaptive and guesses:
+                k_now = max(1, min(k, kept + 1))
             if kept < len(guesses):
                 await trunk.truncate(base + 1 + kept, logits=rows[kept])
             for token, logits in emitted:
