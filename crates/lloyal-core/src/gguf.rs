@@ -315,19 +315,19 @@ pub fn check_hparams(h: &Header) -> Res<()> {
     Ok(())
 }
 
-#[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-
-    /// Build a GGUF header from key/value pairs (u32, string and u32-array
-    /// values cover every check).
-    pub(crate) enum V<'a> {
+/// A GGUF header writer for tests and fuzz targets. Not part of the API.
+#[doc(hidden)]
+pub mod build {
+    /// A metadata value (u32, string and u32-array values cover every check).
+    #[derive(Debug, Clone, Copy)]
+    pub enum V<'a> {
         U32(u32),
         Str(&'a str),
         U32s(&'a [u32]),
     }
 
-    pub(crate) fn header(kv: &[(&str, V)]) -> Vec<u8> {
+    /// A GGUF v3 header with these key/value pairs and no tensors.
+    pub fn header(kv: &[(&str, V<'_>)]) -> Vec<u8> {
         let mut b = b"GGUF".to_vec();
         b.extend(3u32.to_le_bytes());
         b.extend(0u64.to_le_bytes());
@@ -357,6 +357,12 @@ pub(crate) mod tests {
         }
         b
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::build::{header, V};
+    use super::*;
 
     fn check(bytes: &[u8]) -> Res<Header> {
         let h = parse(bytes, bytes.len() as u64)?;
@@ -366,16 +372,7 @@ pub(crate) mod tests {
 
     fn llama(extra: &[(&str, V)]) -> Res<Header> {
         let mut kv = vec![("general.architecture", V::Str("llama"))];
-        for (k, v) in extra {
-            kv.push((
-                k,
-                match v {
-                    V::U32(x) => V::U32(*x),
-                    V::Str(s) => V::Str(s),
-                    V::U32s(xs) => V::U32s(xs),
-                },
-            ));
-        }
+        kv.extend(extra.iter().map(|(k, v)| (*k, *v)));
         check(&header(&kv))
     }
 

@@ -15,6 +15,7 @@
 use std::time::{Duration, Instant};
 
 use lloyal_core::fuzzing::{check_state, frame_state, template_tag_tokens};
+use lloyal_core::gguf::build::{header, V};
 use lloyal_core::{chat, gbnf, gguf};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
@@ -122,37 +123,16 @@ enum Kv {
 }
 
 fn gguf_bytes(arch: &str, kv: &[(String, Kv)]) -> Vec<u8> {
-    let mut b = b"GGUF".to_vec();
-    b.extend(3u32.to_le_bytes());
-    b.extend(0u64.to_le_bytes());
-    b.extend((kv.len() as u64 + 1).to_le_bytes());
-    let string = |b: &mut Vec<u8>, s: &str| {
-        b.extend((s.len() as u64).to_le_bytes());
-        b.extend(s.as_bytes());
-    };
-    string(&mut b, "general.architecture");
-    b.extend(8u32.to_le_bytes());
-    string(&mut b, arch);
-    for (k, v) in kv {
-        string(&mut b, k);
-        match v {
-            Kv::U32(x) => {
-                b.extend(4u32.to_le_bytes());
-                b.extend(x.to_le_bytes());
-            }
-            Kv::Str(s) => {
-                b.extend(8u32.to_le_bytes());
-                string(&mut b, s);
-            }
-            Kv::U32s(xs) => {
-                b.extend(9u32.to_le_bytes());
-                b.extend(4u32.to_le_bytes());
-                b.extend((xs.len() as u64).to_le_bytes());
-                xs.iter().for_each(|x| b.extend(x.to_le_bytes()));
-            }
-        }
-    }
-    b
+    let mut pairs = vec![("general.architecture", V::Str(arch))];
+    pairs.extend(kv.iter().map(|(k, v)| {
+        let v = match v {
+            Kv::U32(x) => V::U32(*x),
+            Kv::Str(s) => V::Str(s),
+            Kv::U32s(xs) => V::U32s(xs),
+        };
+        (k.as_str(), v)
+    }));
+    header(&pairs)
 }
 
 fn gguf_header() -> impl Strategy<Value = Vec<u8>> {
