@@ -4,7 +4,8 @@ runs its one-chunk kernel (f32 accumulation) whatever the batch, and
 SmolLM2's Q4_1 weights take the dot-product path, which computes each
 (weight row, token) pair the same way for any number of rows. So a branch
 gets the same bits alone, in a batch of 8 at any row, and in one call or
-split. (Gemma 3's repacked weights do not: see the doc.)"""
+split, and speculative decoding is exactly greedy. (Gemma 3's repacked
+weights do not: see the doc.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import lloyal
 import numpy as np
 import pytest
+from lloyal import strategies
 
 pytestmark = pytest.mark.anyio
 
@@ -61,3 +63,42 @@ async def test_one_call_or_split_gives_the_same_bits(smollm2: Path) -> None:
     one_call = await prefill(10_000)
     for step in (1, 7, 64):
         assert np.array_equal(one_call, await prefill(step)), step
+
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three colors.",
+    "What is 12 times 7?",
+    "Tell me a joke about cats.",
+    "Describe a sunrise.",
+    "Give advice to a new programmer.",
+    "Summarize the plot of Cinderella.",
+    "Name a famous scientist and why.",
+    "How do airplanes fly?",
+]
+
+
+async def test_speculation_is_exactly_greedy_where_logits_are_invariant(smollm2: Path) -> None:
+    """With batch-invariant logits, speculative decoding at temperature 0 is
+    the target's greedy output token for token (whatever the margins), and
+    a model drafting for itself accepts every draft."""
+    async with (
+        await lloyal.create_context(
+            smollm2, n_ctx=2048, n_seq_max=2, type_k="q8_0", type_v="q8_0"
+        ) as target,
+        await lloyal.create_context(smollm2, n_ctx=2048, type_k="q8_0", type_v="q8_0") as draft,
+    ):
+        for prompt in PROMPTS:
+            chat = target.format_chat([{"role": "user", "content": prompt}])
+            stop = chat.stop_tokens
+            plain = await strategies.generate(target, chat.prompt, max_tokens=16, stop=stop)
+            drafted = await strategies.speculative_decode(
+                target, chat.prompt, draft=draft, k=4, max_tokens=16, stop=stop
+            )
+            lookup = await strategies.speculative_decode(
+                target, chat.prompt, k=4, max_tokens=16, stop=stop
+            )
+            assert drafted.tokens == plain.tokens, prompt
+            assert lookup.tokens == plain.tokens, prompt
+            assert drafted.acceptance_rate == 1.0, prompt
