@@ -745,8 +745,10 @@ async def speculative_decode(
     :meth:`Context.kv_cache_remove`.
 
     At ``temperature=0`` a draft is accepted when it is the target's argmax,
-    so the output is the target's greedy output (up to how its logits move
-    with the decode layout: see docs/determinism.md). Above 0 it uses the
+    so the output is the target's greedy output, up to how its logits move
+    with the decode layout (docs/determinism.md): exactly, with a q8_0 KV
+    cache on a model whose weights take llama.cpp's dot-product path
+    (SmolLM2), else up to near-ties. Above 0 it uses the
     speculative sampling rule (accept with probability ``min(1, p/q)``,
     otherwise resample from ``max(p - q, 0)``), which samples exactly from
     the target's softmax at that temperature (no top-k/top-p filters).
