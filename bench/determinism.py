@@ -16,19 +16,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lloyal
+from _common import median
 from lloyal.context import KVType
 from lloyal.models import model_path
 
 PROMPT = "The lighthouse keeper climbed the spiral stairs every evening at dusk, and"
 KV_TYPES: tuple[KVType, ...] = ("f16", "q8_0")
-
-
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2]
 
 
 async def lockstep(name: str, kv: KVType, n: int, steps: int) -> tuple[float, float]:

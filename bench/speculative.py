@@ -19,9 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lloyal
+from _common import median
 from lloyal import strategies
 from lloyal.models import ModelNotInstalledError, model_path, smollm2_f16
 
@@ -35,11 +40,6 @@ TASKS = {
     "echo": (f"Copy this paragraph word for word:\n\n{PARAGRAPH}", PARAGRAPH[:40]),
     "free": ("Write a short poem about the sea.", ""),
 }
-
-
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2]
 
 
 async def decode_cost(ctx: lloyal.Context, k: int, repeats: int = 20) -> float:

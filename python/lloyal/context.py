@@ -35,9 +35,6 @@ _INLINE_TOKENIZE_CHARS = 16_384
 
 _live_contexts: weakref.WeakSet[Context] = weakref.WeakSet()
 
-# llama.cpp's GGML_MAX_N_THREADS; the engine refuses more.
-_MAX_THREADS = 512
-
 
 def _usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask where the OS has one)."""
@@ -675,14 +672,6 @@ async def create_context(
     if n_threads is not None and n_threads < 1:
         # (The engine checks the upper limit, llama.cpp's GGML_MAX_N_THREADS.)
         raise ValueError(f"n_threads must be >= 1 or None, got {n_threads}")
-    cpus = _usable_cpus()
-    if n_threads is not None and n_threads > cpus and n_threads <= _MAX_THREADS:
-        warnings.warn(
-            f"n_threads={n_threads} is more than the {cpus} CPUs this process may run on: "
-            "llama.cpp's threads will take turns and decoding slows down",
-            RuntimeWarning,
-            stacklevel=2,
-        )
     for name, value in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_seq_max", n_seq_max)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -701,6 +690,15 @@ async def create_context(
             n_gpu_layers=n_gpu_layers,
         )
     )
+    # Allowed (the engine refused above its own limit), but worth a word.
+    cpus = _usable_cpus()
+    if n_threads is not None and n_threads > cpus:
+        warnings.warn(
+            f"n_threads={n_threads} is more than the {cpus} CPUs this process may run on: "
+            "llama.cpp's threads will take turns and decoding slows down",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return Context(native)
 
 

@@ -185,22 +185,13 @@ pub(crate) fn longest_tag(source: &str) -> usize {
 /// and wait at most [`limits::TIMEOUT`] for it. Fuel bounds the work, so a
 /// render that times out still ends soon after; its result is dropped.
 fn bounded<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    std::thread::Builder::new()
-        .name("lloyal-template".into())
-        .stack_size(limits::STACK_BYTES)
-        .spawn(move || {
-            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
-                .unwrap_or_else(|p| Err(Error::from_panic(p)));
-            let _ = tx.send(result);
-        })
-        .map_err(|e| Error::Template(format!("could not start the template thread: {e}")))?;
-    rx.recv_timeout(limits::TIMEOUT).unwrap_or_else(|_| {
-        Err(Error::Template(format!(
-            "the template did not finish rendering within {} s",
-            limits::TIMEOUT.as_secs()
-        )))
-    })
+    crate::isolate::on_thread(
+        "template",
+        limits::STACK_BYTES,
+        Some(limits::TIMEOUT),
+        Error::Template,
+        f,
+    )
 }
 
 /// Render output that refuses to grow past `limit` bytes.

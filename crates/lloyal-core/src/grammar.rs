@@ -78,19 +78,6 @@ pub mod limits {
     pub(crate) const STACK_BYTES: usize = 512 << 20;
 }
 
-/// Run `f` on a thread with a [`limits::STACK_BYTES`] stack and wait for it.
-fn on_big_stack<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
-    let handle = std::thread::Builder::new()
-        .name("lloyal-grammar".into())
-        .stack_size(limits::STACK_BYTES)
-        .spawn(move || {
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
-                .unwrap_or_else(|p| Err(Error::from_panic(p)))
-        })
-        .map_err(|e| grammar_error(format!("could not start the grammar thread: {e}")))?;
-    handle.join().unwrap_or_else(|p| Err(Error::from_panic(p)))
-}
-
 fn grammar_error(message: impl std::fmt::Display) -> Error {
     Error::Grammar(message.to_string())
 }
@@ -218,17 +205,23 @@ impl Grammar {
         }
         let spec = spec.clone();
         let compile_env = Arc::clone(&env);
-        let matcher = on_big_stack(move || {
-            let parser = compile_env
-                .factory
-                .create_parser(top_level(&spec)?)
-                .map_err(|e| grammar_error(error_head(&e.to_string())))?;
-            let matcher = Matcher::new(Ok(parser));
-            match matcher.get_error() {
-                Some(e) => Err(grammar_error(e)),
-                None => Ok(matcher),
-            }
-        })?;
+        let matcher = crate::isolate::on_thread(
+            "grammar",
+            limits::STACK_BYTES,
+            None,
+            Error::Grammar,
+            move || {
+                let parser = compile_env
+                    .factory
+                    .create_parser(top_level(&spec)?)
+                    .map_err(|e| grammar_error(error_head(&e.to_string())))?;
+                let matcher = Matcher::new(Ok(parser));
+                match matcher.get_error() {
+                    Some(e) => Err(grammar_error(e)),
+                    None => Ok(matcher),
+                }
+            },
+        )?;
         Ok(Self {
             matcher,
             env,

@@ -150,13 +150,13 @@ struct Layout {
 /// `[0, MAX_POS)` and distinct. The layout (cell extension records, V
 /// present or not, one or two caches) follows from the model; a payload
 /// must parse exactly, to its last byte, under one of them.
-pub(crate) fn check_payload(payload: &[u8], n_cells: u32) -> Result<()> {
+pub(crate) fn check_payload(payload: &[u8], n_cells: u32) -> Result<Checked<'_>> {
     let mut first_error = None;
     for ext_bytes in [0, 12] {
         for has_v in [true, false] {
             let layout = Layout { ext_bytes, has_v };
             match check_caches(payload, n_cells, layout) {
-                Ok(()) => return Ok(()),
+                Ok(()) => return Ok(Checked(payload)),
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
@@ -165,6 +165,11 @@ pub(crate) fn check_payload(payload: &[u8], n_cells: u32) -> Result<()> {
     }
     Err(state_error(first_error.unwrap_or_default()))
 }
+
+/// llama.cpp state bytes that passed [`check_payload`] (or that
+/// [`read_seq`] just produced): the only bytes [`write_seq`] takes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Checked<'a>(&'a [u8]);
 
 /// The magic llama.cpp writes before a sequence state (`io_magic`).
 const LLAMA_IO_MAGIC: u32 = 0xaf14_3cd8;
@@ -289,18 +294,16 @@ pub(crate) fn read_seq(ctx: &LlamaContext<'_>, seq: i32) -> Result<Vec<u8>> {
     Ok(buf)
 }
 
-/// Restore sequence `seq` from a payload that passed [`decode`]. The
-/// payload is checked with [`check_payload`] first; a refused payload never
-/// reaches llama.cpp and leaves the sequence as it was.
-pub(crate) fn write_seq(ctx: &mut LlamaContext<'_>, seq: i32, payload: &[u8]) -> Result<()> {
-    check_payload(payload, ctx.n_ctx())?;
+/// Replace sequence `seq` with checked state bytes (see [`Checked`]); on
+/// failure the sequence is left empty.
+pub(crate) fn write_seq(ctx: &mut LlamaContext<'_>, seq: i32, payload: Checked<'_>) -> Result<()> {
     let _ = ctx.kv_cache_seq_rm(seq, None, None);
-    // SAFETY: `payload` passed `decode` (its checksum matches, and it was
-    // framed for a context with the same model and KV types) and
-    // `check_payload` (every count and length fits the bytes, positions are
-    // in range), so llama.cpp's reader, which trusts lengths, stays in
-    // bounds; it still validates layer shapes and types itself.
-    let ok = unsafe { ctx.state_seq_set_data_ext(payload, seq, LlamaStateSeqFlags::empty()) };
+    // SAFETY: the bytes passed `check_payload` (every count and length fits
+    // them, positions are in range; callers also checked the frame: its
+    // checksum matches and it was made for this model and KV types) or are
+    // llama.cpp's own from `read_seq`, so llama.cpp's reader, which trusts
+    // lengths, stays in bounds; it still validates layer shapes and types.
+    let ok = unsafe { ctx.state_seq_set_data_ext(payload.0, seq, LlamaStateSeqFlags::empty()) };
     if ok {
         Ok(())
     } else {
@@ -314,11 +317,11 @@ pub(crate) fn write_seq(ctx: &mut LlamaContext<'_>, seq: i32, payload: &[u8]) ->
 /// [`write_seq`], putting the sequence's previous cells back when the state
 /// is refused at any stage.
 pub(crate) fn replace_seq(ctx: &mut LlamaContext<'_>, seq: i32, payload: &[u8]) -> Result<()> {
-    check_payload(payload, ctx.n_ctx())?;
+    let payload = check_payload(payload, ctx.n_ctx())?;
     let before = read_seq(ctx, seq)?;
     write_seq(ctx, seq, payload).inspect_err(|_| {
         // Our own bytes from a moment ago: llama.cpp's reader takes them back.
-        let _ = write_seq(ctx, seq, &before);
+        let _ = write_seq(ctx, seq, Checked(&before));
     })
 }
 

@@ -26,6 +26,7 @@ pub mod error;
 pub mod gbnf;
 pub mod gguf;
 pub mod grammar;
+mod isolate;
 mod kv;
 pub mod kv_cache;
 pub mod metrics;
