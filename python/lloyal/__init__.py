@@ -18,7 +18,7 @@ True
 from lloyal._lloyal import PerplexityTracker, supports_gpu_offload
 from lloyal._lloyal import __version__ as __version__
 from lloyal.backend import LLAMA_CPP_2_VERSION, BackendInfo, Device, backend_info
-from lloyal.branch import Branch, BranchStore, Produced, Token
+from lloyal.branch import Branch, BranchStore, Produced, Token, TokenTree
 from lloyal.context import (
     BUILTIN_CHAT_TEMPLATES,
     ChatPrompt,
@@ -75,6 +75,7 @@ __all__ = [
     "StateError",
     "TextStream",
     "Token",
+    "TokenTree",
     "backend_info",
     "create_context",
     "json_schema_to_grammar",

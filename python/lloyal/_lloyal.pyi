@@ -113,6 +113,7 @@ class NativeContext:
         type_k: str,
         type_v: str,
         n_gpu_layers: int,
+        deterministic: bool = False,
     ) -> None: ...
     def decode(
         self, tokens: list[int], pos: int, seq_id: int, done: _Done | Completion
@@ -178,6 +179,13 @@ class NativeContext:
         items: list[tuple[int, list[int]]],
         done: _Done | Completion,
         all_rows: bool = False,
+    ) -> None: ...
+    def branch_prefill_tree(
+        self,
+        branch: int,
+        tokens: list[int],
+        parents: list[int],
+        done: _Done | Completion,
     ) -> None: ...
     def branch_take_rows(self, branch: int) -> npt.NDArray[np.float32] | None: ...
     def branch_truncate(

@@ -518,6 +518,41 @@ Rows = npt.NDArray[np.float32]
 """Per-position logits: ``(n, vocab)`` float32, read-only."""
 
 
+@dataclass(frozen=True)
+class TokenTree:
+    """What :meth:`BranchStore.prefill_tree` returns."""
+
+    rows: Rows
+    """``(n, vocab)``: row ``j`` is the next-token logits after node ``j``."""
+    parents: tuple[int, ...]
+    """The tree as given: node ``j`` follows ``parents[j]`` (``-1``: the root)."""
+    leaves: tuple[int, ...]
+    """The leaf nodes (nodes without children), in node order."""
+    branches: tuple[Branch, ...]
+    """One branch per leaf, holding the path from the root to it;
+    ``branches[0]`` is the root branch itself."""
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from the root's first child down to ``node``."""
+        _check.integer(node, "node")
+        if not 0 <= node < len(self.parents):
+            raise IndexError(f"node must be in [0, {len(self.parents)}), got {node}")
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def branch_of(self, node: int) -> Branch:
+        """The branch of the first leaf whose path holds ``node``: truncate
+        it to ``root position + len(path(node))`` to keep a path ending at
+        ``node``."""
+        for leaf, branch in zip(self.leaves, self.branches, strict=True):
+            if node in self.path(leaf):
+                return branch
+        raise IndexError(f"node must be in [0, {len(self.parents)}), got {node}")
+
+
 def _logits_mode(logits: object) -> bool:
     if logits not in ("last", "all"):
         raise ValueError(f'logits must be "last" or "all", got {logits!r}')
@@ -621,6 +656,61 @@ class BranchStore:
         _raise_first(errors)
         return [_take_rows(native, h) for h, _ in pairs] if all_rows else None
 
+    async def prefill_tree(
+        self, root: Branch, tokens: Sequence[int], parents: Sequence[int]
+    ) -> TokenTree:
+        """Decode a tree of tokens after ``root`` in one pass (tree
+        attention) and return every node's logits.
+
+        Node ``j`` is ``tokens[j]``, following node ``parents[j]`` (``-1``:
+        it follows the root's last token; parents come before children).
+        It sits at position ``root.position + depth``. A prefix several
+        leaves share is decoded once, its KV cells shared by their
+        sequences, so the decode holds ``len(tokens)`` tokens however many
+        paths the tree has: one call verifies several speculative
+        continuations, or scores the top-k alternatives at several depths.
+
+        Each leaf ends up in a branch holding its path: ``root`` carries the
+        first leaf, every other leaf gets a new branch (a lease each; they
+        are roots, not ``root``'s children, so prune any of them in any
+        order). Sampler state, grammar and perplexity are untouched, as with
+        :meth:`Branch.prefill`; each branch's ``logits`` are its leaf's row.
+        Raises :class:`NoLeaseError` (nothing decoded) when fewer than
+        ``leaves - 1`` leases are free, ``ValueError`` for a malformed tree.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=4) as ctx:
+        ...         root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await root.prefill(await ctx.tokenize("The capital of France is"))
+        ...         paris, london = ctx.tokenize_sync(" Paris"), ctx.tokenize_sync(" London")
+        ...         # node 0: " Paris", node 1: " London", both after the prompt
+        ...         tree = await lloyal.BranchStore(ctx).prefill_tree(
+        ...             root, [paris[0], london[0]], [-1, -1])
+        ...         a, b = tree.branches
+        ...         out = (tree.rows.shape[0], tree.leaves, a.position == b.position)
+        ...         await b.prune()
+        ...         await a.prune()
+        ...         return out
+        >>> asyncio.run(main())
+        (2, (0, 1), True)
+        """
+        handle = self._handle(root, "root")
+        toks = _token_list(tokens)
+        if isinstance(parents, (str, bytes)) or not isinstance(parents, Sequence):
+            raise TypeError("parents must be a sequence of ints")
+        pars = [_check.integer(p, f"parents[{i}]") for i, p in enumerate(parents)]
+        native = self._ctx._native
+        # Shielded: the decode creates branches, which a cancelled wait
+        # would drop on the floor with their leases.
+        with anyio.CancelScope(shield=True):
+            leaves, rows = await call_native(
+                lambda done: native.branch_prefill_tree(handle, toks, pars, done)
+            )
+        rows.flags.writeable = False
+        branches = tuple(root if h == handle else Branch(self._ctx, h) for _, h in leaves)
+        return TokenTree(rows, tuple(pars), tuple(j for j, _ in leaves), branches)
+
     async def retain_only(self, winner: Branch) -> None:
         """Keep ``winner``'s KV and prune every other branch (one pass over
         the cache). ``winner`` becomes a root."""
@@ -638,4 +728,4 @@ class BranchStore:
         return int(self._ctx._native.leases_available())
 
 
-__all__ = ["Branch", "BranchStore", "Produced", "Token"]
+__all__ = ["Branch", "BranchStore", "Produced", "Token", "TokenTree"]

@@ -636,9 +636,10 @@ async def create_context(
     n_threads: int | None = None,
     embeddings: bool = False,
     pooling: Pooling = "mean",
-    type_k: KVType = "f16",
-    type_v: KVType = "f16",
+    type_k: KVType | None = None,
+    type_v: KVType | None = None,
     n_gpu_layers: int = -1,
+    deterministic: bool = False,
 ) -> Context:
     """Load a GGUF model and create a context on its own worker thread.
 
@@ -648,6 +649,15 @@ async def create_context(
     ``type_v`` set the cache's element types; ``"f32"`` doubles its size
     but gives the same logits as ``"f16"``, since llama.cpp's flash
     attention (on where the backend has it, as on the CPU) attends in f16.
+
+    ``type_k`` / ``type_v`` default to ``"f16"``, or ``"q8_0"`` with
+    ``deterministic=True``: then a branch's logits are the same bits
+    whatever it is batched with, at any row, decoded in one call or split
+    (CPU backend; ``docs/determinism.md`` has what it costs and why). It
+    loads the weights unrepacked, needs a quantized KV cache, and sets
+    ``GGML_CPU_TILED_MM=0`` for the whole process, so it must come before
+    any other context of the process decodes (or the variable must be set
+    at start).
 
     Raises ``FileNotFoundError`` for a missing file, :class:`ModelLoadError`
     for a file llama.cpp cannot load, ``ValueError`` for bad options.
@@ -669,6 +679,8 @@ async def create_context(
         _check.integer(n_threads, "n_threads")
     _check.integer(n_gpu_layers, "n_gpu_layers")
     _check.instance(embeddings, bool, "embeddings", "a bool")
+    _check.instance(deterministic, bool, "deterministic", "a bool")
+    kv_default = "q8_0" if deterministic else "f16"
     if n_threads is not None and n_threads < 1:
         # (The engine checks the upper limit, llama.cpp's GGML_MAX_N_THREADS.)
         raise ValueError(f"n_threads must be >= 1 or None, got {n_threads}")
@@ -685,9 +697,10 @@ async def create_context(
             n_threads=n_threads,
             embeddings=embeddings,
             pooling=pooling,
-            type_k=type_k,
-            type_v=type_v,
+            type_k=kv_default if type_k is None else type_k,
+            type_v=kv_default if type_v is None else type_v,
             n_gpu_layers=n_gpu_layers,
+            deterministic=deterministic,
         )
     )
     # Allowed (the engine refused above its own limit), but worth a word.

@@ -37,7 +37,7 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from lloyal.branch import Branch, BranchStore
+from lloyal.branch import Branch, BranchStore, TokenTree
 from lloyal.context import Context
 from lloyal.errors import BranchBusyError
 from lloyal.sampling import GREEDY, SamplingParams
@@ -163,6 +163,9 @@ class Speculative(_Output):
     decode_calls: int
     draft_decode_calls: int
     seconds: float
+    verified: int
+    """Tokens the target decoded to verify (pending tokens, drafts and
+    tree siblings): ``k + 1`` per round for a chain."""
 
     @property
     def acceptance_rate(self) -> float:
@@ -668,8 +671,15 @@ class _ModelDrafter:
         self.kv = []
 
     async def propose(
-        self, history: Sequence[int], k: int, temperature: float, rng: np.random.Generator
+        self,
+        history: Sequence[int],
+        k: int,
+        temperature: float,
+        rng: np.random.Generator,
+        want_probs: bool = False,
     ) -> tuple[list[int], list[_F64 | None]]:
+        """Up to ``k`` drafts and, above temperature 0 or with ``want_probs``,
+        the distribution each came from."""
         ctx = self.ctx
         common = 0
         for a, b in zip(self.kv, history, strict=False):
@@ -686,7 +696,8 @@ class _ModelDrafter:
         probs: list[_F64 | None] = []
         for i in range(k):
             if temperature <= 0:
-                t, q = ctx.greedy_sample(), None
+                t = ctx.greedy_sample()
+                q = _softmax(ctx.get_logits(), 1.0) if want_probs else None
             else:
                 q = _softmax(ctx.get_logits(), temperature)
                 t = int(rng.choice(q.shape[0], p=q))
@@ -727,6 +738,8 @@ async def speculative_decode(
     seed: int = 0,
     stop: Iterable[int] = (),
     adaptive: bool = True,
+    width: int = 1,
+    confidence: float = 0.8,
 ) -> Speculative:
     """Speculative decoding: draft up to ``k`` tokens cheaply, verify them
     in one target decode, keep the accepted prefix and one token from the
@@ -737,27 +750,37 @@ async def speculative_decode(
     ``draft`` is a second :class:`Context` (a smaller model with the same
     vocabulary; its sequence 0 is used and cleared) or a
     :class:`PromptLookup` (the default: no second model). Each round
-    prefills the target's branch with the pending token and the ``k``
-    drafts in one ``llama_decode`` and reads every position's logits
-    (``prefill(..., logits="all")``), so verification costs ``k + 1``
-    tokens; the rejected tail is dropped with :meth:`Branch.truncate`, and
-    the draft model rolls back its rejected tokens with
-    :meth:`Context.kv_cache_remove`.
+    decodes the pending token and the drafts into the target's branch in
+    one ``llama_decode`` and reads every position's logits, so
+    verification costs ``k + 1`` tokens; the rejected tail is dropped with
+    :meth:`Branch.truncate`, and the draft model rolls back its rejected
+    tokens with :meth:`Context.kv_cache_remove`.
+
+    **Tree speculation** (``width > 1``, a draft model, temperature 0):
+    where the draft model's top token has probability below
+    ``confidence``, its next ``width - 1`` candidates join the round as
+    siblings of that draft, and the whole tree is verified in the same one
+    decode (:meth:`BranchStore.prefill_tree`: shared prefixes are decoded
+    once). The longest path whose every token is the target's argmax is
+    kept, so a draft that goes wrong at an uncertain position still
+    yields the right token there when it was among the candidates. Each
+    sibling holds a lease during the decode; with fewer free leases the
+    round uses fewer siblings.
 
     At ``temperature=0`` a draft is accepted when it is the target's argmax,
     so the output is the target's greedy output, up to how its logits move
-    with the decode layout (docs/determinism.md): exactly, with a q8_0 KV
-    cache on a model whose weights take llama.cpp's dot-product path
-    (SmolLM2), else up to near-ties. Above 0 it uses the
-    speculative sampling rule (accept with probability ``min(1, p/q)``,
-    otherwise resample from ``max(p - q, 0)``), which samples exactly from
-    the target's softmax at that temperature (no top-k/top-p filters).
+    with the decode layout: exactly, with ``create_context(...,
+    deterministic=True)`` (docs/determinism.md), else up to near-ties. Above
+    0 it uses the speculative sampling rule (accept with probability
+    ``min(1, p/q)``, otherwise resample from ``max(p - q, 0)``), which
+    samples exactly from the target's softmax at that temperature (no
+    top-k/top-p filters).
 
-    One round costs one target decode of ``k + 1`` tokens and, with a draft
-    model, ``k`` small draft decodes. It is a win when a decode of ``k + 1``
-    tokens costs little more than one (memory-bound decoding: GPUs, large
-    models) and drafts are often right; measure on your hardware
-    (``bench/speculative.py``).
+    One round costs one target decode of ``k + 1`` tokens (plus the
+    siblings) and, with a draft model, ``k`` small draft decodes. It is a
+    win when a decode of ``k + 1`` tokens costs little more than one
+    (memory-bound decoding: GPUs, large models) and drafts are often
+    right; measure on your hardware (``bench/speculative.py``).
 
     It uses one KV lease of the target context; other branches are left
     alone.
@@ -772,11 +795,18 @@ async def speculative_decode(
     >>> result.text, result.rounds, result.decode_calls, result.acceptance_rate
     (', 3, 1, ', 2, 3, 1.0)
     """
-    _check_positive(k=k, max_tokens=max_tokens)
+    _check_positive(k=k, max_tokens=max_tokens, width=width)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if draft is target:
         raise ValueError("the draft must be a different context from the target")
+    if width > 1 and (temperature > 0 or not isinstance(draft, Context)):
+        raise ValueError(
+            "tree speculation (width > 1) needs a draft model and temperature 0: "
+            "its siblings are the draft's top candidates, not samples"
+        )
+    if not 0.0 <= confidence <= 1.0:
+        raise ValueError(f"confidence must be in [0, 1], got {confidence}")
     tokens = await _prompt_tokens(target, prompt)
     is_stop = _stopper(target, stop)
     store = BranchStore(target)
@@ -794,9 +824,10 @@ async def speculative_decode(
     calls, started = target.stats.decode_calls, time.perf_counter()
     history = list(tokens)
     rec = _Recorder()
-    rounds = drafted = accepted = 0
+    rounds = drafted = accepted = verified = 0
     k_now = k
     trunk = Branch.create(target, params=GREEDY)  # holds history[:-1]
+    tree: TokenTree | None = None
     try:
         if len(history) > 1:
             await trunk.prefill(history[:-1])
@@ -809,55 +840,66 @@ async def speculative_decode(
                 guesses = drafter.propose(history, min(k_now, room))
                 qs = [None] * len(guesses)
             else:
-                guesses, qs = await drafter.propose(history, min(k_now, room), temperature, rng)
+                guesses, qs = await drafter.propose(
+                    history, min(k_now, room), temperature, rng, want_probs=width > 1
+                )
+            # Node 0 is the pending token, node i + 1 the i-th draft; then
+            # the siblings. Row j: the target's distribution after node j.
+            nodes, parents = [history[-1], *guesses], list(range(-1, len(guesses)))
+            if width > 1:
+                _add_siblings(nodes, parents, qs, width, confidence, store.available)
             base = trunk.position  # holds history[:-1]
-            # Row i: the target's distribution after the pending token and
-            # the first i drafts.
-            rows = await trunk.prefill([history[-1], *guesses], logits="all")
+            tree = await store.prefill_tree(trunk, nodes, parents)
+            rows = tree.rows
             rounds += 1
             drafted += len(guesses)
+            verified += len(nodes)
             emitted: list[tuple[int, npt.NDArray[np.float32]]] = []
-            for i, guess in enumerate(guesses):
-                logits = rows[i]
-                if temperature <= 0:
-                    choice = int(np.argmax(logits))
-                    ok = choice == guess
-                else:
-                    p = _softmax(logits, temperature)
+            node = 0  # the last node kept
+            if temperature <= 0:
+                children: dict[int, list[int]] = {}
+                for j, parent in enumerate(parents):
+                    children.setdefault(parent, []).append(j)
+                while True:
+                    choice = int(np.argmax(rows[node]))
+                    emitted.append((choice, rows[node]))
+                    nxt = next((c for c in children.get(node, ()) if nodes[c] == choice), None)
+                    if nxt is None:
+                        break
+                    node = nxt
+                    accepted += 1
+                    if is_stop(choice):
+                        break
+            else:
+                for i, guess in enumerate(guesses):
+                    p = _softmax(rows[i], temperature)
                     q = qs[i]
                     q_guess = 1.0 if q is None else float(q[guess])
-                    ok = bool(rng.random() * q_guess < p[guess])
-                    if not ok:
-                        residual = p.copy()
-                        if q is None:
-                            residual[guess] = 0.0
-                        else:
-                            residual = np.maximum(p - q, 0.0)
-                        total = residual.sum()
-                        r = residual / total if total > 0 else p
-                        choice = int(rng.choice(r.shape[0], p=r))
-                emitted.append((guess if ok else choice, logits))
-                if not ok:
+                    if rng.random() * q_guess < p[guess]:
+                        emitted.append((guess, rows[i]))
+                        node, accepted = i + 1, accepted + 1
+                        if is_stop(guess):
+                            break
+                        continue
+                    residual = p.copy()
+                    if q is None:
+                        residual[guess] = 0.0
+                    else:
+                        residual = np.maximum(p - q, 0.0)
+                    total = residual.sum()
+                    r = residual / total if total > 0 else p
+                    emitted.append((int(rng.choice(r.shape[0], p=r)), rows[i]))
                     break
-                accepted += 1
-                if is_stop(guess):
-                    break
-            else:
-                # Every draft accepted: the target's own next token is free.
-                logits = rows[len(guesses)]
-                if temperature <= 0:
-                    bonus = int(np.argmax(logits))
                 else:
-                    p = _softmax(logits, temperature)
-                    bonus = int(rng.choice(p.shape[0], p=p))
-                emitted.append((bonus, logits))
-            # Keep the pending token and the accepted drafts; the last
-            # emitted token is the next round's pending one.
+                    # Every draft accepted: the target's own next token is free.
+                    p = _softmax(rows[len(guesses)], temperature)
+                    emitted.append((int(rng.choice(p.shape[0], p=p)), rows[len(guesses)]))
+            # Keep the path to `node` (the pending token and the accepted
+            # drafts); the last emitted token is the next round's pending one.
             kept = len(emitted) - 1
             if adaptive and guesses:
                 k_now = max(1, min(k, kept + 1))
-            if kept < len(guesses):
-                await trunk.truncate(base + 1 + kept, logits=rows[kept])
+            trunk = await _keep_path(tree, node, base + len(tree.path(node)))
             for token, logits in emitted:
                 if is_stop(token):
                     rec.stopped = True
@@ -869,7 +911,8 @@ async def speculative_decode(
                 )
                 history.append(token)
     finally:
-        await _prune_all(trunk)
+        for branch in [trunk, *(b for b in (tree.branches if tree else ()) if b is not trunk)]:
+            await _prune_all(branch)
         if isinstance(drafter, _ModelDrafter):
             with anyio.CancelScope(shield=True):
                 await drafter.reset()
@@ -883,7 +926,43 @@ async def speculative_decode(
         target.stats.decode_calls - calls,
         draft_calls,
         time.perf_counter() - started,
+        verified,
     )
+
+
+def _add_siblings(
+    nodes: list[int],
+    parents: list[int],
+    qs: Sequence[_F64 | None],
+    width: int,
+    confidence: float,
+    leases: int,
+) -> None:
+    """Give each uncertain draft (top probability below ``confidence``) the
+    drafter's next ``width - 1`` candidates as siblings, while leases last
+    (one per sibling: each is a leaf of the token tree)."""
+    for i, q in enumerate(qs):
+        if q is None or float(np.max(q)) >= confidence:
+            continue
+        for alt in _top(np.log(np.maximum(q, 1e-300)), width):
+            if leases == 0:
+                return
+            if alt != nodes[i + 1]:
+                nodes.append(alt)
+                parents.append(i)  # after node i: a sibling of draft i
+                leases -= 1
+
+
+async def _keep_path(tree: TokenTree, node: int, position: int) -> Branch:
+    """Keep the branch holding the path to ``node``, cut to ``position``
+    with ``node``'s row as its logits; prune the tree's other branches."""
+    keep = tree.branch_of(node)
+    for branch in tree.branches:
+        if branch is not keep:
+            await branch.prune()
+    if keep.position > position:
+        await keep.truncate(position, logits=tree.rows[node])
+    return keep
 
 
 # -- token trees and MCTS ------------------------------------------------------

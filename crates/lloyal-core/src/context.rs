@@ -193,11 +193,45 @@ impl std::fmt::Debug for Context {
     }
 }
 
+/// Whether any context of this process has run a `llama_decode`.
+static DECODED: AtomicBool = AtomicBool::new(false);
+
+/// Make llama.cpp's CPU matmuls of K-quant weights take the dot-product
+/// path at every batch size: its tiled GEMM (from 8 rows) sums in another
+/// order. The switch, `GGML_CPU_TILED_MM=0`, is read once per process at
+/// the first such matmul, so it is set here before any decode, or must
+/// already be in the environment.
+fn plain_k_quant_matmuls() -> Result<()> {
+    const VAR: &str = "GGML_CPU_TILED_MM";
+    match std::env::var(VAR) {
+        Ok(v) if v.trim().parse::<i64>() == Ok(0) => Ok(()),
+        Ok(v) => Err(invalid(format!(
+            "deterministic=True needs {VAR}=0 (llama.cpp's tiled K-quant matmul depends on the \
+             batch size); the environment sets it to {v:?}"
+        ))),
+        Err(_) if !DECODED.load(Ordering::Relaxed) => {
+            std::env::set_var(VAR, "0");
+            Ok(())
+        }
+        Err(_) => Err(invalid(format!(
+            "deterministic=True must be set up before this process decodes anything: \
+             llama.cpp reads {VAR} once per process. Open the deterministic context first, \
+             or start the process with {VAR}=0"
+        ))),
+    }
+}
+
 impl Context {
     /// Load the model and create the context on a new worker thread.
     /// `on_ready` is called from that thread with the handle or the error.
     pub fn open(model_path: PathBuf, mut params: ContextParams, on_ready: Reply<Context>) {
-        if let Err(e) = params.validate() {
+        if let Err(e) = params.validate().and_then(|()| {
+            if params.deterministic {
+                plain_k_quant_matmuls()
+            } else {
+                Ok(())
+            }
+        }) {
             on_ready(Err(e));
             return;
         }
@@ -518,7 +552,7 @@ pub(crate) struct Worker<'m> {
 }
 
 fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option<Reply<Context>>) {
-    let model = match Model::load(&model_path, params.n_gpu_layers) {
+    let model = match Model::load(&model_path, params.n_gpu_layers, !params.deterministic) {
         Ok(m) => m,
         Err(e) => {
             if let Some(ready) = on_ready.take() {
@@ -570,7 +604,9 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         background: None,
         ctx,
         model: Arc::clone(&model),
-        batch: LlamaBatch::new(n_batch, 1),
+        // A token may belong to every sequence (a shared prefix of a
+        // token tree, `branch_prefill_tree`).
+        batch: LlamaBatch::new(n_batch, params.n_seq_max as i32),
         n_batch,
         params,
         shared,
@@ -858,6 +894,7 @@ impl Worker<'_> {
     /// One `llama_decode` of the current batch, counted in the stats.
     pub(crate) fn llama_decode(&mut self, n_tokens: usize) -> Result<()> {
         self.finish_background();
+        DECODED.store(true, Ordering::Relaxed);
         let started = Instant::now();
         let result = self.ctx.decode(&mut self.batch);
         let stats = &self.shared.stats;

@@ -52,10 +52,45 @@ impl std::fmt::Debug for Model {
     }
 }
 
+/// `llama_model_load_from_file` with `use_extra_bufts = false` (no
+/// repacked weights), which llama-cpp-2 0.1.160 has no setter for: the
+/// parameters are llama.cpp's defaults, as `LlamaModelParams::default()`
+/// gives them, plus the GPU layer count. (An upstreamable one-line setter,
+/// `LlamaModelParams::with_use_extra_bufts`, would retire this.)
+fn load_without_repack(path: &Path, n_gpu_layers: u32) -> std::result::Result<LlamaModel, String> {
+    use std::ptr::NonNull;
+    // `LlamaModel` is one field, a `#[repr(transparent)]` wrapper of
+    // `NonNull<llama_model>`; its `Drop` frees the model.
+    const _: () = assert!(
+        std::mem::size_of::<LlamaModel>()
+            == std::mem::size_of::<NonNull<llama_cpp_sys_2::llama_model>>()
+            && std::mem::align_of::<LlamaModel>()
+                == std::mem::align_of::<NonNull<llama_cpp_sys_2::llama_model>>()
+    );
+    let utf8 = path.to_str().ok_or("the path is not valid UTF-8")?;
+    let c_path = std::ffi::CString::new(utf8).map_err(|e| e.to_string())?;
+    // SAFETY: plain C calls; the parameters are a by-value struct whose
+    // pointers are llama.cpp's defaults (null), and `c_path` outlives the call.
+    let raw = unsafe {
+        let mut params = llama_cpp_sys_2::llama_model_default_params();
+        params.n_gpu_layers = i32::try_from(n_gpu_layers).unwrap_or(i32::MAX);
+        params.use_extra_bufts = false;
+        llama_cpp_sys_2::llama_model_load_from_file(c_path.as_ptr(), params)
+    };
+    let raw = NonNull::new(raw).ok_or("llama.cpp returned no model")?;
+    // SAFETY: same size and alignment (checked above), and `LlamaModel`
+    // holds nothing but this pointer, which it owns from here on.
+    Ok(unsafe { std::mem::transmute::<NonNull<llama_cpp_sys_2::llama_model>, LlamaModel>(raw) })
+}
+
 impl Model {
     /// Load a GGUF file. `n_gpu_layers < 0` offloads every layer that the
-    /// build can offload (none on a CPU-only build).
-    pub fn load(path: impl AsRef<Path>, n_gpu_layers: i32) -> Result<Arc<Model>> {
+    /// build can offload (none on a CPU-only build). `repack: false` keeps
+    /// the weights in their file layout: llama.cpp's CPU backend otherwise
+    /// repacks some types (Q4_0, Q4_K, IQ4_NL on x86) for a GEMM kernel
+    /// whose results depend on a token's row in the batch (the
+    /// deterministic mode needs it off).
+    pub fn load(path: impl AsRef<Path>, n_gpu_layers: i32, repack: bool) -> Result<Arc<Model>> {
         let path = path.as_ref().to_path_buf();
         let file = check_gguf_file(&path)?;
         let backend = backend()?;
@@ -72,7 +107,11 @@ impl Model {
                     .to_owned(),
             })?
         };
-        let loaded = LlamaModel::load_from_file(backend, &load_path, &params);
+        let loaded = if repack {
+            LlamaModel::load_from_file(backend, &load_path, &params).map_err(|e| e.to_string())
+        } else {
+            load_without_repack(&load_path, layers)
+        };
         drop(file);
         let llama = loaded.map_err(|e| Error::ModelLoad {
                 path: path.clone(),

@@ -98,6 +98,26 @@ impl KvType {
         }
     }
 
+    /// Quantized cells (not f32/f16/bf16).
+    pub fn is_quantized(self) -> bool {
+        !matches!(self, KvType::F32 | KvType::F16 | KvType::Bf16)
+    }
+
+    /// The name `FromStr` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F32 => "f32",
+            KvType::F16 => "f16",
+            KvType::Bf16 => "bf16",
+            KvType::Q8_0 => "q8_0",
+            KvType::Q4_0 => "q4_0",
+            KvType::Q4_1 => "q4_1",
+            KvType::Iq4Nl => "iq4_nl",
+            KvType::Q5_0 => "q5_0",
+            KvType::Q5_1 => "q5_1",
+        }
+    }
+
     /// Bytes per element (block size amortised for quantised types).
     pub(crate) fn bytes_per_element(self) -> f64 {
         match self {
@@ -133,6 +153,11 @@ pub struct ContextParams {
     pub type_v: KvType,
     /// `-1` offloads all layers the build can, `0` none.
     pub n_gpu_layers: i32,
+    /// Batch-invariant logits on the CPU backend (docs/determinism.md):
+    /// weights in file layout (no repacking), K-quant matmuls on the
+    /// dot-product path (`GGML_CPU_TILED_MM=0`, process-wide) and a
+    /// quantized KV cache (one flash-attention kernel, f32 accumulation).
+    pub deterministic: bool,
 }
 
 impl Default for ContextParams {
@@ -147,6 +172,7 @@ impl Default for ContextParams {
             type_k: KvType::F16,
             type_v: KvType::F16,
             n_gpu_layers: -1,
+            deterministic: false,
         }
     }
 }
@@ -184,6 +210,15 @@ impl ContextParams {
                     "n_threads must be in [1, {MAX_THREADS}] (or None for every core), got {n}"
                 )));
             }
+        }
+        if self.deterministic && !(self.type_k.is_quantized() && self.type_v.is_quantized()) {
+            return Err(invalid(format!(
+                "deterministic=True needs a quantized KV cache (type_k and type_v such as \
+                 \"q8_0\"): with f16/f32/bf16 cells llama.cpp's flash attention picks its kernel \
+                 by batch size; got type_k={}, type_v={}",
+                self.type_k.name(),
+                self.type_v.name()
+            )));
         }
         if self.n_gpu_layers < -1 {
             return Err(invalid(format!(

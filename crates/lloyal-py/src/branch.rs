@@ -1,7 +1,7 @@
 //! Branch operations on `NativeContext`. Branch handles cross into Python
 //! as plain integers (`BranchId::to_bits`); `lloyal.Branch` wraps them.
 
-use lloyal_core::store::ItemResults;
+use lloyal_core::store::{ItemResults, TreeOutcome};
 use lloyal_core::{metrics, Base, BranchId};
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -18,6 +18,17 @@ pub(crate) fn id(bits: u64) -> BranchId {
 
 fn branch_bits(py: Python<'_>, id: BranchId) -> PyResult<Py<PyAny>> {
     Ok(id.to_bits().into_pyobject(py)?.into_any().unbind())
+}
+
+fn tree_outcome(py: Python<'_>, t: TreeOutcome) -> PyResult<Py<PyAny>> {
+    let leaves: Vec<(usize, u64)> = t
+        .leaves
+        .into_iter()
+        .map(|(j, b)| (j, b.to_bits()))
+        .collect();
+    let n = t.rows.len() / t.vocab.max(1);
+    let rows = PyArray1::from_vec(py, t.rows).reshape([n, t.vocab])?;
+    Ok((leaves, rows).into_pyobject(py)?.into_any().unbind())
 }
 
 fn state_bytes(py: Python<'_>, data: Vec<u8>) -> PyResult<Py<PyAny>> {
@@ -103,6 +114,20 @@ impl PyContext {
         let items = items.into_iter().map(|(b, t)| (id(b), t)).collect();
         self.inner
             .branch_prefill(items, all_rows, py_reply(done, item_errors));
+    }
+
+    /// Decode a token tree into ``branch`` (see
+    /// ``lloyal_core::Context::branch_prefill_tree``); ``done`` gets
+    /// ``([(leaf node, branch)], rows)`` with rows an ``(n, vocab)`` array.
+    fn branch_prefill_tree(
+        &self,
+        branch: u64,
+        tokens: Vec<i32>,
+        parents: Vec<i32>,
+        done: Py<PyAny>,
+    ) {
+        self.inner
+            .branch_prefill_tree(id(branch), tokens, parents, py_reply(done, tree_outcome));
     }
 
     /// Every position's logits of the branch's last ``all_rows`` prefill,

@@ -66,7 +66,7 @@ impl PyContext {
     /// call ``done(error, context)`` from that thread.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (model_path, done, *, n_ctx, n_batch, n_seq_max, n_threads, embeddings, pooling, type_k, type_v, n_gpu_layers))]
+    #[pyo3(signature = (model_path, done, *, n_ctx, n_batch, n_seq_max, n_threads, embeddings, pooling, type_k, type_v, n_gpu_layers, deterministic=false))]
     fn open(
         model_path: PathBuf,
         done: Py<PyAny>,
@@ -79,6 +79,7 @@ impl PyContext {
         type_k: &str,
         type_v: &str,
         n_gpu_layers: i32,
+        deterministic: bool,
     ) -> PyResult<()> {
         let params = ContextParams {
             n_ctx,
@@ -90,6 +91,7 @@ impl PyContext {
             type_k: parse::<KvType>(type_k)?,
             type_v: parse::<KvType>(type_v)?,
             n_gpu_layers,
+            deterministic,
         };
         params.validate().py_err()?;
         Context::open(model_path, params, py_reply(done, wrap_context));
