@@ -1,24 +1,86 @@
-"""Batch invariance where llama.cpp's kernels give it (docs/determinism.md,
-"Where the differences come from"): with a q8_0 KV cache, flash attention
-runs its one-chunk kernel (f32 accumulation) whatever the batch, and
-SmolLM2's Q4_1 weights take the dot-product path, which computes each
-(weight row, token) pair the same way for any number of rows. So a branch
-gets the same bits alone, in a batch of 8 at any row, and in one call or
-split, and speculative decoding is exactly greedy. (Gemma 3's repacked
-weights do not: see the doc.)"""
+"""create_context(deterministic=True): a branch's logits do not depend on
+how its work was laid out (docs/determinism.md). Bit-identical, on both
+models, whatever CPU runs the suite: alone or in a batch of 8 at any row,
+one call or split, fresh or reused KV cells, the README-branch-store
+example against each branch alone, batched or single embeddings; and
+speculative decoding (draft model, tree, prompt lookup) returns the greedy
+tokens exactly.
+
+Each check runs in a fresh interpreter (determinism_child.py): the mode
+must be set up before anything in the process decodes, and this process
+has decoded long before these tests run."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import lloyal
-import numpy as np
 import pytest
-from lloyal import strategies
 
-pytestmark = pytest.mark.anyio
+CHILD = Path(__file__).with_name("determinism_child.py")
 
-PROMPT = "The quick brown fox jumps over the lazy dog. Then"
+
+def run_check(model: Path, check: str) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), str(model), check],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_alone_or_in_a_batch_of_8_at_any_row(model: Path) -> None:
+    got = run_check(model, "batch")
+    assert got == {"batch": [0.0] * 8, "reversed": [0.0] * 8}
+
+
+def test_one_call_or_split(model: Path) -> None:
+    assert run_check(model, "split") == {"1": 0.0, "7": 0.0, "64": 0.0}
+
+
+def test_fresh_or_reused_cells(model: Path) -> None:
+    assert run_check(model, "reused_cells") == {"steps": [0.0] * 4}
+
+
+def test_dropped_cells_are_freed_when_the_cache_is_full(smollm2: Path) -> None:
+    assert run_check(smollm2, "purge") == {"purges": 1, "position": True}
+
+
+def test_readme_branch_store_example_equals_each_branch_alone(model: Path) -> None:
+    assert run_check(model, "four_branches") == {"branches": [[0.0] * 7] * 4}
+
+
+def test_batched_embeddings_equal_single_ones(model: Path) -> None:
+    got = run_check(model, "embeddings")
+    assert got["rows"] == [0.0] * 4
+    assert got["cosine_to_usual"] >= 0.999
+
+
+def test_speculation_is_exactly_greedy(model: Path) -> None:
+    got = run_check(model, "speculation")
+    n = len(got["plain"])
+    assert n == 10
+    for name in ("draft", "tree", "lookup", "sibling"):
+        assert got[name] == got["plain"], name
+    # The model drafting for itself: every draft accepted, k + 1 tokens
+    # verified per round (a chain), more with the tree's siblings.
+    assert got["draft_acceptance"] == [1.0] * n
+    assert got["tree_acceptance"] == [1.0] * n
+    assert all(v <= 5 for v in got["draft_verified_per_round"])
+    assert all(v > 5 for v in got["tree_verified_per_round"])
+    # Drafting its second choice: the right token is always the sibling.
+    assert all(a > 0 for a in got["sibling_accepted"])
+    assert got["leases_left"] == 4
 
 
 @pytest.fixture
@@ -26,79 +88,37 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-async def eight_forks(path: Path, batched: bool) -> list[np.ndarray]:
-    async with await lloyal.create_context(
-        path, n_ctx=1024, n_seq_max=9, type_k="q8_0", type_v="q8_0"
-    ) as ctx:
-        root = lloyal.Branch.create(ctx, lloyal.GREEDY)
-        await root.prefill(await ctx.tokenize(PROMPT))
-        kids = [await root.fork() for _ in range(8)]
-        tokens = [100 + 37 * i for i in range(8)]
-        if batched:
-            await lloyal.BranchStore(ctx).commit(list(zip(kids, tokens, strict=True)))
-        else:
-            for kid, token in zip(kids, tokens, strict=True):
-                await kid.commit(token)
-        return [kid.logits.copy() for kid in kids]
+@pytest.mark.anyio
+async def test_deterministic_needs_a_quantized_cache(smollm2: Path) -> None:
+    with pytest.raises(ValueError, match="quantized KV cache"):
+        await lloyal.create_context(smollm2, deterministic=True, type_k="f16")
 
 
-async def test_a_branch_gets_the_same_bits_alone_or_in_a_batch(smollm2: Path) -> None:
-    alone = await eight_forks(smollm2, batched=False)
-    batched = await eight_forks(smollm2, batched=True)
-    for row, (a, b) in enumerate(zip(alone, batched, strict=True)):
-        assert np.array_equal(a, b), f"row {row}: max |diff| {np.max(np.abs(a - b))}"
-
-
-async def test_one_call_or_split_gives_the_same_bits(smollm2: Path) -> None:
-    async def prefill(step: int) -> np.ndarray:
-        async with await lloyal.create_context(
-            smollm2, n_ctx=1024, type_k="q8_0", type_v="q8_0"
-        ) as ctx:
-            tokens = await ctx.tokenize("The quick brown fox jumps over the lazy dog. " * 8)
-            b = lloyal.Branch.create(ctx, lloyal.GREEDY)
-            for i in range(0, len(tokens), step):
-                await b.prefill(tokens[i : i + step])
-            return b.logits.copy()
-
-    one_call = await prefill(10_000)
-    for step in (1, 7, 64):
-        assert np.array_equal(one_call, await prefill(step)), step
-
-
-PROMPTS = [
-    "Write a short poem about the sea.",
-    "Explain photosynthesis in one sentence.",
-    "List three colors.",
-    "What is 12 times 7?",
-    "Tell me a joke about cats.",
-    "Describe a sunrise.",
-    "Give advice to a new programmer.",
-    "Summarize the plot of Cinderella.",
-    "Name a famous scientist and why.",
-    "How do airplanes fly?",
-]
-
-
-async def test_speculation_is_exactly_greedy_where_logits_are_invariant(smollm2: Path) -> None:
-    """With batch-invariant logits, speculative decoding at temperature 0 is
-    the target's greedy output token for token (whatever the margins), and
-    a model drafting for itself accepts every draft."""
-    async with (
-        await lloyal.create_context(
-            smollm2, n_ctx=2048, n_seq_max=2, type_k="q8_0", type_v="q8_0"
-        ) as target,
-        await lloyal.create_context(smollm2, n_ctx=2048, type_k="q8_0", type_v="q8_0") as draft,
-    ):
-        for prompt in PROMPTS:
-            chat = target.format_chat([{"role": "user", "content": prompt}])
-            stop = chat.stop_tokens
-            plain = await strategies.generate(target, chat.prompt, max_tokens=16, stop=stop)
-            drafted = await strategies.speculative_decode(
-                target, chat.prompt, draft=draft, k=4, max_tokens=16, stop=stop
-            )
-            lookup = await strategies.speculative_decode(
-                target, chat.prompt, k=4, max_tokens=16, stop=stop
-            )
-            assert drafted.tokens == plain.tokens, prompt
-            assert lookup.tokens == plain.tokens, prompt
-            assert drafted.acceptance_rate == 1.0, prompt
+def test_deterministic_after_a_decode_needs_the_variable_set() -> None:
+    """This process has decoded (the rest of the suite): llama.cpp has read
+    GGML_CPU_TILED_MM already, so the mode cannot be promised any more."""
+    code = """
+import asyncio, lloyal
+from lloyal.models import default_model_path
+async def main():
+    async with await lloyal.create_context(default_model_path()) as ctx:
+        await ctx.decode(await ctx.tokenize("Hi"), 0)
+    try:
+        async with await lloyal.create_context(default_model_path(), deterministic=True):
+            pass
+    except ValueError as e:
+        print("refused:", e)
+asyncio.run(main())
+"""
+    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "refused:" in proc.stdout and "GGML_CPU_TILED_MM" in proc.stdout
+    env["GGML_CPU_TILED_MM"] = "0"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "refused:" not in proc.stdout

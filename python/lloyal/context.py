@@ -78,12 +78,16 @@ class ContextStats:
     ``decode_seconds`` is the wall time spent in those calls. On a GPU
     backend ``llama_decode`` returns before the GPU has finished (the wait
     happens when the logits are read), so there it undercounts the compute
-    time: on an H100, 0.17 ms of a 1.36 ms step.
+    time: on an H100, 0.17 ms of a 1.36 ms step. ``tombstone_purges``
+    counts the times a ``deterministic=True`` context ran out of cells and
+    freed the cells branches had dropped (from then on a token may land
+    before its prefix's cells: see ``docs/determinism.md``).
     """
 
     decode_calls: int
     tokens_decoded: int
     decode_seconds: float
+    tombstone_purges: int = 0
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,10 @@ pub struct Stats {
     /// return before the computation ends (the wait is in reading the
     /// logits), so there this undercounts.
     pub decode_seconds: f64,
+    /// Times a full cache freed the deterministic mode's removed cells
+    /// (`Worker::remove_cells`); from then on a token may land before its
+    /// prefix's cells, and bit-identity with other routes is not promised.
+    pub tombstone_purges: u64,
 }
 
 #[derive(Default)]
@@ -98,6 +102,7 @@ struct StatCounters {
     decode_calls: AtomicU64,
     tokens_decoded: AtomicU64,
     decode_micros: AtomicU64,
+    tombstone_purges: AtomicU64,
 }
 
 /// State the worker publishes for callers on other threads.
@@ -509,6 +514,7 @@ impl Context {
             decode_calls: s.decode_calls.load(Ordering::Relaxed),
             tokens_decoded: s.tokens_decoded.load(Ordering::Relaxed),
             decode_seconds: s.decode_micros.load(Ordering::Relaxed) as f64 / 1e6,
+            tombstone_purges: s.tombstone_purges.load(Ordering::Relaxed),
         }
     }
 
@@ -632,7 +638,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
 /// batches evenly across sequences and asserts otherwise): round up, or
 /// down where up would pass `n_ctx`.
 fn effective_n_batch(params: &ContextParams) -> u32 {
-    let seqs = params.n_seq_max;
+    let seqs = params.llama_n_seq_max();
     let n_batch = params.n_batch.min(params.n_ctx).max(seqs);
     if !params.embeddings {
         return n_batch;
@@ -679,11 +685,15 @@ fn create_llama_context<'m>(model: &'m Model, params: &ContextParams) -> Result<
         .with_n_ctx(NonZeroU32::new(params.n_ctx))
         .with_n_batch(params.n_batch)
         .with_n_ubatch(params.n_batch)
-        .with_n_seq_max(params.n_seq_max)
+        .with_n_seq_max(params.llama_n_seq_max())
         .with_n_threads(threads)
         .with_n_threads_batch(threads)
         .with_embeddings(params.embeddings)
-        .with_pooling_type(params.pooling.to_llama())
+        .with_pooling_type(if params.pools_in_rust() {
+            crate::params::Pooling::None.to_llama()
+        } else {
+            params.pooling.to_llama()
+        })
         .with_type_k(params.type_k.to_llama())
         .with_type_v(params.type_v.to_llama())
         // One KV pool for every sequence, so forks share their prefix cells.
@@ -879,7 +889,7 @@ impl Worker<'_> {
             }
             if let Err(e) = self.llama_decode(chunk.len()) {
                 // Leave the sequence exactly as it was before this call.
-                let _ = self.ctx.kv_cache_seq_rm(seq, u32::try_from(pos).ok(), None);
+                let _ = self.remove_cells(seq, u32::try_from(pos).ok(), None);
                 self.refresh_pos(slot, seq);
                 return Err(e);
             }
@@ -891,12 +901,55 @@ impl Worker<'_> {
         Ok(())
     }
 
-    /// One `llama_decode` of the current batch, counted in the stats.
+    /// Drop `seq`'s cells at positions `[p0, p1)` (`None`: open). With
+    /// tombstones (the deterministic mode) they are handed to the tombstone
+    /// sequence instead of freed: llama.cpp puts new tokens into the first
+    /// free cells from the start of the cache, so a cell freed *before* a
+    /// live sequence's cells would take one of its later tokens, out of
+    /// position order, and its attention would sum in another order
+    /// (docs/determinism.md). Tombstones are freed when the cache is full.
+    pub(crate) fn remove_cells(
+        &mut self,
+        seq: i32,
+        p0: Option<u32>,
+        p1: Option<u32>,
+    ) -> Result<()> {
+        if let Some(tomb) = self.tomb() {
+            if seq != tomb && self.ctx.kv_cache_seq_pos_max(seq) >= 0 {
+                self.ctx
+                    .copy_kv_cache_seq(seq, tomb, p0, p1)
+                    .map_err(|e| Error::Internal(format!("KV tombstone copy failed: {e}")))?;
+            }
+        }
+        self.ctx
+            .kv_cache_seq_rm(seq, p0, p1)
+            .map_err(|e| invalid(format!("could not remove KV cells: {e}")))
+    }
+
+    /// The tombstone sequence, if this context keeps one.
+    pub(crate) fn tomb(&self) -> Option<i32> {
+        self.params
+            .tombstones()
+            .then_some(self.params.n_seq_max as i32)
+    }
+
+    /// One `llama_decode` of the current batch, counted in the stats. With
+    /// tombstones, a full cache frees them and tries once more.
     pub(crate) fn llama_decode(&mut self, n_tokens: usize) -> Result<()> {
         self.finish_background();
         DECODED.store(true, Ordering::Relaxed);
         let started = Instant::now();
-        let result = self.ctx.decode(&mut self.batch);
+        let mut result = self.ctx.decode(&mut self.batch);
+        if let (Err(DecodeError::NoKvCacheSlot), Some(tomb)) = (&result, self.tomb()) {
+            if self.ctx.kv_cache_seq_pos_max(tomb) >= 0 {
+                let _ = self.ctx.kv_cache_seq_rm(tomb, None, None);
+                self.shared
+                    .stats
+                    .tombstone_purges
+                    .fetch_add(1, Ordering::Relaxed);
+                result = self.ctx.decode(&mut self.batch);
+            }
+        }
         let stats = &self.shared.stats;
         stats.decode_calls.fetch_add(1, Ordering::Relaxed);
         stats

@@ -198,12 +198,10 @@ impl Worker<'_> {
                 }
             }
             self.llama_decode(tokens)?;
-            for &seq in &seqs[..end - start] {
-                let v = self
-                    .ctx
-                    .embeddings_seq_ith(seq)
-                    .map_err(|e| Error::Internal(format!("pooled embeddings: {e}")))?;
-                out.push(v.to_vec());
+            let mut row = 0;
+            for (input, &seq) in inputs[start..end].iter().zip(seqs) {
+                out.push(self.pooled(seq, row, input.len())?);
+                row += input.len();
             }
             start = end;
         }
@@ -243,15 +241,37 @@ impl Worker<'_> {
                 data,
             })
         } else {
+            let v = self.pooled(seq, 0, tokens.len())?;
+            Ok(Embeddings {
+                rows: 1,
+                dim: v.len(),
+                data: v,
+            })
+        }
+    }
+
+    /// The pooled vector of `seq`, whose tokens are batch rows `first..first
+    /// + n`: llama.cpp's, or the mean of the rows in order
+    /// (`ContextParams::pools_in_rust`).
+    fn pooled(&self, seq: i32, first: usize, n: usize) -> Result<Vec<f32>> {
+        if !self.params.pools_in_rust() {
             let v = self
                 .ctx
                 .embeddings_seq_ith(seq)
                 .map_err(|e| Error::Internal(format!("pooled embeddings: {e}")))?;
-            Ok(Embeddings {
-                rows: 1,
-                dim: v.len(),
-                data: v.to_vec(),
-            })
+            return Ok(v.to_vec());
         }
+        let mut sum: Vec<f64> = Vec::new();
+        for row in first..first + n {
+            let v = self
+                .ctx
+                .embeddings_ith(row as i32)
+                .map_err(|e| Error::Internal(format!("token embeddings: {e}")))?;
+            sum.resize(v.len(), 0.0);
+            for (s, &x) in sum.iter_mut().zip(v) {
+                *s += f64::from(x);
+            }
+        }
+        Ok(sum.into_iter().map(|s| (s / n as f64) as f32).collect())
     }
 }

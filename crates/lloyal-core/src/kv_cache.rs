@@ -183,8 +183,7 @@ impl Worker<'_> {
             } => {
                 let p1 = u32::try_from(end).ok();
                 let result = self
-                    .ctx
-                    .kv_cache_seq_rm(seq, u32::try_from(start).ok(), p1)
+                    .remove_cells(seq, u32::try_from(start).ok(), p1)
                     .map_err(|e| invalid(format!("could not remove [{start}, {end}): {e}")));
                 self.refresh_all();
                 reply(result);
@@ -194,7 +193,15 @@ impl Worker<'_> {
                 self.refresh_all();
             }
             KvJob::Keep { seq } => {
-                self.ctx.llama_kv_cache_seq_keep(seq);
+                match self.tomb() {
+                    // Removed cells become tombstones, one sequence at a time.
+                    Some(tomb) => {
+                        for other in (0..tomb).filter(|&s| s != seq) {
+                            let _ = self.remove_cells(other, None, None);
+                        }
+                    }
+                    None => self.ctx.llama_kv_cache_seq_keep(seq),
+                }
                 self.refresh_all();
             }
             KvJob::Clear { reply } => {
@@ -222,7 +229,7 @@ impl Worker<'_> {
                 tail,
                 reply,
             } => {
-                let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
+                let _ = self.remove_cells(seq, None, None);
                 self.refresh_all();
                 let mut tokens = sinks;
                 tokens.extend(tail);

@@ -188,13 +188,19 @@ impl ContextParams {
         if self.n_batch == 0 {
             return Err(invalid("n_batch must be >= 1"));
         }
-        if self.n_seq_max == 0 || self.n_seq_max > MAX_SEQUENCES {
+        let most = MAX_SEQUENCES - u32::from(self.tombstones());
+        if self.n_seq_max == 0 || self.n_seq_max > most {
+            let why = if self.tombstones() {
+                " (deterministic=True keeps one sequence for itself)"
+            } else {
+                ""
+            };
             return Err(invalid(format!(
-                "n_seq_max must be in [1, {MAX_SEQUENCES}], got {}",
+                "n_seq_max must be in [1, {most}]{why}, got {}",
                 self.n_seq_max
             )));
         }
-        if self.n_seq_max > self.n_ctx {
+        if self.llama_n_seq_max() > self.n_ctx {
             // llama.cpp reserves an output row per sequence within
             // n_batch <= n_ctx, and aborts when they do not fit.
             return Err(invalid(format!(
@@ -227,6 +233,26 @@ impl ContextParams {
             )));
         }
         Ok(())
+    }
+
+    /// Whether removed KV cells go to a tombstone sequence instead of
+    /// being freed (see `Worker::remove_cells`): the deterministic mode's,
+    /// for contexts that decode branches (not embeddings).
+    pub(crate) fn tombstones(&self) -> bool {
+        self.deterministic && !self.embeddings
+    }
+
+    /// The sequences llama.cpp is asked for: `n_seq_max`, and the
+    /// tombstone sequence (id `n_seq_max`) when there is one.
+    pub(crate) fn llama_n_seq_max(&self) -> u32 {
+        self.n_seq_max + u32::from(self.tombstones())
+    }
+
+    /// Mean pooling done by lloyal from the token rows, in a fixed order,
+    /// instead of by llama.cpp (a matmul over the whole batch, whose sums
+    /// change with the other inputs in it): the deterministic mode's.
+    pub(crate) fn pools_in_rust(&self) -> bool {
+        self.deterministic && self.embeddings && self.pooling == Pooling::Mean
     }
 
     /// The thread count used when `n_threads` is `None`.

@@ -769,7 +769,7 @@ impl Worker<'_> {
     pub(crate) fn execute_branch(&mut self, job: BranchJob) {
         match job {
             BranchJob::ClearSeq { seq } => {
-                let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
+                let _ = self.remove_cells(seq, None, None);
                 self.refresh_seq(seq);
             }
             BranchJob::Fork { parent, reply } => {
@@ -869,7 +869,7 @@ impl Worker<'_> {
         // The lease may hold flat-API cells; a fork starts from the parent's.
         // (`seq_rm` scans every cell, so skip it when the sequence is empty.)
         if self.ctx.kv_cache_seq_pos_max(dst) >= 0 {
-            let _ = self.ctx.kv_cache_seq_rm(dst, None, None);
+            let _ = self.remove_cells(dst, None, None);
         }
         if position > 0 {
             self.ctx
@@ -890,7 +890,7 @@ impl Worker<'_> {
     /// Clear a removed branch's cells and give its lease back.
     fn dispose(&mut self, branches: &mut Branches, id: BranchId) -> Result<()> {
         let state = branches.remove(id)?;
-        let _ = self.ctx.kv_cache_seq_rm(state.seq, None, None);
+        let _ = self.remove_cells(state.seq, None, None);
         branches.release(state.seq);
         self.refresh_seq(state.seq);
         Ok(())
@@ -930,15 +930,16 @@ impl Worker<'_> {
             return Err(Error::BranchBusy);
         }
         // One pass over the cells (keep only the winner's sequence), unless
-        // the flat API holds cells in a sequence no branch leases: then
-        // clear the losers' sequences one by one and leave those alone.
+        // the flat API holds cells in a sequence no branch leases, or
+        // removed cells become tombstones: then clear the losers' sequences
+        // one by one and leave those alone.
         let n_seq = branches.n_seq_max() as i32;
         let flat_cells =
             (0..n_seq).any(|s| !branches.is_leased(s) && self.ctx.kv_cache_seq_pos_max(s) >= 0);
-        if flat_cells {
+        if flat_cells || self.tomb().is_some() {
             for &b in &others {
                 let seq = branches.get(b)?.seq;
-                let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
+                let _ = self.remove_cells(seq, None, None);
             }
         } else {
             self.ctx.llama_kv_cache_seq_keep(keep_seq);
@@ -1005,7 +1006,7 @@ impl Worker<'_> {
             b.clear_logits();
             b.seq
         };
-        let _ = self.ctx.kv_cache_seq_rm(seq, None, None);
+        let _ = self.remove_cells(seq, None, None);
         self.refresh_seq(seq);
         match self.prefill(&[(id, tokens)], false)?.pop() {
             Some(result) => result,
@@ -1015,9 +1016,7 @@ impl Worker<'_> {
 
     fn truncate(&mut self, id: BranchId, position: i32, logits: Option<Vec<f32>>) -> Result<()> {
         let seq = lock(&self.shared.branches).get(id)?.seq;
-        self.ctx
-            .kv_cache_seq_rm(seq, u32::try_from(position).ok(), None)
-            .map_err(|e| Error::Internal(format!("could not remove KV cells: {e}")))?;
+        self.remove_cells(seq, u32::try_from(position).ok(), None)?;
         self.refresh_seq(seq);
         let mut branches = lock(&self.shared.branches);
         let b = branches.get_mut(id)?;
@@ -1038,9 +1037,7 @@ impl Worker<'_> {
     /// batch. KV first (no lock held), then the Rust-side state.
     fn undo(&mut self, undo: Vec<Undo>) {
         for u in &undo {
-            let _ = self
-                .ctx
-                .kv_cache_seq_rm(u.seq, u32::try_from(u.position).ok(), None);
+            let _ = self.remove_cells(u.seq, u32::try_from(u.position).ok(), None);
             self.refresh_seq(u.seq);
         }
         let shared = Arc::clone(&self.shared);
@@ -1373,9 +1370,7 @@ impl Worker<'_> {
             b.children.retain(|c| !forks.contains(c));
             let seq = b.seq;
             drop(branches);
-            let _ = self
-                .ctx
-                .kv_cache_seq_rm(seq, u32::try_from(base).ok(), None);
+            let _ = self.remove_cells(seq, u32::try_from(base).ok(), None);
             self.refresh_seq(seq);
         }
     }

@@ -201,6 +201,7 @@ impl PyContext {
         d.set_item("decode_calls", s.decode_calls)?;
         d.set_item("tokens_decoded", s.tokens_decoded)?;
         d.set_item("decode_seconds", s.decode_seconds)?;
+        d.set_item("tombstone_purges", s.tombstone_purges)?;
         Ok(d)
     }
 
