@@ -212,7 +212,7 @@ def second_best_drafts() -> None:
     propose = drafter.propose
 
     async def swapped(self: Any, history: Any, k: int, *args: Any, **kwargs: Any) -> Any:
-        tokens, probs = await propose(self, history, 1, *args, **kwargs)
+        _, probs = await propose(self, history, 1, *args, **kwargs)
         q = probs[0]
         assert q is not None
         first, second = (int(i) for i in np.argsort(-q)[:2])

@@ -115,7 +115,8 @@ asyncio.run(main())
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "refused:" in proc.stdout and "GGML_CPU_TILED_MM" in proc.stdout
+    assert "refused:" in proc.stdout
+    assert "GGML_CPU_TILED_MM" in proc.stdout
     env["GGML_CPU_TILED_MM"] = "0"
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
