@@ -2,14 +2,17 @@
 
 For each model and task it runs, alternating, `repeats` times each:
 plain greedy decoding (`strategies.generate`), speculation with a draft
-model, and prompt lookup (n-gram drafts from the prompt). For SmolLM2 the
+model, tree speculation (the draft's top 3 at positions where it is less
+than 80% sure, verified in the same decode) and prompt lookup (n-gram
+drafts from the prompt). For SmolLM2 the
 target is its F16 copy (`lloyal.models.smollm2_f16`, needs `pip install
 gguf`) and the draft the Q4_1 file; otherwise, and for Gemma 3, the model
 drafts for itself (a second context), which only checks acceptance.
 Tasks: "echo" (rewrite a paragraph given in the prompt, where lookup
 finds long matches) and "free" (a short poem). It
-prints acceptance, target decodes, output tokens per target decode and the
-speed-up over plain decoding (median wall time), and, for the arithmetic,
+prints acceptance, target decodes, tokens verified per decode, output
+tokens per target decode and the speed-up over plain decoding (median
+wall time), and, for the arithmetic,
 what a decode of k + 1 tokens costs against a decode of one.
 
     python bench/speculative.py [--models smollm2,gemma3] [--k 4] [--tokens 48]
@@ -70,7 +73,7 @@ async def bench_model(name: str, k: int, tokens: int, repeats: int) -> None:
         except ModelNotInstalledError as e:
             print(f"({e}: SmolLM2 drafts for itself)")
     async with (
-        await lloyal.create_context(target_path, n_ctx=1024, n_seq_max=2) as target,
+        await lloyal.create_context(target_path, n_ctx=1024, n_seq_max=8) as target,
         await lloyal.create_context(draft_path, n_ctx=1024) as draft,
     ):
         ratio = await decode_cost(target, k)
@@ -82,17 +85,25 @@ async def bench_model(name: str, k: int, tokens: int, repeats: int) -> None:
             template = None if target.model_info.has_chat_template else "gemma"
             chat = target.format_chat([{"role": "user", "content": text}], template=template)
             prompt = chat.prompt + reply_start
-            runs: dict[str, list[float]] = {"plain": [], draft_label: [], "lookup": []}
+            drafters: dict[str, dict[str, object]] = {
+                draft_label: {"draft": draft},
+                "tree": {"draft": draft, "width": 3, "confidence": 0.8},
+                "lookup": {"draft": strategies.PromptLookup()},
+            }
+            runs: dict[str, list[float]] = {"plain": [], **{label: [] for label in drafters}}
             last: dict[str, strategies.Speculative] = {}
             plain_tokens: tuple[int, ...] = ()
             for _ in range(repeats):
                 g = await strategies.generate(target, prompt, max_tokens=tokens)
                 runs["plain"].append(g.seconds)
                 plain_tokens = g.tokens
-                drafters = ((draft_label, draft), ("lookup", strategies.PromptLookup()))
-                for label, d in drafters:
+                for label, options in drafters.items():
                     s = await strategies.speculative_decode(
-                        target, prompt, draft=d, k=k, max_tokens=tokens
+                        target,
+                        prompt,
+                        k=k,
+                        max_tokens=tokens,
+                        **options,  # type: ignore[arg-type]
                     )
                     runs[label].append(s.seconds)
                     last[label] = s
@@ -102,7 +113,8 @@ async def bench_model(name: str, k: int, tokens: int, repeats: int) -> None:
                 same = "same text" if s.tokens == plain_tokens else "DIFFERENT text"
                 print(
                     f"    {label:10} accepted {s.acceptance_rate:4.0%}  "
-                    f"{s.rounds:3d} target decodes  {s.tokens_per_round:4.2f} tok/decode  "
+                    f"{s.rounds:3d} target decodes  {s.verified / s.rounds:4.1f} verified/decode  "
+                    f"{s.tokens_per_round:4.2f} tok/decode  "
                     f"speed-up {plain / median(runs[label]):4.2f}x  ({same})"
                 )
 

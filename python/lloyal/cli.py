@@ -61,7 +61,13 @@ class _Progress:
 async def _open(args: argparse.Namespace, progress: _Progress, **kwargs: Any) -> Context:
     path = _model(args.model)
     progress.status(f"loading {path.name}")
-    ctx = await create_context(path, n_ctx=args.n_ctx, n_threads=args.threads, **kwargs)
+    ctx = await create_context(
+        path,
+        n_ctx=args.n_ctx,
+        n_threads=args.threads,
+        deterministic=getattr(args, "deterministic", False),
+        **kwargs,
+    )
     progress.clear()
     return ctx
 
@@ -240,14 +246,19 @@ async def _beam(args: argparse.Namespace) -> int:
 
 async def _speculative(args: argparse.Namespace) -> int:
     progress = _Progress()
-    async with await _open(args, progress, n_seq_max=2) as target:
+    # A lease for the branch, and one per tree sibling a round may add.
+    leases = 1 + args.k * (args.width - 1)
+    async with await _open(args, progress, n_seq_max=min(leases, 64) + 1) as target:
         prompt, stop = await _prompt(target, args)
         draft: Context | strategies.PromptLookup = strategies.PromptLookup()
         draft_ctx: Context | None = None
         if args.draft:
             progress.status(f"loading {Path(args.draft).name}")
             draft = draft_ctx = await create_context(
-                args.draft, n_ctx=args.n_ctx, n_threads=args.threads
+                args.draft,
+                n_ctx=args.n_ctx,
+                n_threads=args.threads,
+                deterministic=args.deterministic,
             )
         try:
             baseline = None
@@ -266,6 +277,7 @@ async def _speculative(args: argparse.Namespace) -> int:
                 temperature=args.temperature,
                 seed=args.seed or 0,
                 stop=stop,
+                width=args.width,
             )
         finally:
             if draft_ctx is not None:
@@ -391,6 +403,11 @@ def _common(p: argparse.ArgumentParser, *, prompt: bool = True) -> None:
     p.add_argument("--n-ctx", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="the same logits bits whatever the batch (docs/determinism.md; slower prefill)",
+    )
 
 
 def _sampling(p: argparse.ArgumentParser, temperature: float = 0.8) -> None:
@@ -453,6 +470,13 @@ def _parser() -> argparse.ArgumentParser:
         "--draft", help="draft GGUF with the target's vocabulary (default: prompt lookup)"
     )
     spec.add_argument("-k", type=int, default=4, help="tokens drafted per round")
+    spec.add_argument(
+        "--width",
+        type=int,
+        default=1,
+        help="tree speculation: the draft model's top WIDTH at uncertain positions "
+        "(needs --draft and temperature 0)",
+    )
     spec.add_argument("--temperature", type=float, default=0.0)
     spec.add_argument("--max-tokens", type=int, default=64)
     spec.add_argument(
