@@ -54,14 +54,14 @@ test: dev test-rust test-python
 
 test-rust:
 	LLOYAL_TEST_MODEL="$$($(VPY) -c 'from lloyal.models import model_path; print(model_path("smollm2"))')" \
-		cargo test -p lloyal-core
+		cargo test -p lloyal-core --features testing
 
 test-python:
 	$(VPY) -m pytest
 
 lint: dev
 	cargo fmt --all -- --check
-	cargo clippy --workspace --all-targets -- -D warnings
+	cargo clippy --workspace --all-targets --features lloyal-core/testing -- -D warnings
 	$(VPY) -m ruff check python tests bench examples scripts
 	$(VPY) -m ruff format --check python tests bench examples scripts
 	$(VPY) -m mypy

@@ -173,12 +173,13 @@ async def test_no_lease_error_says_how_to_free_one(smollm2: Path) -> None:
     async with await lloyal.create_context(smollm2, n_ctx=256, n_seq_max=2) as ctx:
         root = lloyal.Branch.create(ctx)
         await root.prefill(await ctx.tokenize("hi"))
-        await root.fork()
+        kid = await root.fork()
         with pytest.raises(lloyal.NoLeaseError, match="all 2 KV leases"):
             await root.fork()
         with pytest.raises(lloyal.NoLeaseError, match="prune"):
             lloyal.Branch.create(ctx)
         assert root.position == len(await ctx.tokenize("hi"))
+        assert not kid.disposed
 
 
 async def test_two_operations_in_flight_are_refused(smollm2: Path) -> None:
@@ -420,3 +421,50 @@ async def test_leaving_async_with_after_a_cancelled_operation_frees_the_lease(
                         await b.commit((await b.produce()).token)
             assert b.disposed
             assert store.available == 2
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_dropped_unpruned_branches_give_their_leases_back(smollm2: Path) -> None:
+    """A Branch garbage-collected without prune() frees its lease and cells
+    (with a ResourceWarning, like an unclosed file); a fork keeps its
+    parent's object alive."""
+    async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=4) as ctx:
+        store = lloyal.BranchStore(ctx)
+
+        async def cycles(n: int) -> None:
+            for _ in range(n):
+                b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+                await b.prefill([1, 2, 3])
+                kid = await b.fork()
+                del b, kid
+
+        with pytest.warns(ResourceWarning, match="unpruned lloyal.Branch"):
+            await cycles(1000)
+        assert store.available == 4
+        root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize(PROMPT))
+        kid = await root.fork()
+        del root  # a fork keeps its parent's object alive: nothing is freed
+        assert kid.parent is not None
+        assert not kid.parent.disposed
+        await kid.commit((await kid.produce()).token)
+        assert store.available == 2
+        with pytest.warns(ResourceWarning):
+            del kid  # and then both go
+        assert store.available == 4
+
+
+async def test_pruned_descendants_are_not_kept_alive(smollm2: Path) -> None:
+    import gc
+    import weakref
+
+    async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=4) as ctx:
+        root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await root.prefill([1, 2, 3])
+        kids = [await root.fork() for _ in range(3)]
+        refs = [weakref.ref(k) for k in kids]
+        _ = [k.children for k in kids], root.children  # the registry in use
+        await root.prune_subtree()
+        del kids, _
+        gc.collect()
+        assert all(r() is None for r in refs)

@@ -197,3 +197,28 @@ async def test_retain_only_leaves_flat_sequences_alone(smollm2: Path) -> None:
         assert store.available == ctx.n_seq_max - 2  # not kids[0]'s, not seq 0
         await ctx.decode(await ctx.tokenize(" More", add_special=False), len(flat))
         assert kids[1].disposed
+
+
+async def test_a_full_cache_fails_only_the_commits_that_do_not_fit(smollm2: Path) -> None:
+    """Commits from separate tasks merge into one decode; when the cache
+    cannot take them all, the ones that fit still land."""
+    async with await lloyal.create_context(smollm2, n_ctx=256, n_seq_max=4) as ctx:
+        root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await root.prefill([100 + i % 50 for i in range(ctx.n_ctx - 2)])  # 2 cells free
+        branches = [root, *[await root.fork() for _ in range(3)]]
+        before = [b.position for b in branches]
+        failed: list[BaseException] = []
+
+        async def commit(b: lloyal.Branch) -> None:
+            try:
+                await b.commit(7)
+            except lloyal.LloyalError as e:
+                failed.append(e)
+
+        async with anyio.create_task_group() as tg:
+            for b in branches:
+                tg.start_soon(commit, b)
+        assert len(failed) == 2
+        assert all(isinstance(e, lloyal.KVCacheFullError) for e in failed)
+        after = [b.position for b in branches]
+        assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 0, 1, 1]

@@ -8,8 +8,9 @@ from pathlib import Path
 import lloyal
 import numpy as np
 import pytest
-from conftest import ROUTE_NOISE
 from lloyal import strategies
+
+from tests.conftest import ROUTE_NOISE
 
 pytestmark = pytest.mark.anyio
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -132,12 +133,41 @@ class Branch:
     (' Paris', 1)
     """
 
-    __slots__ = ("__weakref__", "_ctx", "_handle")
+    __slots__ = ("__weakref__", "_ctx", "_handle", "_up")
 
-    def __init__(self, ctx: Context, handle: int) -> None:
+    def __init__(self, ctx: Context, handle: int, parent: Branch | None = None) -> None:
         self._ctx = ctx
         self._handle = handle
+        # A fork keeps its parent's object alive: a parent you only reach
+        # through its children is still in use, not garbage.
+        self._up = parent
         _registry(ctx)[handle] = self
+
+    def __del__(self) -> None:
+        # A branch garbage-collected without prune() still held a KV lease
+        # and its cells: give them back (its children become roots), and
+        # say so, like an unclosed file.
+        ctx = getattr(self, "_ctx", None)
+        if ctx is None or ctx.closed:
+            return
+        try:
+            native = ctx._native
+            if not native.branch_alive(self._handle):
+                return
+            # Another object for the same branch is still alive.
+            if _registry(ctx).get(self._handle) not in (None, self):
+                return
+            native.branch_drop(self._handle)
+        except Exception:  # interpreter shutdown, a context closing meanwhile
+            return
+        # (No `source=self`: a recorded warning would keep this object, and
+        # through it its parent, alive.)
+        warnings.warn(
+            "an unpruned lloyal.Branch was garbage-collected; its lease is given back now. "
+            "Prune branches (or use `async with branch`) to free them when you choose",
+            ResourceWarning,
+            stacklevel=1,
+        )
 
     @classmethod
     def create(
@@ -291,7 +321,7 @@ class Branch:
         handle = native.branch_fork_now(self._handle)
         if handle is None:
             handle = await call_native(lambda done: native.branch_fork(self._handle, done))
-        return Branch(self._ctx, handle)
+        return Branch(self._ctx, handle, parent=self)
 
     async def produce(self) -> Produced:
         """Sample the next token from this branch's logits. Writes nothing;
@@ -717,6 +747,7 @@ class BranchStore:
         handle = self._handle(winner, "winner")
         native = self._ctx._native
         await call_native(lambda done: native.branch_retain_only(handle, done))
+        winner._up = None
         reg = _registry(self._ctx)
         for other in [h for h in list(reg.keys()) if h != handle]:
             reg.pop(other, None)

@@ -35,9 +35,44 @@ use crate::model::Model;
 use crate::params::ContextParams;
 use crate::sampling::{Sampler, SamplingParams};
 
-/// How a job's result is handed back. Called exactly once, on the worker
-/// thread; it must not block for long (it only completes a future).
-pub type Reply<T> = Box<dyn FnOnce(Result<T>) + Send + 'static>;
+/// How a job's result is handed back: [`Reply::send`] calls the function
+/// once, on the worker thread; it must not block for long (it only
+/// completes a future). A reply dropped unsent (a job that panicked, a
+/// worker that never started) answers [`Error::Internal`] instead, so no
+/// caller waits forever.
+pub struct Reply<T: 'static>(Option<Box<dyn FnOnce(Result<T>) + Send + 'static>>);
+
+impl<T: 'static> Reply<T> {
+    pub fn new(f: impl FnOnce(Result<T>) + Send + 'static) -> Self {
+        Reply(Some(Box::new(f)))
+    }
+
+    /// Answer with `result`.
+    pub fn send(mut self, result: Result<T>) {
+        if let Some(f) = self.0.take() {
+            f(result);
+        }
+    }
+}
+
+impl<T: 'static> Drop for Reply<T> {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            let why = if std::thread::panicking() {
+                "the engine panicked while running this request"
+            } else {
+                "the engine dropped this request without an answer"
+            };
+            // After the job (on the worker): once the worker has freed the
+            // job's branches, so the caller finds them usable.
+            after_job(Box::new(move || {
+                f(Err(Error::Internal(format!(
+                    "{why} (a bug in lloyal: please report it)"
+                ))));
+            }));
+        }
+    }
+}
 
 pub(crate) enum Job {
     Decode {
@@ -65,7 +100,7 @@ pub(crate) enum Job {
 impl Job {
     fn fail(self, error: Error) {
         match self {
-            Job::Decode { reply, .. } | Job::Close { reply } => reply(Err(error)),
+            Job::Decode { reply, .. } | Job::Close { reply } => reply.send(Err(error)),
             Job::Branch(job) => job.fail(error),
             Job::Kv(job) => job.fail(error),
             Job::Embed(job) => job.fail(error),
@@ -119,6 +154,9 @@ pub(crate) struct Shared {
     pub(crate) branches: Mutex<crate::branch::Branches>,
     /// Embeddings of the last `encode`.
     pub(crate) embeddings: Mutex<Option<crate::embed::Embeddings>>,
+    /// The next job panics (`Context::panic_next_job`).
+    #[cfg(feature = "testing")]
+    panic_next: AtomicBool,
 }
 
 impl Shared {
@@ -129,6 +167,13 @@ impl Shared {
             .ok()
             .and_then(|s| self.pos_max.get(s))
             .is_some_and(|p| p.load(Ordering::Acquire) >= 0)
+    }
+
+    /// Mirror `seq` as empty ahead of a queued job that empties it.
+    pub(crate) fn forget_seq(&self, seq: i32) {
+        if let Some(p) = usize::try_from(seq).ok().and_then(|s| self.pos_max.get(s)) {
+            p.store(-1, Ordering::Release);
+        }
     }
 
     /// Index of `seq` in the per-sequence tables, or an error naming the range.
@@ -237,20 +282,24 @@ impl Context {
                 Ok(())
             }
         }) {
-            on_ready(Err(e));
+            on_ready.send(Err(e));
             return;
         }
         params.n_batch = effective_n_batch(&params);
+        // The reply stays reachable here until the thread has taken it, so
+        // a thread that cannot be started still answers.
+        let slot = Arc::new(Mutex::new(Some(on_ready)));
+        let taken = Arc::clone(&slot);
         let spawned = std::thread::Builder::new()
             .name(WORKER_THREAD_NAME.into())
             .spawn(move || {
-                let mut on_ready = Some(on_ready);
+                let mut on_ready = lock(&taken).take();
                 let outcome = catch_unwind(AssertUnwindSafe(|| {
                     worker_main(model_path, params, &mut on_ready)
                 }));
                 if let Err(panic) = outcome {
                     if let Some(ready) = on_ready.take() {
-                        ready(Err(Error::from_panic(panic)));
+                        ready.send(Err(Error::from_panic(panic)));
                     }
                 }
             });
@@ -260,10 +309,23 @@ impl Context {
                 workers.retain(|h| !h.is_finished());
                 workers.push(handle);
             }
-            // `on_ready` moved into the closure that failed to spawn; the OS
-            // refuses a thread only under resource exhaustion.
-            Err(e) => eprintln!("lloyal: could not start a worker thread: {e}"),
+            Err(e) => {
+                if let Some(ready) = lock(&slot).take() {
+                    ready.send(Err(Error::Internal(format!(
+                        "could not start the context's worker thread: {e}"
+                    ))));
+                }
+            }
         }
+    }
+
+    /// Make the next job the worker runs panic before it starts (feature
+    /// `testing`): its caller must get an error and the context must stay
+    /// usable.
+    #[cfg(feature = "testing")]
+    #[doc(hidden)]
+    pub fn panic_next_job(&self) {
+        self.shared.panic_next.store(true, Ordering::SeqCst);
     }
 
     /// Blocking [`Context::open`], for Rust callers and tests.
@@ -272,7 +334,7 @@ impl Context {
         Context::open(
             model_path.into(),
             params,
-            Box::new(move |r| {
+            Reply::new(move |r| {
                 let _ = tx.send(r);
             }),
         );
@@ -365,7 +427,7 @@ impl Context {
             tokens,
             pos,
             seq,
-            Box::new(move |r| {
+            Reply::new(move |r| {
                 let _ = tx.send(r);
             }),
         );
@@ -384,6 +446,12 @@ impl Context {
         WorkerHold { _release: tx }
     }
 
+    /// Requests queued or running on the worker now (tests).
+    #[doc(hidden)]
+    pub fn queued(&self) -> usize {
+        self.engine.queued.load(Ordering::SeqCst)
+    }
+
     /// Close: queued jobs fail with [`Error::ContextClosed`], the llama.cpp
     /// context is freed, then `reply` is called. Closing twice is a no-op.
     pub fn close(&self, reply: Reply<()>) {
@@ -396,10 +464,10 @@ impl Context {
                 if let Err(crossbeam_channel::SendError(Job::Close { reply })) =
                     tx.send(Job::Close { reply })
                 {
-                    reply(Ok(()));
+                    reply.send(Ok(()));
                 }
             }
-            _ => reply(Ok(())),
+            _ => reply.send(Ok(())),
         }
     }
 
@@ -407,7 +475,7 @@ impl Context {
     /// worker's reply callbacks need (for Python: release the GIL first).
     pub fn close_blocking(&self) {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        self.close(Box::new(move |r| {
+        self.close(Reply::new(move |r| {
             let _ = tx.send(r);
         }));
         let _ = rx.recv();
@@ -536,7 +604,7 @@ impl Drop for Context {
     fn drop(&mut self) {
         // Never join here: the worker may be waiting for the thread that
         // drops us (e.g. for Python's GIL) to deliver a reply.
-        self.close(Box::new(|_| {}));
+        self.close(Reply::new(|_| {}));
     }
 }
 
@@ -562,7 +630,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         Ok(m) => m,
         Err(e) => {
             if let Some(ready) = on_ready.take() {
-                ready(Err(e));
+                ready.send(Err(e));
             }
             return;
         }
@@ -572,7 +640,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
             Ok(c) => c,
             Err(e) => {
                 if let Some(ready) = on_ready.take() {
-                    ready(Err(e));
+                    ready.send(Err(e));
                 }
                 return;
             }
@@ -586,6 +654,8 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         sampler: Mutex::new(None),
         branches: Mutex::new(crate::branch::Branches::new(params.n_seq_max)),
         embeddings: Mutex::new(None),
+        #[cfg(feature = "testing")]
+        panic_next: AtomicBool::new(false),
     });
     let n_batch = params.n_batch as usize;
     let engine = Arc::new(Engine {
@@ -620,7 +690,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
     };
     *lock(&engine.worker) = Some(worker);
     if let Some(ready) = on_ready.take() {
-        ready(Ok(handle));
+        ready.send(Ok(handle));
     }
     run(&engine, &rx);
 }
@@ -745,7 +815,7 @@ fn run(engine: &Engine, rx: &Receiver<Job>) {
     while let Ok(first) = rx.recv() {
         pending.push(first);
         pending.extend(rx.try_iter());
-        for job in pending.drain(..) {
+        for (job, merged) in crate::store::merge_commits(pending.drain(..)) {
             let mut guard = lock(&engine.worker);
             if let Some(w) = guard.as_mut() {
                 w.finish_background();
@@ -763,16 +833,27 @@ fn run(engine: &Engine, rx: &Receiver<Job>) {
                 drop(guard.take());
                 drop(guard);
                 crate::sysmem::release_free_memory();
-                reply(Ok(()));
+                reply.send(Ok(()));
                 return;
             }
             AFTER_JOB.with(|q| *q.borrow_mut() = Some(std::mem::take(&mut replies)));
             match guard.as_mut() {
-                Some(w) if !w.shared.closed.load(Ordering::Acquire) => w.execute(job),
+                Some(w) if !w.shared.closed.load(Ordering::Acquire) => {
+                    let busy = match &job {
+                        Job::Branch(b) => b.busy_ids(),
+                        _ => Vec::new(),
+                    };
+                    // A job that panics has answered its caller (its reply
+                    // was dropped unsent: see `Reply`); free its branches
+                    // and go on with the next job on this thread.
+                    if catch_unwind(AssertUnwindSafe(|| w.execute(job))).is_err() {
+                        crate::store::clear_busy(&mut lock(&w.shared.branches), busy);
+                    }
+                }
                 _ => job.fail(Error::ContextClosed),
             }
             drop(guard);
-            engine.queued.fetch_sub(1, Ordering::SeqCst);
+            engine.queued.fetch_sub(merged, Ordering::SeqCst);
             replies = AFTER_JOB
                 .with(|q| q.borrow_mut().take())
                 .unwrap_or_default();
@@ -814,6 +895,10 @@ impl Worker<'_> {
     }
 
     fn execute(&mut self, job: Job) {
+        #[cfg(feature = "testing")]
+        if self.shared.panic_next.swap(false, Ordering::SeqCst) {
+            panic!("injected by Context::panic_next_job");
+        }
         match job {
             Job::Decode {
                 tokens,
@@ -823,7 +908,7 @@ impl Worker<'_> {
             } => {
                 let result = catch_unwind(AssertUnwindSafe(|| self.decode(&tokens, pos, seq)))
                     .unwrap_or_else(|p| Err(Error::from_panic(p)));
-                reply(result);
+                reply.send(result);
             }
             Job::Branch(job) => self.execute_branch(job),
             Job::Kv(job) => self.execute_kv(job),

@@ -28,8 +28,8 @@ pub(crate) enum EmbedJob {
 impl EmbedJob {
     pub(crate) fn fail(self, error: Error) {
         match self {
-            EmbedJob::Embed { reply, .. } => reply(Err(error)),
-            EmbedJob::Encode { reply, .. } => reply(Err(error)),
+            EmbedJob::Embed { reply, .. } => reply.send(Err(error)),
+            EmbedJob::Encode { reply, .. } => reply.send(Err(error)),
         }
     }
 }
@@ -93,8 +93,8 @@ impl Context {
             .check_embedding_context(true)
             .and_then(|()| inputs.iter().try_for_each(|t| self.check_input(t)));
         match checked {
-            Err(e) => reply(Err(e)),
-            Ok(()) if inputs.is_empty() => reply(Ok(Vec::new())),
+            Err(e) => reply.send(Err(e)),
+            Ok(()) if inputs.is_empty() => reply.send(Ok(Vec::new())),
             Ok(()) => self.submit(Job::Embed(EmbedJob::Embed { inputs, reply })),
         }
     }
@@ -106,7 +106,7 @@ impl Context {
             .check_embedding_context(false)
             .and_then(|()| self.check_input(&tokens))
         {
-            Err(e) => reply(Err(e)),
+            Err(e) => reply.send(Err(e)),
             Ok(()) => self.submit(Job::Embed(EmbedJob::Encode { tokens, reply })),
         }
     }
@@ -125,12 +125,12 @@ impl Worker<'_> {
             EmbedJob::Embed { inputs, reply } => {
                 let result = catch_unwind(AssertUnwindSafe(|| self.embed(&inputs)))
                     .unwrap_or_else(|p| Err(Error::from_panic(p)));
-                reply(result);
+                reply.send(result);
             }
             EmbedJob::Encode { tokens, reply } => {
                 let result = catch_unwind(AssertUnwindSafe(|| self.encode(&tokens)))
                     .unwrap_or_else(|p| Err(Error::from_panic(p)));
-                reply(result);
+                reply.send(result);
             }
         }
     }

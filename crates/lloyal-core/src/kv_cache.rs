@@ -46,10 +46,10 @@ impl KvJob {
         match self {
             KvJob::Copy { .. } | KvJob::Keep { .. } => {}
             KvJob::Remove { reply, .. } | KvJob::Clear { reply } | KvJob::Reseed { reply, .. } => {
-                reply(Err(error))
+                reply.send(Err(error))
             }
-            KvJob::Save { reply, .. } => reply(Err(error)),
-            KvJob::Load { reply, .. } => reply(Err(error)),
+            KvJob::Save { reply, .. } => reply.send(Err(error)),
+            KvJob::Load { reply, .. } => reply.send(Err(error)),
         }
     }
 }
@@ -90,7 +90,7 @@ impl Context {
                 end,
                 reply,
             }),
-            Err(e) => reply(Err(e)),
+            Err(e) => reply.send(Err(e)),
         }
     }
 
@@ -127,7 +127,7 @@ impl Context {
     pub fn kv_cache_clear(&self, reply: Reply<()>) {
         match self.check_open().and_then(|()| self.no_branches()) {
             Ok(()) => self.submit_kv(KvJob::Clear { reply }),
-            Err(e) => reply(Err(e)),
+            Err(e) => reply.send(Err(e)),
         }
     }
 
@@ -138,7 +138,7 @@ impl Context {
             .and_then(|()| self.model().check_tokens(&tokens))
         {
             Ok(()) => self.submit_kv(KvJob::Save { seq, tokens, reply }),
-            Err(e) => reply(Err(e)),
+            Err(e) => reply.send(Err(e)),
         }
     }
 
@@ -146,7 +146,7 @@ impl Context {
     pub fn kv_cache_load(&self, seq: i32, data: Vec<u8>, reply: Reply<Vec<i32>>) {
         match self.flat_seq(seq) {
             Ok(()) => self.submit_kv(KvJob::Load { seq, data, reply }),
-            Err(e) => reply(Err(e)),
+            Err(e) => reply.send(Err(e)),
         }
     }
 
@@ -167,7 +167,7 @@ impl Context {
                 tail,
                 reply,
             }),
-            Err(e) => reply(Err(e)),
+            Err(e) => reply.send(Err(e)),
         }
     }
 }
@@ -186,7 +186,7 @@ impl Worker<'_> {
                     .remove_cells(seq, u32::try_from(start).ok(), p1)
                     .map_err(|e| invalid(format!("could not remove [{start}, {end}): {e}")));
                 self.refresh_all();
-                reply(result);
+                reply.send(result);
             }
             KvJob::Copy { src, dst } => {
                 let _ = self.ctx.copy_kv_cache_seq(src, dst, None, None);
@@ -207,11 +207,11 @@ impl Worker<'_> {
             KvJob::Clear { reply } => {
                 self.ctx.clear_kv_cache();
                 self.refresh_all();
-                reply(Ok(()));
+                reply.send(Ok(()));
             }
             KvJob::Save { seq, tokens, reply } => {
                 let fp = kv::fingerprint(&self.model, &self.params);
-                reply(kv::read_seq(&self.ctx, seq).map(|p| kv::encode(fp, &tokens, &p)));
+                reply.send(kv::read_seq(&self.ctx, seq).map(|p| kv::encode(fp, &tokens, &p)));
             }
             KvJob::Load { seq, data, reply } => {
                 let fp = kv::fingerprint(&self.model, &self.params);
@@ -221,7 +221,7 @@ impl Worker<'_> {
                     Ok(tokens)
                 });
                 self.refresh_all();
-                reply(result);
+                reply.send(result);
             }
             KvJob::Reseed {
                 seq,
@@ -233,7 +233,7 @@ impl Worker<'_> {
                 self.refresh_all();
                 let mut tokens = sinks;
                 tokens.extend(tail);
-                reply(self.decode(&tokens, 0, seq));
+                reply.send(self.decode(&tokens, 0, seq));
             }
         }
     }

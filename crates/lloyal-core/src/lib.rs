@@ -16,7 +16,42 @@
 //! ctx.close_blocking();
 //! # Ok::<(), lloyal_core::Error>(())
 //! ```
+//!
+//! The same engine from async Rust ([`Context::aio`]): four branches forked
+//! from one prompt, each committed from its own task; the worker merges
+//! the commits queued meanwhile into one decode. (`make test-rust` runs it
+//! with `LLOYAL_TEST_MODEL` set to SmolLM2.)
+//!
+//! ```
+//! use std::sync::Arc;
+//!
+//! use lloyal_core::{Context, ContextParams, SamplingParams};
+//!
+//! #[tokio::main]
+//! async fn main() -> lloyal_core::Result<()> {
+//!     let params = ContextParams { n_seq_max: 5, ..ContextParams::default() };
+//!     let path = std::env::var("LLOYAL_TEST_MODEL").unwrap_or_else(|_| "model.gguf".into());
+//!     let ctx = Arc::new(Context::open_blocking(path, params)?);
+//!     let prompt = ctx.model().tokenize("Once upon a time", None, false)?;
+//!     let root = ctx.branch_create(SamplingParams::greedy())?;
+//!     ctx.aio().prefill(vec![(root, prompt)], false).await?;
+//!     let mut tasks = Vec::new();
+//!     for _ in 0..4 {
+//!         let kid = ctx.aio().fork(root).await?;
+//!         let ctx = Arc::clone(&ctx);
+//!         tasks.push(tokio::spawn(async move {
+//!             let token = ctx.branch_produce(kid)?;
+//!             ctx.aio().commit(vec![(kid, token)]).await
+//!         }));
+//!     }
+//!     for task in tasks {
+//!         task.await.expect("the task ran")?;
+//!     }
+//!     ctx.aio().close().await
+//! }
+//! ```
 
+pub mod aio;
 mod backend;
 pub mod branch;
 pub mod chat;

@@ -229,6 +229,10 @@ pub(crate) enum BranchJob {
         cascade: bool,
         reply: Reply<()>,
     },
+    /// A branch nobody holds any more: free it, its children become roots.
+    Drop {
+        id: BranchId,
+    },
     Commit {
         items: Vec<(BranchId, i32)>,
         reply: Reply<ItemResults>,
@@ -276,18 +280,82 @@ impl BranchJob {
     pub(crate) fn fail(self, error: Error) {
         match self {
             BranchJob::ClearSeq { .. } => {}
-            BranchJob::Fork { reply, .. } => reply(Err(error)),
+            BranchJob::Fork { reply, .. } => reply.send(Err(error)),
+            BranchJob::Drop { .. } => {}
             BranchJob::Prune { reply, .. } | BranchJob::RetainOnly { reply, .. } => {
-                reply(Err(error))
+                reply.send(Err(error))
             }
-            BranchJob::Commit { reply, .. } => reply(Err(error)),
-            BranchJob::Save { reply, .. } => reply(Err(error)),
-            BranchJob::Restore { reply, .. } => reply(Err(error)),
-            BranchJob::Prefill { reply, .. } => reply(Err(error)),
-            BranchJob::PrefillTree { reply, .. } => reply(Err(error)),
+            BranchJob::Commit { reply, .. } => reply.send(Err(error)),
+            BranchJob::Save { reply, .. } => reply.send(Err(error)),
+            BranchJob::Restore { reply, .. } => reply.send(Err(error)),
+            BranchJob::Prefill { reply, .. } => reply.send(Err(error)),
+            BranchJob::PrefillTree { reply, .. } => reply.send(Err(error)),
             BranchJob::Reseed { reply, .. } | BranchJob::Truncate { reply, .. } => {
-                reply(Err(error))
+                reply.send(Err(error))
             }
+        }
+    }
+}
+
+/// The jobs to run, in order, each with how many queued jobs it stands
+/// for: commits queued back to back (by any callers: tasks, threads, event
+/// loops) become one commit, so one decode; each caller still gets its own
+/// items' results. (Their branches are distinct: a branch with a commit in
+/// flight is busy and refuses another.)
+pub(crate) fn merge_commits(jobs: impl Iterator<Item = Job>) -> Vec<(Job, usize)> {
+    let mut out: Vec<(Job, usize)> = Vec::new();
+    for job in jobs {
+        let Job::Branch(BranchJob::Commit { items, reply }) = job else {
+            out.push((job, 1));
+            continue;
+        };
+        match out.last_mut() {
+            Some((
+                Job::Branch(BranchJob::Commit {
+                    items: first,
+                    reply: r0,
+                }),
+                n,
+            )) => {
+                let split = first.len();
+                first.extend(items);
+                let r1 = std::mem::replace(r0, Reply::new(|_| {}));
+                *r0 = Reply::new(move |result: Result<ItemResults>| match result {
+                    Ok(mut all) => {
+                        let rest = all.split_off(split.min(all.len()));
+                        r1.send(Ok(all));
+                        reply.send(Ok(rest));
+                    }
+                    Err(e) => {
+                        r1.send(Err(e.clone()));
+                        reply.send(Err(e));
+                    }
+                });
+                *n += 1;
+            }
+            _ => out.push((Job::Branch(BranchJob::Commit { items, reply }), 1)),
+        }
+    }
+    out
+}
+
+impl BranchJob {
+    /// The branches this job marked busy when it was submitted (so a job
+    /// that panicked can free them).
+    pub(crate) fn busy_ids(&self) -> Vec<BranchId> {
+        match self {
+            BranchJob::Fork { parent: id, .. }
+            | BranchJob::Save { id, .. }
+            | BranchJob::Reseed { id, .. }
+            | BranchJob::Truncate { id, .. }
+            | BranchJob::RetainOnly { keep: id, .. }
+            | BranchJob::PrefillTree { root: id, .. } => vec![*id],
+            BranchJob::Commit { items, .. } => items.iter().map(|i| i.0).collect(),
+            BranchJob::Prefill { items, .. } => items.iter().map(|i| i.0).collect(),
+            BranchJob::ClearSeq { .. }
+            | BranchJob::Prune { .. }
+            | BranchJob::Drop { .. }
+            | BranchJob::Restore { .. } => Vec::new(),
         }
     }
 }
@@ -306,7 +374,7 @@ fn mark_busy(branches: &mut Branches, ids: &[BranchId]) -> Result<()> {
     Ok(())
 }
 
-fn clear_busy(branches: &mut Branches, ids: impl IntoIterator<Item = BranchId>) {
+pub(crate) fn clear_busy(branches: &mut Branches, ids: impl IntoIterator<Item = BranchId>) {
     for id in ids {
         if let Ok(b) = branches.get_mut(id) {
             b.busy = false;
@@ -488,13 +556,13 @@ impl Context {
         let mut tokens = sinks;
         tokens.extend(tail);
         if tokens.is_empty() {
-            return reply(Err(invalid("sinks and tail are both empty")));
+            return reply.send(Err(invalid("sinks and tail are both empty")));
         }
         if let Err(e) = self.model().check_tokens(&tokens) {
-            return reply(Err(e));
+            return reply.send(Err(e));
         }
         if tokens.len() > self.n_ctx() as usize {
-            return reply(Err(invalid(format!(
+            return reply.send(Err(invalid(format!(
                 "sinks + tail hold {} tokens; the context holds n_ctx={}",
                 tokens.len(),
                 self.n_ctx()
@@ -536,7 +604,7 @@ impl Context {
                     reply,
                 },
             ),
-            Err(e) => reply(Err(e)),
+            Err(e) => reply.send(Err(e)),
         }
     }
 
@@ -550,7 +618,51 @@ impl Context {
             .and_then(|()| lock(&self.shared.branches).get(id).map(|_| ()));
         match checked {
             Ok(()) => self.submit(Job::Branch(BranchJob::Prune { id, cascade, reply })),
-            Err(e) => reply(Err(e)),
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    /// Free a branch its owner dropped without pruning (a Python `Branch`
+    /// garbage-collected): its lease and the cells only it used come back,
+    /// and its children become roots (they keep their cells). Queued behind
+    /// whatever is in flight; nothing to wait for, and a branch already
+    /// gone is no error.
+    pub fn branch_drop(&self, id: BranchId) {
+        if self.check_open().is_err() {
+            return;
+        }
+        let freed = {
+            let mut branches = lock(&self.shared.branches);
+            match branches.get(id) {
+                Err(_) => return,
+                // An operation is in flight: free it after that.
+                Ok(b) if b.busy => None,
+                Ok(b) => {
+                    for child in b.children.clone() {
+                        if let Ok(c) = branches.get_mut(child) {
+                            c.parent = None;
+                        }
+                    }
+                    if let Ok(b) = branches.get_mut(id) {
+                        b.children.clear();
+                    }
+                    let state = branches.remove(id).ok();
+                    state.map(|s| {
+                        branches.release(s.seq);
+                        s.seq
+                    })
+                }
+            }
+        };
+        match freed {
+            // The lease is free now, so a branch created next can take it:
+            // its cells are cleared by a job queued ahead of anything that
+            // new branch does (the mirror says so already).
+            Some(seq) => {
+                self.shared.forget_seq(seq);
+                self.submit(Job::Branch(BranchJob::ClearSeq { seq }));
+            }
+            None => self.submit(Job::Branch(BranchJob::Drop { id })),
         }
     }
 
@@ -572,7 +684,7 @@ impl Context {
         job: impl FnOnce(Vec<(BranchId, T)>, Reply<ItemResults>) -> BranchJob,
     ) {
         if let Err(e) = self.check_open() {
-            return reply(Err(e));
+            return reply.send(Err(e));
         }
         let mut early: Vec<Option<Error>> = Vec::with_capacity(items.len());
         let mut runnable = Vec::with_capacity(items.len());
@@ -600,10 +712,10 @@ impl Context {
             }
         }
         if runnable.is_empty() {
-            return reply(Ok(early.into_iter().flatten().map(Err).collect()));
+            return reply.send(Ok(early.into_iter().flatten().map(Err).collect()));
         }
-        let merge: Reply<ItemResults> = Box::new(move |result| {
-            reply(result.map(|ran| {
+        let merge: Reply<ItemResults> = Reply::new(move |result: Result<ItemResults>| {
+            reply.send(result.map(|ran| {
                 let mut ran = ran.into_iter();
                 early
                     .into_iter()
@@ -683,7 +795,7 @@ impl Context {
                     reply,
                 },
             ),
-            Err(e) => reply(Err(e)),
+            Err(e) => reply.send(Err(e)),
         }
     }
 
@@ -715,7 +827,7 @@ impl Context {
                 params,
                 reply,
             })),
-            Err(e) => reply(Err(e)),
+            Err(e) => reply.send(Err(e)),
         }
     }
 }
@@ -775,31 +887,48 @@ impl Worker<'_> {
             BranchJob::Fork { parent, reply } => {
                 let result = self.fork(parent);
                 clear_busy(&mut lock(&self.shared.branches), [parent]);
-                reply(result);
+                reply.send(result);
             }
             BranchJob::Prune { id, cascade, reply } => {
                 // The branch was alive when the prune was submitted; if a job
                 // queued ahead of it (retain_only, an ancestor's cascade) has
                 // disposed of it since, what the prune asked for is done.
-                reply(match self.prune(id, cascade) {
+                reply.send(match self.prune(id, cascade) {
                     Err(Error::BranchDisposed) => Ok(()),
                     result => result,
                 })
             }
+            BranchJob::Drop { id } => {
+                let shared = Arc::clone(&self.shared);
+                let mut branches = lock(&shared.branches);
+                let children = branches
+                    .get(id)
+                    .map(|b| b.children.clone())
+                    .unwrap_or_default();
+                for child in children {
+                    if let Ok(c) = branches.get_mut(child) {
+                        c.parent = None;
+                    }
+                }
+                if let Ok(b) = branches.get_mut(id) {
+                    b.children.clear();
+                }
+                let _ = self.dispose(&mut branches, id);
+            }
             BranchJob::Save { id, reply } => {
                 let result = self.save_branch(id);
                 clear_busy(&mut lock(&self.shared.branches), [id]);
-                reply(result);
+                reply.send(result);
             }
             BranchJob::Restore {
                 data,
                 params,
                 reply,
-            } => reply(self.restore_branch(&data, params)),
+            } => reply.send(self.restore_branch(&data, params)),
             BranchJob::Reseed { id, tokens, reply } => {
                 let result = self.reseed(id, tokens);
                 clear_busy(&mut lock(&self.shared.branches), [id]);
-                reply(result);
+                reply.send(result);
             }
             BranchJob::Truncate {
                 id,
@@ -809,12 +938,12 @@ impl Worker<'_> {
             } => {
                 let result = self.truncate(id, position, logits);
                 clear_busy(&mut lock(&self.shared.branches), [id]);
-                reply(result);
+                reply.send(result);
             }
             BranchJob::RetainOnly { keep, reply } => {
                 let result = self.retain_only(keep);
                 clear_busy(&mut lock(&self.shared.branches), [keep]);
-                reply(result);
+                reply.send(result);
             }
             // A panic (a bug) becomes an error reply, not a dead worker
             // whose callers wait forever.
@@ -823,7 +952,7 @@ impl Worker<'_> {
                 let result = catch_unwind(AssertUnwindSafe(|| self.commit(&items)))
                     .unwrap_or_else(|p| Err(Error::from_panic(p)));
                 clear_busy(&mut lock(&self.shared.branches), ids);
-                reply(result);
+                reply.send(result);
             }
             BranchJob::PrefillTree {
                 root,
@@ -836,7 +965,7 @@ impl Worker<'_> {
                 }))
                 .unwrap_or_else(|p| Err(Error::from_panic(p)));
                 clear_busy(&mut lock(&self.shared.branches), [root]);
-                reply(result);
+                reply.send(result);
             }
             BranchJob::Prefill {
                 items,
@@ -847,7 +976,7 @@ impl Worker<'_> {
                 let result = catch_unwind(AssertUnwindSafe(|| self.prefill(&items, all_rows)))
                     .unwrap_or_else(|p| Err(Error::from_panic(p)));
                 clear_busy(&mut lock(&self.shared.branches), ids);
-                reply(result);
+                reply.send(result);
             }
         }
     }
@@ -1135,7 +1264,31 @@ impl Worker<'_> {
         })
     }
 
+    /// Commit `items` in one decode; when the KV cache cannot take them
+    /// all, every branch is as before and the halves are tried on their
+    /// own, so the commits that fit succeed and only the rest fail (each
+    /// with `KvCacheFull`): commits merged from several callers do not
+    /// fail each other.
     fn commit(&mut self, items: &[(BranchId, i32)]) -> Result<ItemResults> {
+        match self.commit_once(items) {
+            Err(Error::KvCacheFull(_)) if items.len() > 1 => {
+                let (a, b) = items.split_at(items.len() / 2);
+                let mut results = self.commit_split(a)?;
+                results.extend(self.commit_split(b)?);
+                Ok(results)
+            }
+            other => other,
+        }
+    }
+
+    fn commit_split(&mut self, items: &[(BranchId, i32)]) -> Result<ItemResults> {
+        match self.commit(items) {
+            Err(e @ Error::KvCacheFull(_)) => Ok(vec![Err(e)]),
+            other => other,
+        }
+    }
+
+    fn commit_once(&mut self, items: &[(BranchId, i32)]) -> Result<ItemResults> {
         // Accept under the lock (the branches are busy: nobody else touches
         // them), decode without it, then store the results under it again.
         let mut undo = Vec::with_capacity(items.len());

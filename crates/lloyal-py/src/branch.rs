@@ -88,6 +88,11 @@ impl PyContext {
             .branch_prune(id(branch), cascade, py_reply(done, none));
     }
 
+    /// Free a branch nobody holds (``Branch.__del__``); fire and forget.
+    fn branch_drop(&self, branch: u64) {
+        self.inner.branch_drop(id(branch));
+    }
+
     fn branch_retain_only(&self, branch: u64, done: Py<PyAny>) {
         self.inner
             .branch_retain_only(id(branch), py_reply(done, none));

@@ -166,13 +166,13 @@ pub fn py_reply<T: Send + 'static>(
         })
     });
     match to_loop {
-        Some((fut, queue)) => Box::new(move |result| {
+        Some((fut, queue)) => Reply::new(move |result| {
             // No GIL here. The pipe stays open while `queue` is held.
             lloyal_core::after_job(Box::new(move || {
                 queue.push(fut, Box::new(move |py| to_python(py, result, convert)));
             }));
         }),
-        None => Box::new(move |result| {
+        None => Reply::new(move |result| {
             lloyal_core::after_job(Box::new(move || {
                 attach(|py| {
                     let (error, value) = to_python(py, result, convert);

@@ -93,7 +93,7 @@ pub fn wait<T: Send + 'static>(
     start: impl FnOnce(lloyal_core::Reply<T>),
 ) -> lloyal_core::Result<T> {
     let (tx, rx) = crossbeam_channel::bounded(1);
-    start(Box::new(move |r| {
+    start(lloyal_core::Reply::new(move |r| {
         let _ = tx.send(r);
     }));
     rx.recv().map_err(|_| lloyal_core::Error::ContextClosed)?

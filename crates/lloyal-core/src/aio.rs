@@ -1,0 +1,147 @@
+//! The engine's requests as `async fn`s: [`Context::aio`].
+//!
+//! Each request goes to the context's worker thread with a
+//! `tokio::sync::oneshot` sender as its [`Reply`]; the returned future
+//! awaits the receiver. No runtime is needed for that (tokio's oneshot is
+//! executor-agnostic), and the worker stays one OS thread that owns the
+//! llama.cpp context.
+//!
+//! A request is submitted when its future is first polled. Dropping the
+//! future after that (a cancelled task) does not cancel the work: the
+//! worker runs it to completion, so a branch is wholly before or wholly
+//! after the operation, never in between; the answer is discarded.
+
+use tokio::sync::oneshot;
+
+use crate::context::{Context, Reply};
+use crate::error::{Error, Result};
+use crate::store::{ItemResults, TreeOutcome};
+use crate::BranchId;
+use crate::SamplingParams;
+
+/// A reply and the future that resolves to what it is sent.
+fn channel<T: Send + 'static>() -> (Reply<T>, impl std::future::Future<Output = Result<T>>) {
+    let (tx, rx) = oneshot::channel();
+    let reply = Reply::new(move |r| {
+        let _ = tx.send(r);
+    });
+    let answer = async move {
+        rx.await
+            .unwrap_or_else(|_| Err(Error::Internal("the engine dropped the reply".to_owned())))
+    };
+    (reply, answer)
+}
+
+/// Turn a batched call's answer into one `Result`: the first failed
+/// item's error, if any.
+fn all_ok(results: ItemResults) -> Result<()> {
+    results.into_iter().collect()
+}
+
+/// `async fn` versions of a [`Context`]'s requests (see the module docs).
+#[derive(Clone, Copy)]
+pub struct Aio<'a>(&'a Context);
+
+impl Context {
+    /// This context's requests as `async fn`s.
+    pub fn aio(&self) -> Aio<'_> {
+        Aio(self)
+    }
+}
+
+impl Aio<'_> {
+    /// [`Context::decode`]: tokens at positions `pos..` of sequence `seq`.
+    pub async fn decode(self, tokens: Vec<i32>, pos: i32, seq: i32) -> Result<()> {
+        let (reply, answer) = channel();
+        self.0.decode(tokens, pos, seq, reply);
+        answer.await
+    }
+
+    /// [`Context::branch_fork`].
+    pub async fn fork(self, parent: BranchId) -> Result<BranchId> {
+        let (reply, answer) = channel();
+        self.0.branch_fork(parent, reply);
+        answer.await
+    }
+
+    /// [`Context::branch_commit`]: one token per branch, one decode (merged
+    /// with commits other callers queued meanwhile). Fails with the first
+    /// item's error; use [`Aio::commit_each`] for one result per item.
+    pub async fn commit(self, items: Vec<(BranchId, i32)>) -> Result<()> {
+        all_ok(self.commit_each(items).await?)
+    }
+
+    /// [`Context::branch_commit`], one result per item.
+    pub async fn commit_each(self, items: Vec<(BranchId, i32)>) -> Result<ItemResults> {
+        let (reply, answer) = channel();
+        self.0.branch_commit(items, reply);
+        answer.await
+    }
+
+    /// [`Context::branch_prefill`]: token lists for several branches.
+    pub async fn prefill(self, items: Vec<(BranchId, Vec<i32>)>, all_rows: bool) -> Result<()> {
+        let (reply, answer) = channel();
+        self.0.branch_prefill(items, all_rows, reply);
+        all_ok(answer.await?)
+    }
+
+    /// [`Context::branch_prefill_tree`].
+    pub async fn prefill_tree(
+        self,
+        root: BranchId,
+        tokens: Vec<i32>,
+        parents: Vec<i32>,
+    ) -> Result<TreeOutcome> {
+        let (reply, answer) = channel();
+        self.0.branch_prefill_tree(root, tokens, parents, reply);
+        answer.await
+    }
+
+    /// [`Context::branch_truncate`].
+    pub async fn truncate(
+        self,
+        id: BranchId,
+        position: i32,
+        logits: Option<Vec<f32>>,
+    ) -> Result<()> {
+        let (reply, answer) = channel();
+        self.0.branch_truncate(id, position, logits, reply);
+        answer.await
+    }
+
+    /// [`Context::branch_prune`] (`cascade`: the whole subtree).
+    pub async fn prune(self, id: BranchId, cascade: bool) -> Result<()> {
+        let (reply, answer) = channel();
+        self.0.branch_prune(id, cascade, reply);
+        answer.await
+    }
+
+    /// [`Context::branch_save`].
+    pub async fn save(self, id: BranchId) -> Result<Vec<u8>> {
+        let (reply, answer) = channel();
+        self.0.branch_save(id, reply);
+        answer.await
+    }
+
+    /// [`Context::branch_restore`].
+    pub async fn restore(self, data: Vec<u8>, params: SamplingParams) -> Result<BranchId> {
+        let (reply, answer) = channel();
+        self.0.branch_restore(data, params, reply);
+        answer.await
+    }
+
+    /// [`Context::embed`]: one pooled vector per input.
+    pub async fn embed(self, inputs: Vec<Vec<i32>>) -> Result<Vec<Vec<f32>>> {
+        let (reply, answer) = channel();
+        self.0.embed(inputs, reply);
+        answer.await
+    }
+
+    /// [`Context::close`]: queued requests fail with
+    /// [`Error::ContextClosed`].
+    pub async fn close(self) -> Result<()> {
+        let (reply, answer) = channel();
+        self.0.close(reply);
+        answer.await
+    }
+}

@@ -1,0 +1,167 @@
+//! A job that panics answers its caller with an error, and the context
+//! goes on working (`cargo test -p lloyal-core --features testing`; `make
+//! test-rust` passes it).
+#![cfg(feature = "testing")]
+
+use lloyal_core::{Context, ContextParams, Error, Reply, SamplingParams};
+
+fn open(embeddings: bool) -> Context {
+    let path = std::env::var("LLOYAL_TEST_MODEL")
+        .expect("set LLOYAL_TEST_MODEL to a GGUF file (make test-rust does this)");
+    Context::open_blocking(
+        path,
+        ContextParams {
+            n_ctx: 256,
+            n_seq_max: 4,
+            embeddings,
+            ..ContextParams::default()
+        },
+    )
+    .expect("the test model loads")
+}
+
+/// Run `start` with a reply and wait for the answer.
+fn wait<T: Send + 'static>(start: impl FnOnce(Reply<T>)) -> lloyal_core::Result<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    start(Reply::new(move |r| {
+        let _ = tx.send(r);
+    }));
+    rx.recv().expect("every request is answered")
+}
+
+fn is_panic(r: lloyal_core::Result<impl std::fmt::Debug>) -> bool {
+    matches!(&r, Err(Error::Internal(m)) if m.contains("panicked"))
+}
+
+#[test]
+fn every_job_kind_answers_a_panic_and_the_context_goes_on() {
+    let ctx = open(false);
+    let tokens = ctx
+        .model()
+        .tokenize("Once upon a time", None, false)
+        .unwrap();
+    let root = ctx.branch_create(SamplingParams::greedy()).unwrap();
+    assert!(wait(|r| ctx.branch_prefill(vec![(root, tokens.clone())], false, r)).is_ok());
+    let saved = wait(|r| ctx.branch_save(root, r)).unwrap();
+
+    // Each kind of job, once with a panic injected and once without.
+    type Run<'a> = Box<dyn Fn() -> bool + 'a>;
+    let fork_panics = || {
+        ctx.panic_next_job();
+        is_panic(wait(|r| ctx.branch_fork(root, r)))
+    };
+    let runs: Vec<(&str, Run)> = vec![
+        ("fork", Box::new(fork_panics)),
+        (
+            "commit",
+            Box::new(|| is_panic(wait(|r| ctx.branch_commit(vec![(root, 11)], r)))),
+        ),
+        (
+            "prefill",
+            Box::new(|| {
+                is_panic(wait(|r| {
+                    ctx.branch_prefill(vec![(root, vec![12])], true, r)
+                }))
+            }),
+        ),
+        (
+            "tree",
+            Box::new(|| {
+                is_panic(wait(|r| {
+                    ctx.branch_prefill_tree(root, vec![5, 6], vec![-1, -1], r)
+                }))
+            }),
+        ),
+        (
+            "truncate",
+            Box::new(|| is_panic(wait(|r| ctx.branch_truncate(root, 1, None, r)))),
+        ),
+        (
+            "save",
+            Box::new(|| is_panic(wait(|r| ctx.branch_save(root, r)))),
+        ),
+        (
+            "restore",
+            Box::new(|| {
+                is_panic(wait(|r| {
+                    ctx.branch_restore(saved.clone(), SamplingParams::greedy(), r)
+                }))
+            }),
+        ),
+        (
+            "reseed",
+            Box::new(|| {
+                is_panic(wait(|r| {
+                    ctx.branch_clear_and_reseed(root, vec![1], vec![2, 3], r)
+                }))
+            }),
+        ),
+        (
+            "retain_only",
+            Box::new(|| is_panic(wait(|r| ctx.branch_retain_only(root, r)))),
+        ),
+    ];
+    for (name, run) in &runs {
+        if *name != "fork" {
+            ctx.panic_next_job();
+        }
+        assert!(
+            run(),
+            "{name}: the caller did not get the panic as an error"
+        );
+        // The branch is free again and the context works.
+        let position = ctx.read_branch(root, |b| b.position).unwrap();
+        let kid = wait(|r| ctx.branch_fork(root, r)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(
+            wait(|r| ctx.branch_commit(vec![(kid, 7)], r)).is_ok(),
+            "{name}"
+        );
+        assert!(wait(|r| ctx.branch_prune(kid, false, r)).is_ok(), "{name}");
+        assert_eq!(
+            ctx.read_branch(root, |b| b.position).unwrap(),
+            position,
+            "{name}"
+        );
+    }
+    ctx.close_blocking();
+}
+
+#[test]
+fn flat_api_jobs_answer_a_panic_too() {
+    let ctx = open(false);
+    ctx.panic_next_job();
+    assert!(is_panic(wait(|r| ctx.decode(vec![1, 2], 0, 1, r))));
+    assert!(wait(|r| ctx.decode(vec![1, 2], 0, 1, r)).is_ok());
+    ctx.panic_next_job();
+    assert!(is_panic(wait(|r| ctx.kv_cache_save(1, vec![1, 2], r))));
+    let saved = wait(|r| ctx.kv_cache_save(1, vec![1, 2], r)).unwrap();
+    ctx.panic_next_job();
+    assert!(is_panic(wait(|r| ctx.kv_cache_load(2, saved.clone(), r))));
+    ctx.panic_next_job();
+    assert!(is_panic(wait(|r| ctx.kv_cache_remove(1, 1, -1, r))));
+    assert_eq!(ctx.kv_seq_pos_max(1).unwrap(), 1);
+    assert!(wait(|r| ctx.kv_cache_remove(1, 1, -1, r)).is_ok());
+    assert_eq!(ctx.kv_seq_pos_max(1).unwrap(), 0);
+    ctx.panic_next_job();
+    assert!(is_panic(wait(|r| ctx.kv_cache_clear(r))));
+    assert_eq!(
+        wait(|r| ctx.kv_cache_load(2, saved.clone(), r)).unwrap(),
+        vec![1, 2]
+    );
+    ctx.close_blocking();
+}
+
+#[test]
+fn embedding_jobs_answer_a_panic_too() {
+    let ctx = open(true);
+    let tokens = ctx.model().tokenize("Hello there", None, false).unwrap();
+    ctx.panic_next_job();
+    assert!(is_panic(wait(|r| ctx.embed(vec![tokens.clone()], r))));
+    ctx.panic_next_job();
+    assert!(is_panic(wait(|r| ctx.encode(tokens.clone(), r))));
+    assert_eq!(
+        wait(|r| ctx.embed(vec![tokens.clone()], r)).unwrap().len(),
+        1
+    );
+    ctx.close_blocking();
+}
