@@ -468,3 +468,41 @@ async def test_pruned_descendants_are_not_kept_alive(smollm2: Path) -> None:
         del kids, _
         gc.collect()
         assert all(r() is None for r in refs)
+
+
+async def test_a_slow_sampler_runs_off_the_event_loop(model: Path) -> None:
+    """top_k=0 sorts the whole vocabulary (about 9 ms on Gemma 3): produce()
+    runs it on a worker thread, so other tasks run meanwhile; greedy
+    sampling stays on the loop. (bench/loop_lag.py measures the stalls.)"""
+    async with await lloyal.create_context(model, n_ctx=256) as ctx:
+        ticks = 0
+
+        async def count_ticks(b: lloyal.Branch) -> int:
+            nonlocal ticks
+            ticks = 0
+            running = True
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while running:
+                    await anyio.lowlevel.checkpoint()
+                    ticks += 1
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ticker)
+                await anyio.lowlevel.checkpoint()
+                before = ticks
+                await b.produce()
+                during = ticks - before
+                running = False
+            return during
+
+        for params, off_loop in (
+            (lloyal.SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, seed=1), True),
+            (lloyal.GREEDY, False),
+        ):
+            b = lloyal.Branch.create(ctx, params)
+            await b.prefill(await ctx.tokenize(PROMPT))
+            during = await count_ticks(b)
+            assert (during > 0) == off_loop, (params, during)
+            await b.prune()

@@ -180,6 +180,20 @@ impl BranchState {
         self.sampler.params().is_plain_greedy() && !self.edits_logits()
     }
 
+    /// Whether sampling the next token costs enough that an event loop
+    /// should not wait for it on its own thread: a sort or scan of the
+    /// whole vocabulary (`top_k` 0 or over 1024, mirostat) or a grammar
+    /// mask. On Gemma 3's 262k vocabulary `top_k=0` takes about 9 ms, the
+    /// default `top_k=40` about 0.5 ms.
+    pub(crate) fn produce_is_slow(&self) -> bool {
+        if self.produces_argmax() {
+            return false;
+        }
+        let p = self.sampler.params();
+        self.grammar.is_some()
+            || (!p.is_plain_greedy() && (p.top_k <= 0 || p.top_k > 1024 || p.mirostat != 0))
+    }
+
     /// Whether sampling sees the snapshot edited (bias, steering, grammar).
     fn edits_logits(&self) -> bool {
         !self.logit_bias.is_empty() || !self.steer.is_empty() || self.grammar.is_some()

@@ -495,6 +495,13 @@ impl Context {
         })
     }
 
+    /// Whether [`Context::branch_produce`] is slow for this branch (see
+    /// `BranchState::produce_is_slow`): callers on an event loop run it on
+    /// another thread then.
+    pub fn branch_produce_is_slow(&self, id: BranchId) -> Result<bool> {
+        self.read_branch(id, BranchState::produce_is_slow)
+    }
+
     /// Sample the branch's next token; nothing is written.
     pub fn branch_produce(&self, id: BranchId) -> Result<i32> {
         self.with_branch(id, BranchState::produce)

@@ -150,6 +150,11 @@ impl PyContext {
         Ok(Some(PyArray1::from_vec(py, rows).reshape([n, vocab])?))
     }
 
+    /// Whether ``branch_produce`` is slow enough to run off the event loop.
+    fn branch_produce_is_slow(&self, branch: u64) -> PyResult<bool> {
+        self.inner.branch_produce_is_slow(id(branch)).py_err()
+    }
+
     /// ``(token, piece bytes, is_stop)``: one call per branch per step.
     fn branch_produce<'py>(
         &self,
