@@ -64,10 +64,9 @@ async def bench(name: str) -> None:
         for label, params in CONFIGS.items():
             b = lloyal.Branch.create(ctx, params)
             await b.prefill(await ctx.tokenize("Once upon a time"))
-            native, handle = ctx._native, b._handle
 
-            async def inline() -> object:
-                return native.branch_produce(handle)
+            async def inline(native: object = ctx._native, handle: int = b._handle) -> object:
+                return native.branch_produce(handle)  # type: ignore[attr-defined]
 
             on_loop = await lag_while(inline)
             via = await lag_while(b.produce)
