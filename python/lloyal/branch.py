@@ -334,9 +334,7 @@ class Branch:
         on Gemma 3's 262k-token vocabulary takes about 9 ms."""
         native = self._ctx._native
         if native.branch_produce_is_slow(self._handle):
-            token, piece, stop = await anyio.to_thread.run_sync(
-                native.branch_produce, self._handle
-            )
+            token, piece, stop = await anyio.to_thread.run_sync(native.branch_produce, self._handle)
         else:
             token, piece, stop = native.branch_produce(self._handle)
         return Produced(token, piece.decode("utf-8", errors="replace"), stop)
