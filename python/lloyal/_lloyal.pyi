@@ -110,8 +110,8 @@ class NativeContext:
         n_threads: int | None,
         embeddings: bool,
         pooling: str,
-        type_k: str,
-        type_v: str,
+        type_k: str | None,
+        type_v: str | None,
         n_gpu_layers: int,
         deterministic: bool = False,
     ) -> None: ...

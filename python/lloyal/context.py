@@ -684,7 +684,6 @@ async def create_context(
     _check.integer(n_gpu_layers, "n_gpu_layers")
     _check.instance(embeddings, bool, "embeddings", "a bool")
     _check.instance(deterministic, bool, "deterministic", "a bool")
-    kv_default = "q8_0" if deterministic else "f16"
     if n_threads is not None and n_threads < 1:
         # (The engine checks the upper limit, llama.cpp's GGML_MAX_N_THREADS.)
         raise ValueError(f"n_threads must be >= 1 or None, got {n_threads}")
@@ -701,8 +700,8 @@ async def create_context(
             n_threads=n_threads,
             embeddings=embeddings,
             pooling=pooling,
-            type_k=kv_default if type_k is None else type_k,
-            type_v=kv_default if type_v is None else type_v,
+            type_k=type_k,
+            type_v=type_v,
             n_gpu_layers=n_gpu_layers,
             deterministic=deterministic,
         )

@@ -387,6 +387,20 @@ impl Branches {
         }
     }
 
+    /// Make `id`'s children roots (a branch freed without its subtree:
+    /// the children keep their own cells).
+    pub(crate) fn detach_children(&mut self, id: BranchId) {
+        let children = self
+            .get_mut(id)
+            .map(|b| std::mem::take(&mut b.children))
+            .unwrap_or_default();
+        for child in children {
+            if let Ok(c) = self.get_mut(child) {
+                c.parent = None;
+            }
+        }
+    }
+
     /// Remove a branch; its handle (and any copy of it) is stale from now on.
     pub(crate) fn remove(&mut self, id: BranchId) -> Result<BranchState> {
         self.get(id)?;

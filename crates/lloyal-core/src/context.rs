@@ -58,14 +58,18 @@ impl<T: 'static> Reply<T> {
 impl<T: 'static> Drop for Reply<T> {
     fn drop(&mut self) {
         if let Some(f) = self.0.take() {
-            let why = if std::thread::panicking() {
-                "the engine panicked while running this request"
-            } else {
-                "the engine dropped this request without an answer"
-            };
+            let panicking = std::thread::panicking();
             // After the job (on the worker): once the worker has freed the
-            // job's branches, so the caller finds them usable.
+            // job's branches, so the caller finds them usable, and knows
+            // what the panic said (`run` keeps it in `PANIC`).
             after_job(Box::new(move || {
+                let why = match PANIC.with(|p| p.borrow().clone()) {
+                    Some(message) if panicking => {
+                        format!("the engine panicked while running this request: {message}")
+                    }
+                    _ if panicking => "the engine panicked while running this request".to_owned(),
+                    _ => "the engine dropped this request without an answer".to_owned(),
+                };
                 f(Err(Error::Internal(format!(
                     "{why} (a bug in lloyal: please report it)"
                 ))));
@@ -784,6 +788,9 @@ fn create_llama_context<'m>(model: &'m Model, params: &ContextParams) -> Result<
 type Deferred = Box<dyn FnOnce() + Send>;
 
 thread_local! {
+    /// What the job that just panicked on this worker said, for the
+    /// replies it dropped (see `Reply`'s `Drop`).
+    static PANIC: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
     /// Replies deferred by [`after_job`] while the worker runs a job.
     static AFTER_JOB: std::cell::RefCell<Option<Vec<Deferred>>> =
         const { std::cell::RefCell::new(None) };
@@ -846,7 +853,12 @@ fn run(engine: &Engine, rx: &Receiver<Job>) {
                     // A job that panics has answered its caller (its reply
                     // was dropped unsent: see `Reply`); free its branches
                     // and go on with the next job on this thread.
-                    if catch_unwind(AssertUnwindSafe(|| w.execute(job))).is_err() {
+                    if let Err(payload) = catch_unwind(AssertUnwindSafe(|| w.execute(job))) {
+                        let message = match Error::from_panic(payload) {
+                            Error::Internal(m) => m,
+                            other => other.to_string(),
+                        };
+                        PANIC.with(|p| *p.borrow_mut() = Some(message));
                         crate::store::clear_busy(&mut lock(&w.shared.branches), busy);
                     }
                 }
@@ -860,6 +872,7 @@ fn run(engine: &Engine, rx: &Receiver<Job>) {
             for reply in replies.drain(..) {
                 reply();
             }
+            PANIC.with(|p| p.borrow_mut().take());
         }
     }
     let mut guard = lock(&engine.worker);
@@ -906,8 +919,7 @@ impl Worker<'_> {
                 seq,
                 reply,
             } => {
-                let result = catch_unwind(AssertUnwindSafe(|| self.decode(&tokens, pos, seq)))
-                    .unwrap_or_else(|p| Err(Error::from_panic(p)));
+                let result = self.decode(&tokens, pos, seq);
                 reply.send(result);
             }
             Job::Branch(job) => self.execute_branch(job),

@@ -10,7 +10,6 @@
 use crate::context::{lock, Context, Job, Reply, Worker};
 use crate::error::{invalid, Error, Result};
 use crate::params::Pooling;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use llama_cpp_2::token::LlamaToken;
 
@@ -123,13 +122,11 @@ impl Worker<'_> {
     pub(crate) fn execute_embed(&mut self, job: EmbedJob) {
         match job {
             EmbedJob::Embed { inputs, reply } => {
-                let result = catch_unwind(AssertUnwindSafe(|| self.embed(&inputs)))
-                    .unwrap_or_else(|p| Err(Error::from_panic(p)));
+                let result = self.embed(&inputs);
                 reply.send(result);
             }
             EmbedJob::Encode { tokens, reply } => {
-                let result = catch_unwind(AssertUnwindSafe(|| self.encode(&tokens)))
-                    .unwrap_or_else(|p| Err(Error::from_panic(p)));
+                let result = self.encode(&tokens);
                 reply.send(result);
             }
         }

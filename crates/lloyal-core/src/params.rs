@@ -98,6 +98,16 @@ impl KvType {
         }
     }
 
+    /// The cache type when none is asked for: f16, or q8_0 in the
+    /// deterministic mode (which needs a quantized cache).
+    pub fn default_for(deterministic: bool) -> Self {
+        if deterministic {
+            KvType::Q8_0
+        } else {
+            KvType::F16
+        }
+    }
+
     /// Quantized cells (not f32/f16/bf16).
     pub fn is_quantized(self) -> bool {
         !matches!(self, KvType::F32 | KvType::F16 | KvType::Bf16)

@@ -9,7 +9,6 @@
 //! from submission until its job finishes, so a second operation on it in
 //! the meantime fails with `BranchBusy` instead of interleaving.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -644,15 +643,8 @@ impl Context {
                 Err(_) => return,
                 // An operation is in flight: free it after that.
                 Ok(b) if b.busy => None,
-                Ok(b) => {
-                    for child in b.children.clone() {
-                        if let Ok(c) = branches.get_mut(child) {
-                            c.parent = None;
-                        }
-                    }
-                    if let Ok(b) = branches.get_mut(id) {
-                        b.children.clear();
-                    }
+                Ok(_) => {
+                    branches.detach_children(id);
                     let state = branches.remove(id).ok();
                     state.map(|s| {
                         branches.release(s.seq);
@@ -908,18 +900,7 @@ impl Worker<'_> {
             BranchJob::Drop { id } => {
                 let shared = Arc::clone(&self.shared);
                 let mut branches = lock(&shared.branches);
-                let children = branches
-                    .get(id)
-                    .map(|b| b.children.clone())
-                    .unwrap_or_default();
-                for child in children {
-                    if let Ok(c) = branches.get_mut(child) {
-                        c.parent = None;
-                    }
-                }
-                if let Ok(b) = branches.get_mut(id) {
-                    b.children.clear();
-                }
+                branches.detach_children(id);
                 let _ = self.dispose(&mut branches, id);
             }
             BranchJob::Save { id, reply } => {
@@ -952,12 +933,10 @@ impl Worker<'_> {
                 clear_busy(&mut lock(&self.shared.branches), [keep]);
                 reply.send(result);
             }
-            // A panic (a bug) becomes an error reply, not a dead worker
-            // whose callers wait forever.
+            // (A panic here is the worker loop's: see `context::run`.)
             BranchJob::Commit { items, reply } => {
                 let ids: Vec<BranchId> = items.iter().map(|&(id, _)| id).collect();
-                let result = catch_unwind(AssertUnwindSafe(|| self.commit(&items)))
-                    .unwrap_or_else(|p| Err(Error::from_panic(p)));
+                let result = self.commit(&items);
                 clear_busy(&mut lock(&self.shared.branches), ids);
                 reply.send(result);
             }
@@ -967,10 +946,7 @@ impl Worker<'_> {
                 parents,
                 reply,
             } => {
-                let result = catch_unwind(AssertUnwindSafe(|| {
-                    self.prefill_tree(root, &tokens, &parents)
-                }))
-                .unwrap_or_else(|p| Err(Error::from_panic(p)));
+                let result = self.prefill_tree(root, &tokens, &parents);
                 clear_busy(&mut lock(&self.shared.branches), [root]);
                 reply.send(result);
             }
@@ -980,8 +956,7 @@ impl Worker<'_> {
                 reply,
             } => {
                 let ids: Vec<BranchId> = items.iter().map(|(id, _)| *id).collect();
-                let result = catch_unwind(AssertUnwindSafe(|| self.prefill(&items, all_rows)))
-                    .unwrap_or_else(|p| Err(Error::from_panic(p)));
+                let result = self.prefill(&items, all_rows);
                 clear_busy(&mut lock(&self.shared.branches), ids);
                 reply.send(result);
             }

@@ -30,7 +30,7 @@ fn wait<T: Send + 'static>(start: impl FnOnce(Reply<T>)) -> lloyal_core::Result<
 }
 
 fn is_panic(r: lloyal_core::Result<impl std::fmt::Debug>) -> bool {
-    matches!(&r, Err(Error::Internal(m)) if m.contains("panicked"))
+    matches!(&r, Err(Error::Internal(m)) if m.contains("panicked") && m.contains("injected"))
 }
 
 #[test]

@@ -76,11 +76,14 @@ impl PyContext {
         n_threads: Option<u32>,
         embeddings: bool,
         pooling: &str,
-        type_k: &str,
-        type_v: &str,
+        type_k: Option<&str>,
+        type_v: Option<&str>,
         n_gpu_layers: i32,
         deterministic: bool,
     ) -> PyResult<()> {
+        let kv = |name: Option<&str>| -> PyResult<KvType> {
+            name.map_or(Ok(KvType::default_for(deterministic)), parse::<KvType>)
+        };
         let params = ContextParams {
             n_ctx,
             n_batch,
@@ -88,8 +91,8 @@ impl PyContext {
             n_threads,
             embeddings,
             pooling: parse::<Pooling>(pooling)?,
-            type_k: parse::<KvType>(type_k)?,
-            type_v: parse::<KvType>(type_v)?,
+            type_k: kv(type_k)?,
+            type_v: kv(type_v)?,
             n_gpu_layers,
             deterministic,
         };
