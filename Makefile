@@ -64,6 +64,7 @@ lint: dev
 	cargo clippy --workspace --all-targets --features lloyal-core/testing -- -D warnings
 	$(VPY) -m ruff check python tests bench examples scripts
 	$(VPY) -m ruff format --check python tests bench examples scripts
+	$(VPY) scripts/check_layout.py
 	$(VPY) -m mypy
 	$(VPY) -m mypy.stubtest lloyal._lloyal
 	$(VENV)/bin/actionlint .github/workflows/*.yml

@@ -197,7 +197,7 @@ async def test_two_operations_in_flight_are_refused(smollm2: Path) -> None:
 
         # The held worker keeps the first prefill queued (in flight) while
         # the second is submitted, on a machine of any speed.
-        hold = ctx._native.hold_worker()
+        hold = ctx._native.hold()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(prefill)
@@ -263,7 +263,7 @@ async def test_fork_and_prune_queue_behind_a_running_decode(smollm2: Path) -> No
             outcome["pruned"] = child.disposed
 
         # The held worker stands for a long decode on a machine of any speed.
-        hold = ctx._native.hold_worker()
+        hold = ctx._native.hold()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(prefill_b)
@@ -296,7 +296,7 @@ async def test_prune_queued_behind_a_retain_only_that_disposes_the_branch(
 
         # Hold the worker so that both are queued, in this order, before
         # either runs (trio does not run tasks in spawn order).
-        hold = ctx._native.hold_worker()
+        hold = ctx._native.hold()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(store.retain_only, keep)  # disposes of `loser`

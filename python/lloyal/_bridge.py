@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import os
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 from sniffio import current_async_library_cvar
@@ -115,108 +115,61 @@ def call_native(start: Start) -> Awaitable[Any]:
     return fut
 
 
-async def _call_native_trio(start: Start) -> Any:
+def _call_native_trio(start: Start) -> Awaitable[Any]:
+    """Start the native call now (as under asyncio: the caller may have
+    work queued behind a hold before it awaits) and return a coroutine
+    that waits for its result."""
     import outcome
     import trio
 
     token = trio.lowlevel.current_trio_token()
-    task = trio.lowlevel.current_task()
+    # The waiting task once it waits; the result if it came first. Both
+    # are only touched on trio's thread (`done` hands over through
+    # `run_sync_soon`).
+    waiting: list[Any] = []
+    arrived: list[Any] = []
     abandoned = False
 
     def done(error: BaseException | None, value: Any) -> None:
         result = outcome.Error(error) if error is not None else outcome.Value(value)
 
         def wake() -> None:
-            if not abandoned:
-                trio.lowlevel.reschedule(task, result)
+            if abandoned:
+                return
+            if waiting:
+                trio.lowlevel.reschedule(waiting[0], result)
+            else:
+                arrived.append(result)
 
         with contextlib.suppress(trio.RunFinishedError):
             token.run_sync_soon(wake)
 
     start(done)
 
-    def abort(_: Any) -> trio.lowlevel.Abort:
-        nonlocal abandoned
-        abandoned = True
-        return trio.lowlevel.Abort.SUCCEEDED
+    async def wait() -> Any:
+        if arrived:
+            await trio.lowlevel.checkpoint()
+            return arrived[0].unwrap()
+        waiting.append(trio.lowlevel.current_task())
 
-    return await trio.lowlevel.wait_task_rescheduled(abort)
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            nonlocal abandoned
+            abandoned = True
+            return trio.lowlevel.Abort.SUCCEEDED
 
+        return await trio.lowlevel.wait_task_rescheduled(abort)
 
-class Waiter:
-    """One result that a batched native call completes, awaitable from the
-    task that created it (asyncio or trio)."""
-
-    def __init__(self) -> None:
-        self._error: BaseException | None = None
-        self.abandoned = False
-        if _in_trio():
-            import trio
-
-            self._event: Any = trio.Event()
-            self._fut: asyncio.Future[None] | None = None
-        else:
-            self._fut = asyncio.get_running_loop().create_future()
-
-    def complete(self, error: BaseException | None) -> None:
-        """Settle with ``error`` (or success); on the event loop's thread."""
-        if self._fut is not None:
-            if not self._fut.done():
-                if error is not None:
-                    self._fut.set_exception(error)
-                else:
-                    self._fut.set_result(None)
-        elif not self._event.is_set():
-            self._error = error
-            self._event.set()
-
-    async def wait(self) -> None:
-        try:
-            if self._fut is not None:
-                await self._fut
-                return
-            await self._event.wait()
-        except BaseException:
-            self.abandoned = True
-            raise
-        if self._error is not None:
-            raise self._error
+    return _Lazy(wait)
 
 
-def start_batch(start: Start, waiters: list[Waiter]) -> None:
-    """Run ``start(done)`` for a batched native call whose value is one
-    ``None``-or-exception per waiter; settle the waiters when it finishes
-    (one event-loop wake-up for the whole batch). Call on the loop thread."""
+class _Lazy:
+    """Awaitable that makes its coroutine only when awaited: one that is
+    never awaited (its task was cancelled first) warns of nothing."""
 
-    def distribute(error: BaseException | None, results: list[BaseException | None] | None) -> None:
-        # `results` is None when every item succeeded (or `error` is set).
-        for n, waiter in enumerate(waiters):
-            waiter.complete(error if error is not None or results is None else results[n])
+    __slots__ = ("_make",)
 
-    if _in_trio():
-        import trio
+    def __init__(self, make: Callable[[], Awaitable[Any]]) -> None:
+        self._make = make
 
-        token = trio.lowlevel.current_trio_token()
-
-        def done(error: BaseException | None, value: Any) -> None:
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(distribute, error, value)
-
-        try:
-            start(done)
-        except BaseException as e:
-            distribute(e, None)
-        return
-    loop = asyncio.get_running_loop()
-    batch: asyncio.Future[Any] = loop.create_future()
-
-    def finish(f: asyncio.Future[Any]) -> None:
-        if not f.cancelled():
-            error = f.exception()
-            distribute(error, None if error is not None else f.result())
-
-    batch.add_done_callback(finish)
-    try:
-        start(_waker(loop).completion(batch))
-    except BaseException as e:
-        batch.set_exception(e)
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._make().__await__()

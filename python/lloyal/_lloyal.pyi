@@ -15,6 +15,7 @@ __all__ = [
     "ContextClosedError",
     "DecodeError",
     "GrammarError",
+    "Hold",
     "InternalError",
     "KVCacheFullError",
     "LloyalError",
@@ -25,7 +26,6 @@ __all__ = [
     "PerplexityTracker",
     "ResultQueue",
     "StateError",
-    "WorkerHold",
     "__version__",
     "backend_info",
     "builtin_chat_templates",
@@ -92,7 +92,7 @@ class NativeGrammar:
     def is_stopped(self) -> bool: ...
 
 @final
-class WorkerHold:
+class Hold:
     """Keeps a context's worker busy until released (for tests)."""
 
     def release(self) -> None: ...
@@ -118,7 +118,7 @@ class NativeContext:
     def decode(
         self, tokens: list[int], pos: int, seq_id: int, done: _Done | Completion
     ) -> None: ...
-    def hold_worker(self) -> WorkerHold: ...
+    def hold(self) -> Hold: ...
     def close(self, done: _Done | Completion) -> None: ...
     def close_sync(self) -> None: ...
     @property

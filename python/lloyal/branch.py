@@ -14,8 +14,8 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from lloyal import _check
-from lloyal._bridge import Waiter, call_native, start_batch
+from lloyal import _check, _lloyal
+from lloyal._bridge import call_native
 from lloyal.context import Base, Context, Logits, _logits_arg, _token_id, _token_list
 from lloyal.errors import BranchDisposedError
 from lloyal.grammar import Grammar, _compile
@@ -40,52 +40,26 @@ class Token:
     text: str
 
 
-class _CommitQueue:
-    """Coalesces ``Branch.commit`` calls made in the same event-loop tick
-    into one native batch (one ``llama_decode`` for up to ``n_batch``
-    branches). The first commit of a tick waits one checkpoint -- every
-    task already runnable in this tick queues its commit meanwhile -- then
-    submits them all."""
-
-    def __init__(self, ctx: Context) -> None:
-        # The native handle, not the Context: a queue stored on its context
-        # must not make a reference cycle (the context's memory would wait
-        # for the garbage collector).
-        self._native = ctx._native
-        self._pending: list[tuple[int, int, Waiter]] = []
-
-    async def commit(self, handle: int, token: int) -> None:
-        waiter = Waiter()
-        self._pending.append((handle, token, waiter))
-        if len(self._pending) == 1:
-            try:
-                await anyio.lowlevel.checkpoint()
-            finally:
-                self._flush()
-        await waiter.wait()
-
-    def _flush(self) -> None:
-        items = [item for item in self._pending if not item[2].abandoned]
-        self._pending = []
-        if not items:
-            return
-        native = self._native
-        pairs = [(h, t) for h, t, _ in items]
-        start_batch(lambda done: native.branch_commit(pairs, done), [w for _, _, w in items])
-
-
-def _queue(ctx: Context) -> _CommitQueue:
-    """This thread's commit queue for ``ctx``. One per thread (so per event
-    loop): batching is per loop tick, and a queue shared by two loops in two
-    threads lost commits to the race between appending and flushing (the
-    awaiting task hung)."""
-    local: threading.local | None = getattr(ctx, "_commit_queues", None)
+def _hold_for_this_tick(ctx: Context) -> _lloyal.Hold | None:
+    """Hold ``ctx``'s worker for the rest of this event-loop tick, unless
+    this thread's loop holds it already. Commits submitted meanwhile (by
+    every task runnable in this tick) wait on the worker, which takes them
+    together when the hold is released and merges them into one
+    ``llama_decode``. Returns the hold to release after one checkpoint, or
+    ``None``. Per thread, so per event loop: two loops in two threads each
+    hold for their own tick."""
+    local: threading.local | None = ctx.__dict__.get("_tick_hold")
     if local is None:
-        local = ctx.__dict__.setdefault("_commit_queues", threading.local())
-    queue: _CommitQueue | None = getattr(local, "queue", None)
-    if queue is None:
-        queue = local.queue = _CommitQueue(ctx)
-    return queue
+        local = ctx.__dict__.setdefault("_tick_hold", threading.local())
+    if getattr(local, "held", False):
+        return None
+    local.held = True
+    return ctx._native.hold()
+
+
+def _end_tick_hold(ctx: Context, hold: _lloyal.Hold) -> None:
+    ctx.__dict__["_tick_hold"].held = False
+    hold.release()
 
 
 def _registry(ctx: Context) -> weakref.WeakValueDictionary[int, Branch]:
@@ -345,8 +319,22 @@ class Branch:
         before; cancelling the awaiting task leaves it exactly before or
         exactly after the commit."""
         t = _token_id(token)
-        self._ctx._check_open()
-        await _queue(self._ctx).commit(self._handle, t)
+        ctx = self._ctx
+        ctx._check_open()
+        native = ctx._native
+        items = [(self._handle, t)]
+        # The first commit of a tick holds the worker until every task
+        # runnable in this tick has queued its commit (one checkpoint); the
+        # worker merges them into one decode.
+        hold = _hold_for_this_tick(ctx)
+        try:
+            done = call_native(lambda d: native.branch_commit(items, d))
+            if hold is not None:
+                await anyio.lowlevel.checkpoint()
+        finally:
+            if hold is not None:
+                _end_tick_hold(ctx, hold)
+        _raise_first(await done)
 
     def accept(self, token: int) -> None:
         """Record ``token`` as chosen (penalties, perplexities) without

@@ -13,9 +13,9 @@
 
 use tokio::sync::oneshot;
 
-use crate::context::{Context, Reply};
+use crate::branch::{ItemResults, TreeOutcome};
+use crate::engine::{Context, Reply};
 use crate::error::{Error, Result};
-use crate::store::{ItemResults, TreeOutcome};
 use crate::BranchId;
 use crate::SamplingParams;
 

@@ -7,9 +7,10 @@
 //! again afterwards. `encode` runs one input and keeps its embeddings as the
 //! context's current ones (`embeddings()`), pooled or per token.
 
-use crate::context::{lock, Context, Job, Reply, Worker};
+use crate::engine::{Context, Embeddings, Job, Reply, Task, Worker};
 use crate::error::{invalid, Error, Result};
 use crate::params::Pooling;
+use crate::sync::lock;
 
 use llama_cpp_2::token::LlamaToken;
 
@@ -33,13 +34,22 @@ impl EmbedJob {
     }
 }
 
-/// The embeddings of the last `encode`: one row when pooled, one row per
-/// token otherwise.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Embeddings {
-    pub rows: usize,
-    pub dim: usize,
-    pub data: Vec<f32>,
+impl Task for EmbedJob {
+    fn run(self: Box<Self>, worker: &mut Worker<'_>) {
+        worker.execute_embed(*self);
+    }
+
+    fn fail(self: Box<Self>, error: Error) {
+        EmbedJob::fail(*self, error);
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
+        self
+    }
 }
 
 impl Context {
@@ -94,7 +104,7 @@ impl Context {
         match checked {
             Err(e) => reply.send(Err(e)),
             Ok(()) if inputs.is_empty() => reply.send(Ok(Vec::new())),
-            Ok(()) => self.submit(Job::Embed(EmbedJob::Embed { inputs, reply })),
+            Ok(()) => self.submit(Job::task(EmbedJob::Embed { inputs, reply })),
         }
     }
 
@@ -106,7 +116,7 @@ impl Context {
             .and_then(|()| self.check_input(&tokens))
         {
             Err(e) => reply.send(Err(e)),
-            Ok(()) => self.submit(Job::Embed(EmbedJob::Encode { tokens, reply })),
+            Ok(()) => self.submit(Job::task(EmbedJob::Encode { tokens, reply })),
         }
     }
 

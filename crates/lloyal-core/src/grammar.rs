@@ -10,7 +10,7 @@
 //! kept in the model. End-of-generation tokens are allowed exactly where the
 //! grammar accepts.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
@@ -31,21 +31,15 @@ pub enum GrammarSpec {
     JsonSchema(String),
 }
 
-/// The compiled-grammar factory of one model, built on first use.
-#[derive(Default)]
-pub(crate) struct GrammarFactory(OnceLock<std::result::Result<Arc<TokenEnv>, String>>);
+/// The compiled-grammar factory of one model, built on first use and kept
+/// with the model ([`Model::cached`]).
+struct GrammarFactory(std::result::Result<Arc<TokenEnv>, String>);
 
 /// What every grammar of one model shares.
 struct TokenEnv {
     factory: ParserFactory,
     /// `is_eog[t]`: llguidance's EOS set (end-of-generation tokens).
     is_eog: Vec<bool>,
-}
-
-impl std::fmt::Debug for GrammarFactory {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("GrammarFactory")
-    }
 }
 
 /// Bounds on grammars (llguidance adds its own: `ParserLimits`, whose
@@ -89,9 +83,8 @@ fn matcher_error(e: anyhow::Error) -> Error {
 
 fn token_env(model: &Model) -> Result<Arc<TokenEnv>> {
     model
-        .grammar_factory
+        .cached(|m| GrammarFactory(build_env(m).map(Arc::new)))
         .0
-        .get_or_init(|| build_env(model).map(Arc::new))
         .clone()
         .map_err(grammar_error)
 }

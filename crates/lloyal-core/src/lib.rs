@@ -55,21 +55,20 @@ pub mod aio;
 mod backend;
 pub mod branch;
 pub mod chat;
-pub mod context;
 pub mod embed;
+pub mod engine;
 pub mod error;
 pub mod gbnf;
 pub mod gguf;
 pub mod grammar;
 mod isolate;
-mod kv;
-pub mod kv_cache;
+pub mod kv;
 pub mod metrics;
 pub mod model;
 mod omp;
 pub mod params;
 pub mod sampling;
-pub mod store;
+mod sync;
 mod sysmem;
 
 /// Entry points of the parsers that read untrusted bytes, for the fuzz
@@ -80,14 +79,14 @@ pub mod fuzzing {
     /// the frame (fingerprint `fingerprint`), then llama.cpp's payload
     /// against a context of `n_cells` cells.
     pub fn check_state(fingerprint: u64, data: &[u8], n_cells: u32) -> crate::Result<Vec<i32>> {
-        let (tokens, payload) = crate::kv::decode(fingerprint, data)?;
-        crate::kv::check_payload(payload, n_cells)?;
+        let (tokens, payload) = crate::kv::state::decode(fingerprint, data)?;
+        crate::kv::state::check_payload(payload, n_cells)?;
         Ok(tokens)
     }
 
     /// Frame `payload` as a saved state holding `tokens`.
     pub fn frame_state(fingerprint: u64, tokens: &[i32], payload: &[u8]) -> Vec<u8> {
-        crate::kv::encode(fingerprint, tokens, payload)
+        crate::kv::state::encode(fingerprint, tokens, payload)
     }
 
     /// The longest tag of a chat template, in tokens (its pre-check).
@@ -99,9 +98,10 @@ pub mod fuzzing {
 pub use backend::{
     backend, backend_info, supports_gpu_offload, BackendInfo, Device, LLAMA_CPP_2_VERSION,
 };
-pub use branch::{BranchId, BranchState, Branches};
-pub use context::{after_job, join_workers, Context, Reply, Stats, WorkerHold};
-pub use embed::Embeddings;
+pub use branch::{BranchId, BranchState, Branches, ItemResults, TreeOutcome};
+pub use engine::{
+    after_job, join_workers, Context, Embeddings, Hold, Reply, Stats, WORKER_THREAD_NAME,
+};
 pub use error::{Error, Result};
 pub use grammar::{json_schema_to_grammar, Grammar, GrammarSpec};
 pub use metrics::{Base, PerplexityTracker};

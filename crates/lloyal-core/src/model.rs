@@ -16,6 +16,7 @@ use crate::error::{invalid, Error, Result};
 use crate::gguf;
 use crate::params::KvType;
 use crate::sampling::Sampler;
+use crate::sync::lock;
 
 /// Facts about a model, read once at load time.
 #[derive(Debug, Clone, PartialEq)]
@@ -41,7 +42,9 @@ pub struct Model {
     eog_token: i32,
     bos_token: Option<i32>,
     add_bos: bool,
-    pub(crate) grammar_factory: crate::grammar::GrammarFactory,
+    /// Data other modules derive from the model once and keep with it
+    /// (the grammar module's token trie), by type: see [`Model::cached`].
+    derived: std::sync::Mutex<HashMap<std::any::TypeId, Arc<dyn std::any::Any + Send + Sync>>>,
     /// DRY breaker token sets, by breaker strings.
     dry_breakers: std::sync::Mutex<HashMap<Vec<String>, Arc<HashSet<i32>>>>,
 }
@@ -169,13 +172,30 @@ impl Model {
             eog_token,
             bos_token,
             add_bos,
-            grammar_factory: Default::default(),
+            derived: Default::default(),
             dry_breakers: Default::default(),
         }
     }
 
     pub fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    /// The `T` derived from this model by `make`, computed on first use and
+    /// kept as long as the model (a failure is kept too: `make` runs once).
+    /// It lets a module cache per-model data without the model knowing it.
+    pub(crate) fn cached<T: Send + Sync + 'static>(&self, make: impl FnOnce(&Self) -> T) -> Arc<T> {
+        let key = std::any::TypeId::of::<T>();
+        if let Some(found) = lock(&self.derived).get(&key) {
+            return Arc::clone(found)
+                .downcast::<T>()
+                .expect("keyed by its type");
+        }
+        // Built without the lock (it may take a while); a racing builder's
+        // value is dropped in favour of the first one stored.
+        let made: Arc<dyn std::any::Any + Send + Sync> = Arc::new(make(self));
+        let stored = Arc::clone(lock(&self.derived).entry(key).or_insert(made));
+        stored.downcast::<T>().expect("keyed by its type")
     }
 
     pub fn vocab_size(&self) -> u32 {

@@ -55,7 +55,7 @@ async fn queued(ctx: &Context, n: usize) {
 async fn commits_from_eight_tasks_are_one_decode() {
     let ctx = open(9);
     let kids = forks(&ctx, 8).await;
-    let hold = ctx.hold_worker();
+    let hold = ctx.hold();
     let before = ctx.stats().decode_calls;
     let mut tasks = Vec::new();
     for (i, &kid) in kids.iter().enumerate() {
@@ -86,7 +86,7 @@ async fn a_dropped_commit_future_leaves_the_branch_before_or_after() {
     drop(ctx.aio().commit(vec![(kid, 7)]));
     assert_eq!(at(&ctx), start);
     // Polled once (submitted), then dropped: the worker finishes it.
-    let hold = ctx.hold_worker();
+    let hold = ctx.hold();
     let cancelled = tokio::time::timeout(Duration::ZERO, ctx.aio().commit(vec![(kid, 7)])).await;
     assert!(cancelled.is_err());
     drop(hold);
@@ -105,7 +105,7 @@ async fn a_dropped_commit_future_leaves_the_branch_before_or_after() {
 async fn closing_fails_the_queued_requests() {
     let ctx = open(3);
     let kids = forks(&ctx, 2).await;
-    let hold = ctx.hold_worker();
+    let hold = ctx.hold();
     let commit = {
         let ctx = Arc::clone(&ctx);
         let kid = kids[0];

@@ -1,8 +1,8 @@
 //! Branch operations on `NativeContext`. Branch handles cross into Python
 //! as plain integers (`BranchId::to_bits`); `lloyal.Branch` wraps them.
 
-use lloyal_core::store::{ItemResults, TreeOutcome};
 use lloyal_core::{metrics, Base, BranchId};
+use lloyal_core::{ItemResults, TreeOutcome};
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};

@@ -19,13 +19,13 @@ pub struct PyContext {
 }
 
 /// Keeps a context's worker busy until released (or garbage collected).
-#[pyclass(name = "WorkerHold", module = "lloyal._lloyal", frozen)]
-pub struct PyWorkerHold {
-    hold: std::sync::Mutex<Option<lloyal_core::WorkerHold>>,
+#[pyclass(name = "Hold", module = "lloyal._lloyal", frozen)]
+pub struct PyHold {
+    hold: std::sync::Mutex<Option<lloyal_core::Hold>>,
 }
 
 #[pymethods]
-impl PyWorkerHold {
+impl PyHold {
     /// Let the worker go on with what queued up behind the hold.
     fn release(&self) {
         drop(self.hold.lock().unwrap_or_else(|p| p.into_inner()).take());
@@ -106,10 +106,10 @@ impl PyContext {
     }
 
     /// Occupy the worker until ``release()`` (tests: see
-    /// ``lloyal_core::Context::hold_worker``).
-    fn hold_worker(&self) -> PyWorkerHold {
-        PyWorkerHold {
-            hold: std::sync::Mutex::new(Some(self.inner.hold_worker())),
+    /// ``lloyal_core::Context::hold``).
+    fn hold(&self) -> PyHold {
+        PyHold {
+            hold: std::sync::Mutex::new(Some(self.inner.hold())),
         }
     }
 

@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<context::PyContext>()?;
-    m.add_class::<context::PyWorkerHold>()?;
+    m.add_class::<context::PyHold>()?;
     m.add_class::<sampling::PyPerplexityTracker>()?;
     m.add_class::<reply::Completion>()?;
     m.add_class::<reply::ResultQueue>()?;

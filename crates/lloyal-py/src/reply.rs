@@ -229,7 +229,7 @@ thread_local! {
 
 /// `Python::attach`, keeping the thread state on lloyal's worker threads.
 fn attach<R>(f: impl FnOnce(Python<'_>) -> R) -> R {
-    if std::thread::current().name() == Some(lloyal_core::context::WORKER_THREAD_NAME) {
+    if std::thread::current().name() == Some(lloyal_core::WORKER_THREAD_NAME) {
         KEPT.with(|_| ());
     }
     Python::attach(f)

@@ -2,9 +2,10 @@
 //! load and BlinkKV reseeding. Sequences leased by branches are off limits
 //! here (branches manage their own KV).
 
-use crate::context::{lock, Context, Job, Reply, Worker};
+use crate::engine::{Context, Job, Reply, Task, Worker};
 use crate::error::{invalid, Error, Result};
-use crate::kv;
+use crate::kv::state as kv;
+use crate::sync::lock;
 
 pub(crate) enum KvJob {
     Remove {
@@ -54,6 +55,24 @@ impl KvJob {
     }
 }
 
+impl Task for KvJob {
+    fn run(self: Box<Self>, worker: &mut Worker<'_>) {
+        worker.execute_kv(*self);
+    }
+
+    fn fail(self: Box<Self>, error: Error) {
+        KvJob::fail(*self, error);
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
+        self
+    }
+}
+
 impl Context {
     /// A sequence id the flat API may touch: in range and not a branch's.
     fn flat_seq(&self, seq: i32) -> Result<()> {
@@ -67,7 +86,7 @@ impl Context {
     }
 
     fn submit_kv(&self, job: KvJob) {
-        self.submit(Job::Kv(job));
+        self.submit(Job::task(job));
     }
 
     /// Tokens held by sequence `seq` (`kv_seq_pos_max + 1`).

@@ -1,0 +1,464 @@
+//! The branch operations a caller starts: cheap ones run under the
+//! `branches` lock on the caller's thread; anything touching the KV cache
+//! becomes a [`BranchJob`] for the worker.
+
+use std::sync::Arc;
+
+use super::job::{mark_busy, BranchJob, ItemResults};
+use super::state::{BranchId, BranchState};
+use super::tree::{check_tree, TreeOutcome};
+use crate::engine::{Context, Job, Reply};
+use crate::error::{invalid, Error, Result};
+use crate::grammar::Grammar;
+use crate::sampling::SamplingParams;
+use crate::sync::lock;
+
+impl Context {
+    /// Create a root branch with its own KV lease (synchronous: no decode).
+    pub fn branch_create(&self, params: SamplingParams) -> Result<BranchId> {
+        self.check_open()?;
+        let mut branches = lock(&self.shared.branches);
+        let seq = branches.lease(|s| self.shared.holds_flat_data(s))?;
+        let state = match BranchState::new(seq, params) {
+            Ok(mut s) => {
+                self.model().bind_sampler(s.sampler_mut());
+                s
+            }
+            Err(e) => {
+                branches.release(seq);
+                return Err(e);
+            }
+        };
+        let id = branches.insert(state);
+        drop(branches);
+        if self.kv_seq_pos_max(seq).unwrap_or(-1) >= 0 {
+            // Queued before any job that could use the branch.
+            self.submit(Job::task(BranchJob::ClearSeq { seq }));
+        }
+        Ok(id)
+    }
+
+    /// Read or change a branch under the lock (not while it is busy).
+    pub fn with_branch<T>(
+        &self,
+        id: BranchId,
+        f: impl FnOnce(&mut BranchState) -> Result<T>,
+    ) -> Result<T> {
+        self.check_open()?;
+        let mut branches = lock(&self.shared.branches);
+        let state = branches.get_mut(id)?;
+        if state.busy {
+            return Err(Error::BranchBusy);
+        }
+        f(state)
+    }
+
+    /// Read a branch's state even while an operation is in flight.
+    pub fn read_branch<T>(&self, id: BranchId, f: impl FnOnce(&BranchState) -> T) -> Result<T> {
+        self.check_open()?;
+        let branches = lock(&self.shared.branches);
+        Ok(f(branches.get(id)?))
+    }
+
+    /// Leases free now.
+    pub fn leases_available(&self) -> usize {
+        let branches = lock(&self.shared.branches);
+        branches
+            .free_seqs()
+            .filter(|&s| !self.shared.holds_flat_data(s))
+            .count()
+    }
+
+    /// Replace the branch's sampling parameters. Returns whether anything
+    /// changed; an unchanged call keeps the sampler as it is. A change keeps
+    /// the penalty history; the random stream restarts only if the seed
+    /// changed.
+    pub fn branch_set_params(&self, id: BranchId, params: SamplingParams) -> Result<bool> {
+        self.with_branch(id, |b| {
+            if *b.sampler().params() == params {
+                return Ok(false);
+            }
+            b.sampler_mut().set_params(params)?;
+            self.model().bind_sampler(b.sampler_mut());
+            Ok(true)
+        })
+    }
+
+    /// Restart the branch's random stream from `seed`.
+    pub fn branch_reseed(&self, id: BranchId, seed: u64) -> Result<()> {
+        self.with_branch(id, |b| {
+            b.sampler_mut().reseed(seed);
+            Ok(())
+        })
+    }
+
+    pub fn branch_set_logits(&self, id: BranchId, logits: &[f32]) -> Result<()> {
+        self.check_logits_len(logits)?;
+        self.with_branch(id, |b| {
+            b.set_logits(Arc::from(logits));
+            Ok(())
+        })
+    }
+
+    pub(super) fn check_biases(&self, biases: &[(i32, f32)]) -> Result<()> {
+        for &(t, b) in biases {
+            self.model().check_token(t)?;
+            if b.is_nan() {
+                return Err(invalid(format!("bias for token {t} is NaN")));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn branch_set_logit_bias(&self, id: BranchId, biases: Vec<(i32, f32)>) -> Result<()> {
+        self.check_biases(&biases)?;
+        self.with_branch(id, |b| {
+            b.logit_bias = Arc::new(biases);
+            Ok(())
+        })
+    }
+
+    pub fn branch_steer(&self, id: BranchId, biases: Vec<(i32, f32)>) -> Result<()> {
+        self.check_biases(&biases)?;
+        self.with_branch(id, |b| {
+            b.steer = biases;
+            Ok(())
+        })
+    }
+
+    /// Whether [`Context::branch_produce`] is slow for this branch (see
+    /// `BranchState::produce_is_slow`): callers on an event loop run it on
+    /// another thread then.
+    pub fn branch_produce_is_slow(&self, id: BranchId) -> Result<bool> {
+        self.read_branch(id, BranchState::produce_is_slow)
+    }
+
+    /// Sample the branch's next token; nothing is written.
+    pub fn branch_produce(&self, id: BranchId) -> Result<i32> {
+        self.with_branch(id, BranchState::produce)
+    }
+
+    /// Accept a token without decoding it (penalties and metrics).
+    /// Replace (or remove) a branch's grammar. Compile it first with
+    /// [`crate::Grammar::new`] on this context's model.
+    pub fn branch_set_grammar(&self, id: BranchId, grammar: Option<Grammar>) -> Result<()> {
+        self.with_branch(id, |b| {
+            b.set_grammar(grammar);
+            Ok(())
+        })
+    }
+
+    pub fn branch_accept(&self, id: BranchId, token: i32) -> Result<()> {
+        self.model().check_token(token)?;
+        self.with_branch(id, |b| b.accept(token))
+    }
+
+    pub(super) fn submit_for(&self, ids: &[BranchId], job: BranchJob) {
+        let marked = self
+            .check_open()
+            .and_then(|()| mark_busy(&mut lock(&self.shared.branches), ids));
+        match marked {
+            Ok(()) => self.submit(Job::task(job)),
+            Err(e) => job.fail(e),
+        }
+    }
+
+    /// Fork: a new branch sharing `parent`'s KV prefix (no tensor copy under
+    /// unified KV) with a clone of its sampler, logits, metrics and bias.
+    pub fn branch_fork(&self, parent: BranchId, reply: Reply<BranchId>) {
+        self.submit_for(&[parent], BranchJob::Fork { parent, reply });
+    }
+
+    /// [`Context::branch_fork`] on the calling thread, when the worker is
+    /// idle; `None` when it is busy (then call `branch_fork`). Same result,
+    /// without the two thread hand-offs.
+    pub fn branch_fork_now(&self, parent: BranchId) -> Option<Result<BranchId>> {
+        self.run_inline(|w| {
+            if lock(&w.shared.branches).get(parent)?.busy {
+                return Err(Error::BranchBusy);
+            }
+            w.fork(parent)
+        })
+    }
+
+    /// BlinkKV for a branch: clear its KV and decode `sinks + tail` at
+    /// positions from 0. Sampler (penalty history, random stream), grammar,
+    /// metrics and children are untouched; the logits become the tail's.
+    pub fn branch_clear_and_reseed(
+        &self,
+        id: BranchId,
+        sinks: Vec<i32>,
+        tail: Vec<i32>,
+        reply: Reply<()>,
+    ) {
+        let mut tokens = sinks;
+        tokens.extend(tail);
+        if tokens.is_empty() {
+            return reply.send(Err(invalid("sinks and tail are both empty")));
+        }
+        if let Err(e) = self.model().check_tokens(&tokens) {
+            return reply.send(Err(e));
+        }
+        if tokens.len() > self.n_ctx() as usize {
+            return reply.send(Err(invalid(format!(
+                "sinks + tail hold {} tokens; the context holds n_ctx={}",
+                tokens.len(),
+                self.n_ctx()
+            ))));
+        }
+        self.submit_for(&[id], BranchJob::Reseed { id, tokens, reply });
+    }
+
+    /// Drop the branch's KV from `position` on (`0 <= position <= its
+    /// position`), so it continues from there: a rejected speculative draft,
+    /// a backtrack. The logits snapshot becomes `logits` (the distribution
+    /// after the last kept token, e.g. a row of `prefill(all_rows)`), or is
+    /// cleared. Sampler history, metrics and grammar are not rewound.
+    pub fn branch_truncate(
+        &self,
+        id: BranchId,
+        position: i32,
+        logits: Option<Vec<f32>>,
+        reply: Reply<()>,
+    ) {
+        let checked = self.read_branch(id, |b| b.position).and_then(|current| {
+            if !(0..=current).contains(&position) {
+                return Err(invalid(format!(
+                    "position must be in [0, {current}] (the branch's position), got {position}"
+                )));
+            }
+            match &logits {
+                Some(l) => self.check_logits_len(l),
+                None => Ok(()),
+            }
+        });
+        match checked {
+            Ok(()) => self.submit_for(
+                &[id],
+                BranchJob::Truncate {
+                    id,
+                    position,
+                    logits,
+                    reply,
+                },
+            ),
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    /// Prune a branch (`cascade`: with its whole subtree), freeing leases.
+    /// A prune queues behind operations already in flight on the branch
+    /// (the worker runs jobs in order) instead of failing with `BranchBusy`,
+    /// so cleanup after a cancelled commit never leaks the lease.
+    pub fn branch_prune(&self, id: BranchId, cascade: bool, reply: Reply<()>) {
+        let checked = self
+            .check_open()
+            .and_then(|()| lock(&self.shared.branches).get(id).map(|_| ()));
+        match checked {
+            Ok(()) => self.submit(Job::task(BranchJob::Prune { id, cascade, reply })),
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    /// Free a branch its owner dropped without pruning (a Python `Branch`
+    /// garbage-collected): its lease and the cells only it used come back,
+    /// and its children become roots (they keep their cells). Queued behind
+    /// whatever is in flight; nothing to wait for, and a branch already
+    /// gone is no error.
+    pub fn branch_drop(&self, id: BranchId) {
+        if self.check_open().is_err() {
+            return;
+        }
+        let freed = {
+            let mut branches = lock(&self.shared.branches);
+            match branches.get(id) {
+                Err(_) => return,
+                // An operation is in flight: free it after that.
+                Ok(b) if b.busy => None,
+                Ok(_) => {
+                    branches.detach_children(id);
+                    let state = branches.remove(id).ok();
+                    state.map(|s| {
+                        branches.release(s.seq);
+                        s.seq
+                    })
+                }
+            }
+        };
+        match freed {
+            // The lease is free now, so a branch created next can take it:
+            // its cells are cleared by a job queued ahead of anything that
+            // new branch does (the mirror says so already).
+            Some(seq) => {
+                self.shared.forget_seq(seq);
+                self.submit(Job::task(BranchJob::ClearSeq { seq }));
+            }
+            None => self.submit(Job::task(BranchJob::Drop { id })),
+        }
+    }
+
+    /// [`Context::branch_prune`] on the calling thread, when the worker is
+    /// idle; `None` when it is busy (then call `branch_prune`).
+    pub fn branch_prune_now(&self, id: BranchId, cascade: bool) -> Option<Result<()>> {
+        self.run_inline(|w| w.prune(id, cascade))
+    }
+
+    /// Split a batch into items that can run (marked busy) and per-item
+    /// errors for the rest (stale, busy, repeated, or failing `check`), so
+    /// one bad item never sinks the others. `reply` gets one result per
+    /// original item.
+    pub(super) fn submit_items<T: Send + 'static>(
+        &self,
+        items: Vec<(BranchId, T)>,
+        check: impl Fn(&T) -> Result<()>,
+        reply: Reply<ItemResults>,
+        job: impl FnOnce(Vec<(BranchId, T)>, Reply<ItemResults>) -> BranchJob,
+    ) {
+        if let Err(e) = self.check_open() {
+            return reply.send(Err(e));
+        }
+        let mut early: Vec<Option<Error>> = Vec::with_capacity(items.len());
+        let mut runnable = Vec::with_capacity(items.len());
+        {
+            let mut branches = lock(&self.shared.branches);
+            let mut seen: Vec<BranchId> = Vec::with_capacity(items.len());
+            for (id, payload) in items {
+                let verdict = check(&payload).and_then(|()| {
+                    if seen.contains(&id) || branches.get(id)?.busy {
+                        return Err(Error::BranchBusy);
+                    }
+                    Ok(())
+                });
+                seen.push(id);
+                match verdict {
+                    Ok(()) => {
+                        if let Ok(b) = branches.get_mut(id) {
+                            b.busy = true;
+                        }
+                        runnable.push((id, payload));
+                        early.push(None);
+                    }
+                    Err(e) => early.push(Some(e)),
+                }
+            }
+        }
+        if runnable.is_empty() {
+            return reply.send(Ok(early.into_iter().flatten().map(Err).collect()));
+        }
+        let merge: Reply<ItemResults> = Reply::new(move |result: Result<ItemResults>| {
+            reply.send(result.map(|ran| {
+                let mut ran = ran.into_iter();
+                early
+                    .into_iter()
+                    .map(|e| match e {
+                        Some(e) => Err(e),
+                        None => ran.next().unwrap_or(Ok(())),
+                    })
+                    .collect()
+            }))
+        });
+        self.submit(Job::task(job(runnable, merge)));
+    }
+
+    /// Accept one token per branch and decode them all together.
+    pub fn branch_commit(&self, items: Vec<(BranchId, i32)>, reply: Reply<ItemResults>) {
+        let model = Arc::clone(self.model());
+        self.submit_items(
+            items,
+            move |&t| model.check_token(t),
+            reply,
+            |items, reply| BranchJob::Commit { items, reply },
+        );
+    }
+
+    /// Decode a token list into each branch, packed into as few
+    /// `llama_decode` calls as `n_batch` allows. With `all_rows`, every
+    /// position's logits are kept for [`Context::branch_take_rows`] (one
+    /// decode verifies a whole draft), not only the last token's.
+    pub fn branch_prefill(
+        &self,
+        items: Vec<(BranchId, Vec<i32>)>,
+        all_rows: bool,
+        reply: Reply<ItemResults>,
+    ) {
+        let model = Arc::clone(self.model());
+        self.submit_items(
+            items,
+            move |tokens: &Vec<i32>| {
+                if tokens.is_empty() {
+                    return Err(invalid("cannot prefill an empty token list"));
+                }
+                model.check_tokens(tokens)
+            },
+            reply,
+            move |items, reply| BranchJob::Prefill {
+                items,
+                all_rows,
+                reply,
+            },
+        );
+    }
+
+    /// Decode a token tree into `root` in one pass (tree attention): token
+    /// `j` follows `parents[j]` (`-1`: the root's last token), at position
+    /// `root.position + depth`. A prefix shared by several leaves is decoded
+    /// once, its KV cells shared by their sequences (unified KV). Each leaf
+    /// ends as a branch holding its path: the root carries the first leaf,
+    /// the others are new independent branches (one lease each, forked from
+    /// the root before the decode). Every node's logits come back. On a
+    /// failed decode the root is as it was and no branch is created.
+    pub fn branch_prefill_tree(
+        &self,
+        root: BranchId,
+        tokens: Vec<i32>,
+        parents: Vec<i32>,
+        reply: Reply<TreeOutcome>,
+    ) {
+        let checked =
+            check_tree(&tokens, &parents).and_then(|()| self.model().check_tokens(&tokens));
+        match checked {
+            Ok(()) => self.submit_for(
+                &[root],
+                BranchJob::PrefillTree {
+                    root,
+                    tokens,
+                    parents,
+                    reply,
+                },
+            ),
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    /// The logits of every position of the branch's last `prefill` with
+    /// `all_rows`, row-major (`n * vocab`), taken (a second call gives
+    /// `None`).
+    pub fn branch_take_rows(&self, id: BranchId) -> Result<Option<Vec<f32>>> {
+        self.check_open()?;
+        Ok(lock(&self.shared.branches).get_mut(id)?.rows.take())
+    }
+
+    /// Keep `keep`'s KV and prune every other branch.
+    pub fn branch_retain_only(&self, keep: BranchId, reply: Reply<()>) {
+        self.submit_for(&[keep], BranchJob::RetainOnly { keep, reply });
+    }
+
+    /// Snapshot a branch: its KV cells, logits and position, framed like
+    /// `kv_cache_save` (model fingerprint + CRC). Sampler state is not
+    /// included: a restored branch gets the parameters you give it.
+    pub fn branch_save(&self, id: BranchId, reply: Reply<Vec<u8>>) {
+        self.submit_for(&[id], BranchJob::Save { id, reply });
+    }
+
+    /// A new root branch (own lease) from a [`Context::branch_save`] snapshot.
+    pub fn branch_restore(&self, data: Vec<u8>, params: SamplingParams, reply: Reply<BranchId>) {
+        match self.check_open().and_then(|()| params.validate()) {
+            Ok(()) => self.submit(Job::task(BranchJob::Restore {
+                data,
+                params,
+                reply,
+            })),
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! The `Context` handle: submitting jobs, running short ones inline,
+//! closing.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use tokio::sync::mpsc::error::SendError;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::job::{Hold, Job};
+use super::reply::Reply;
+use super::shared::{Shared, Stats};
+use super::worker::{Engine, Worker};
+use crate::error::{Error, Result};
+use crate::model::Model;
+use crate::params::ContextParams;
+use crate::sync::lock;
+
+/// A handle to a context. Dropping it closes the context (without waiting).
+pub struct Context {
+    pub(super) model: Arc<Model>,
+    pub(super) params: ContextParams,
+    pub(super) sender: Mutex<Option<UnboundedSender<Job>>>,
+    pub(crate) shared: Arc<Shared>,
+    pub(super) engine: Arc<Engine>,
+    pub(super) n_ctx: u32,
+}
+
+/// The name of every context's worker thread.
+pub const WORKER_THREAD_NAME: &str = "lloyal-worker";
+
+/// Every worker thread started and not yet joined.
+pub(super) static WORKERS: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
+
+/// Wait for every worker thread to exit. Workers exit once their context is
+/// closed (or dropped), so close contexts first. An embedding runtime calls
+/// this before it shuts down (Python: at exit), so that no worker is still
+/// running a reply callback while the runtime is torn down.
+pub fn join_workers() {
+    let handles = std::mem::take(&mut *lock(&WORKERS));
+    for handle in handles {
+        let _ = handle.join();
+    }
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("model", &self.model.info().name)
+            .field("params", &self.params)
+            .field("closed", &self.is_closed())
+            .finish()
+    }
+}
+
+impl Context {
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    pub fn params(&self) -> &ContextParams {
+        &self.params
+    }
+
+    /// KV cells actually allocated: llama.cpp rounds the requested `n_ctx`
+    /// up (to a multiple of 256 with unified KV).
+    pub fn n_ctx(&self) -> u32 {
+        self.n_ctx
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.shared.closed.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn check_open(&self) -> Result<()> {
+        if self.is_closed() {
+            Err(Error::ContextClosed)
+        } else {
+            Ok(())
+        }
+    }
+
+    pub(crate) fn submit(&self, job: Job) {
+        let sender = lock(&self.sender).clone();
+        match sender {
+            Some(tx) if !self.is_closed() => {
+                self.engine.queued.fetch_add(1, Ordering::SeqCst);
+                if let Err(SendError(job)) = tx.send(job) {
+                    self.engine.queued.fetch_sub(1, Ordering::SeqCst);
+                    job.fail(Error::ContextClosed);
+                }
+            }
+            _ => job.fail(Error::ContextClosed),
+        }
+    }
+
+    /// Run `f` on the calling thread if the worker is idle (no job queued
+    /// or running); `None` if it is busy or the context is closed, and the
+    /// caller should submit a job instead. Skipping the hand-off to the
+    /// worker and back saves two thread wake-ups, which is most of the cost
+    /// of a fork or prune. Never blocks: a decode in progress holds the
+    /// worker, so `f` should be short work that needs no GIL.
+    pub(crate) fn run_inline<T>(
+        &self,
+        f: impl FnOnce(&mut Worker<'static>) -> Result<T>,
+    ) -> Option<Result<T>> {
+        let mut guard = match self.engine.worker.try_lock() {
+            Ok(guard) => guard,
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        if self.engine.queued.load(Ordering::SeqCst) != 0 || self.is_closed() {
+            return None;
+        }
+        let worker = guard.as_mut()?;
+        Some(
+            catch_unwind(AssertUnwindSafe(|| f(worker)))
+                .unwrap_or_else(|p| Err(Error::from_panic(p))),
+        )
+    }
+
+    /// Hold the worker until the returned guard is dropped: what is
+    /// queued before the hold runs, jobs submitted meanwhile wait behind
+    /// it, in order (nothing runs inline), and the worker takes them all at
+    /// once when the guard drops. Commits from many callers then become one
+    /// decode: Python's `Branch.commit` holds the worker for one event-loop
+    /// tick this way. Tests use it to have work queued at a given moment,
+    /// whatever the speed of the machine. A guard that is never dropped
+    /// stalls the context, `close` included.
+    pub fn hold(&self) -> Hold {
+        let (tx, rx) = crossbeam_channel::bounded(0);
+        self.submit(Job::Hold { until: rx });
+        Hold { _release: tx }
+    }
+
+    /// Requests queued or running on the worker now (tests).
+    #[doc(hidden)]
+    pub fn queued(&self) -> usize {
+        self.engine.queued.load(Ordering::SeqCst)
+    }
+
+    /// Close: queued jobs fail with [`Error::ContextClosed`], the llama.cpp
+    /// context is freed, then `reply` is called. Closing twice is a no-op.
+    pub fn close(&self, reply: Reply<()>) {
+        let was_closed = self.shared.closed.swap(true, Ordering::AcqRel);
+        let sender = lock(&self.sender).take();
+        match sender {
+            Some(tx) if !was_closed => {
+                // A failed send means the worker is gone already: nothing to free.
+                self.engine.queued.fetch_add(1, Ordering::SeqCst);
+                if let Err(SendError(Job::Close { reply })) = tx.send(Job::Close { reply }) {
+                    reply.send(Ok(()));
+                }
+            }
+            _ => reply.send(Ok(())),
+        }
+    }
+
+    /// Blocking [`Context::close`]. Do not call this from a thread that the
+    /// worker's reply callbacks need (for Python: release the GIL first).
+    pub fn close_blocking(&self) {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.close(Reply::new(move |r| {
+            let _ = tx.send(r);
+        }));
+        let _ = rx.recv();
+    }
+
+    pub fn stats(&self) -> Stats {
+        let s = &self.shared.stats;
+        Stats {
+            decode_calls: s.decode_calls.load(Ordering::Relaxed),
+            tokens_decoded: s.tokens_decoded.load(Ordering::Relaxed),
+            decode_seconds: s.decode_micros.load(Ordering::Relaxed) as f64 / 1e6,
+            tombstone_purges: s.tombstone_purges.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Model weights plus the KV cache at full size, in bytes. The KV part
+    /// is computed from the GGUF hyper-parameters (an estimate: llama.cpp
+    /// adds small compute buffers on top).
+    pub fn memory_size(&self) -> u64 {
+        self.model.info().size_bytes + self.kv_cache_bytes()
+    }
+
+    fn kv_cache_bytes(&self) -> u64 {
+        self.model
+            .kv_bytes_per_cell(self.params.type_k, self.params.type_v)
+            .saturating_mul(u64::from(self.n_ctx))
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // Never join here: the worker may be waiting for the thread that
+        // drops us (e.g. for Python's GIL) to deliver a reply.
+        self.close(Reply::new(|_| {}));
+    }
+}

@@ -1,0 +1,39 @@
+//! The engine: a llama.cpp context driven by one worker thread.
+//!
+//! llama.cpp contexts are not thread-safe, so the worker thread owns the
+//! context and its batch; everything else sends it jobs over a tokio
+//! channel and gets the result through a [`Reply`]. The worker drains
+//! whatever is pending before it runs, so bursts of requests are handled
+//! together, and a job may absorb the jobs queued behind it (commits of
+//! many callers become one decode). Cheap reads (the last logits,
+//! positions, statistics) are mirrored into `Shared` so callers never wait
+//! behind a running decode to read them.
+//!
+//! Short jobs (fork, prune) can also run on the caller's thread when the
+//! worker is idle: nothing queued, nothing running (see
+//! `Context::run_inline`). The worker state sits behind a mutex for that;
+//! the worker thread holds it while it runs a job, so the context is still
+//! used by one thread at a time, and in submission order.
+//!
+//! Files: `handle` (the `Context` handle: submit, inline, hold, close),
+//! `start` (loading, creating the llama.cpp context, the worker thread),
+//! `worker` (its loop and the decode primitives), `job` (the jobs and the
+//! `Task` trait other modules implement), `reply`, `shared`, `flat` (the
+//! flat API's decode, logits and sampler).
+
+mod flat;
+mod handle;
+mod job;
+mod reply;
+mod run;
+mod shared;
+mod start;
+mod worker;
+
+pub use handle::{join_workers, Context, WORKER_THREAD_NAME};
+pub use job::Hold;
+pub use reply::{after_job, Reply};
+pub use shared::{Embeddings, Stats};
+
+pub(crate) use job::{Job, Recover, Task};
+pub(crate) use worker::Worker;
