@@ -506,3 +506,38 @@ async def test_a_slow_sampler_runs_off_the_event_loop(model: Path) -> None:
             during = await count_ticks(b)
             assert (during > 0) == off_loop, (params, during)
             await b.prune()
+
+
+async def test_top_logprobs_and_logprobs_match_the_logits_row(model: Path) -> None:
+    async with await lloyal.create_context(model, n_ctx=256, n_seq_max=2) as ctx:
+        b = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        await b.prefill(await ctx.tokenize(PROMPT))
+        row = b.logits.astype(np.float64)
+        m = row.max()
+        logp = row - (m + np.log(np.sum(np.exp(row - m))))
+        # Reference order: most likely first, ties by lower id.
+        order = np.lexsort((np.arange(row.size), -row))
+        tokens, lps = b.top_logprobs(50)
+        assert tokens.dtype == np.int32
+        assert lps.dtype == np.float64
+        assert tokens.tolist() == order[:50].tolist()
+        np.testing.assert_allclose(lps, logp[order[:50]], rtol=0, atol=1e-6)
+        assert int(tokens[0]) == (await b.produce()).token  # greedy
+        picks = [int(order[0]), int(order[7]), int(order[-1])]
+        np.testing.assert_allclose(b.logprobs(picks), logp[picks], rtol=0, atol=1e-6)
+        assert b.logprobs(picks)[1] == pytest.approx(-b.model_surprisal(picks[1]), abs=1e-12)
+        assert b.top_logprobs(0)[0].size == 0
+        assert b.top_logprobs(10**9)[0].size == ctx.vocab_size
+        # Bad input: typed errors, the branch unchanged.
+        with pytest.raises(ValueError, match="k must be >= 0"):
+            b.top_logprobs(-1)
+        with pytest.raises(ValueError, match="out of range"):
+            b.logprobs([ctx.vocab_size])
+        assert b.top_logprobs(1)[0].tolist() == [int(order[0])]
+        empty = lloyal.Branch.create(ctx)
+        with pytest.raises(ValueError, match="no logits"):
+            empty.top_logprobs(3)
+        await empty.prune()
+        with pytest.raises(lloyal.BranchDisposedError):
+            empty.top_logprobs(3)
+        await b.prune()

@@ -484,7 +484,38 @@ class Branch:
         self._ctx._native.branch_set_logit_bias(self._handle, _biases(biases))
 
     def model_entropy(self, base: Base = "nats") -> float:
+        """Entropy of the model's next-token distribution (the raw logits
+        snapshot: no bias, penalties or grammar)."""
         return float(self._ctx._native.branch_entropy(self._handle, base))
+
+    def top_logprobs(self, k: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float64]]:
+        """The ``k`` most likely next tokens under the model's distribution
+        (the raw logits snapshot), best first (ties: lower id first), and
+        their log-probabilities in nats: ``(tokens, logprobs)``, two arrays
+        of ``min(k, vocab)`` entries. Computed natively in one pass with the
+        log-sum-exp the worker already summed: no copy of the logits row.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await b.prefill(await ctx.tokenize("The capital of France is"))
+        ...         tokens, logprobs = b.top_logprobs(3)
+        ...         best = ctx.token_to_text(int(tokens[0]))
+        ...         return best, bool(logprobs[0] >= logprobs[1] >= logprobs[2])
+        >>> asyncio.run(main())
+        (' Paris', True)
+        """
+        n = _check.integer(k, "k")
+        if n < 0:
+            raise ValueError(f"k must be >= 0, got {n}")
+        return self._ctx._native.branch_top_logprobs(self._handle, n)
+
+    def logprobs(self, tokens: Sequence[int]) -> npt.NDArray[np.float64]:
+        """Log-probabilities in nats of ``tokens`` as the next token under
+        the model's distribution (the raw logits snapshot), one per token.
+        ``-model_surprisal(t)`` for each, in one call."""
+        return self._ctx._native.branch_logprobs(self._handle, _token_list(tokens))
 
     def model_surprisal(self, token: int, base: Base = "nats") -> float:
         return float(self._ctx._native.branch_surprisal(self._handle, _token_id(token), base))

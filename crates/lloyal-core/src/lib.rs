@@ -98,7 +98,7 @@ pub mod fuzzing {
 pub use backend::{
     backend, backend_info, supports_gpu_offload, BackendInfo, Device, LLAMA_CPP_2_VERSION,
 };
-pub use branch::{BranchId, BranchState, Branches, ItemResults, TreeOutcome};
+pub use branch::{BranchId, BranchState, Branches, ItemResults, LogitsView, TreeOutcome};
 pub use engine::{
     after_job, join_workers, Context, Embeddings, Hold, Reply, Stats, WORKER_THREAD_NAME,
 };

@@ -151,7 +151,7 @@ fn exp_sums(logits: &[f32], max: f32) -> (f64, f64) {
 
 /// `log(sum(exp(logits)))`, computed stably. `-inf` and NaN entries count
 /// as zero probability.
-fn log_sum_exp(logits: &[f32]) -> Result<f64> {
+pub(crate) fn log_sum_exp(logits: &[f32]) -> Result<f64> {
     combine_pieces(
         logits
             .chunks(SUPER_BLOCK)
@@ -210,6 +210,53 @@ pub fn surprisal(logits: &[f32], token: i32, base: Base) -> Result<f64> {
     let index = token_index(logits, token)?;
     let lse = log_sum_exp(logits)?;
     Ok(base.scale(lse - f64::from(logits[index])))
+}
+
+/// The `k` most likely tokens under `logits`, best first (ties: the lower
+/// id first), with their log-probabilities in nats; `log_sum_exp` is the
+/// row's (see [`LogitStats`]). NaN logits count as `-inf`. One pass with a
+/// heap of `k`: no copy of the row.
+pub fn top_logprobs(logits: &[f32], k: usize, log_sum_exp: f64) -> Vec<(i32, f64)> {
+    use std::cmp::{Ordering, Reverse};
+    use std::collections::BinaryHeap;
+
+    /// A token as the heap orders it: by logit, then the lower id.
+    #[derive(PartialEq)]
+    struct Ranked(f32, Reverse<i32>);
+    impl Eq for Ranked {}
+    impl PartialOrd for Ranked {
+        fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+            Some(self.cmp(other))
+        }
+    }
+    impl Ord for Ranked {
+        fn cmp(&self, other: &Self) -> Ordering {
+            self.0.total_cmp(&other.0).then(self.1.cmp(&other.1))
+        }
+    }
+
+    let k = k.min(logits.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    // A min-heap of the best `k` so far: its top is the worst kept.
+    let mut best: BinaryHeap<Reverse<Ranked>> = BinaryHeap::with_capacity(k + 1);
+    for (i, &l) in logits.iter().enumerate() {
+        let l = if l.is_nan() { f32::NEG_INFINITY } else { l };
+        let item = Ranked(l, Reverse(i as i32));
+        if best.len() < k {
+            best.push(Reverse(item));
+        } else if best.peek().is_some_and(|Reverse(worst)| item > *worst) {
+            best.pop();
+            best.push(Reverse(item));
+        }
+    }
+    let mut out: Vec<(i32, f64)> = best
+        .into_iter()
+        .map(|Reverse(Ranked(l, Reverse(t)))| (t, f64::from(l) - log_sum_exp))
+        .collect();
+    out.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    out
 }
 
 fn token_index(logits: &[f32], token: i32) -> Result<usize> {
@@ -282,6 +329,15 @@ impl LogitStats {
         self.argmax
     }
 
+    /// The log-sum-exp of `logits`, the row these stats are of (computed
+    /// now if the worker has not yet).
+    pub(crate) fn log_sum_exp(&self, logits: &[f32]) -> Result<f64> {
+        match *self.log_sum_exp.get_or_init(|| log_sum_exp(logits).ok()) {
+            Some(lse) => Ok(lse),
+            None => log_sum_exp(logits),
+        }
+    }
+
     /// [`surprisal`] of `token` under `logits`, the row these stats are of.
     pub(crate) fn surprisal(&self, logits: &[f32], token: i32, base: Base) -> Result<f64> {
         match *self.log_sum_exp.get_or_init(|| log_sum_exp(logits).ok()) {
@@ -338,6 +394,27 @@ impl PerplexityTracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_logprobs_match_a_full_sort() {
+        let logits: Vec<f32> = (0..5000)
+            .map(|i| ((i * 7919) % 1000) as f32 / 37.0 - 10.0)
+            .chain([f32::NAN, f32::NEG_INFINITY])
+            .collect();
+        let lse = log_sum_exp(&logits[..5000]).unwrap();
+        let mut reference: Vec<(i32, f64)> = (0..logits.len() as i32)
+            .map(|t| {
+                let l = logits[t as usize];
+                let l = if l.is_nan() { f32::NEG_INFINITY } else { l };
+                (t, f64::from(l) - lse)
+            })
+            .collect();
+        reference.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        for k in [0, 1, 2, 10, 999, 5002, 9999] {
+            let got = top_logprobs(&logits, k, lse);
+            assert_eq!(got, reference[..k.min(logits.len())].to_vec(), "k={k}");
+        }
+    }
 
     #[test]
     fn fast_exp_is_accurate() {

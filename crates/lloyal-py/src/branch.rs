@@ -1,7 +1,7 @@
 //! Branch operations on `NativeContext`. Branch handles cross into Python
 //! as plain integers (`BranchId::to_bits`); `lloyal.Branch` wraps them.
 
-use lloyal_core::{metrics, Base, BranchId};
+use lloyal_core::{Base, BranchId};
 use lloyal_core::{ItemResults, TreeOutcome};
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -242,11 +242,39 @@ impl PyContext {
         self.inner.branch_steer(id(branch), biases).py_err()
     }
 
-    fn branch_entropy(&self, branch: u64, base: &str) -> PyResult<f64> {
+    fn branch_entropy(&self, py: Python<'_>, branch: u64, base: &str) -> PyResult<f64> {
         let base: Base = base.parse().py_err()?;
-        self.inner
-            .with_branch(id(branch), |b| metrics::entropy(b.logits()?, base))
-            .py_err()
+        let view = self.inner.branch_logits_view(id(branch)).py_err()?;
+        py.detach(move || view.entropy(base)).py_err()
+    }
+
+    /// ``(tokens, logprobs)``: the ``k`` most likely next tokens, best first.
+    fn branch_top_logprobs<'py>(
+        &self,
+        py: Python<'py>,
+        branch: u64,
+        k: usize,
+    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<f64>>)> {
+        let view = self.inner.branch_logits_view(id(branch)).py_err()?;
+        let top = py.detach(move || view.top_logprobs(k)).py_err()?;
+        let tokens: Vec<i32> = top.iter().map(|t| t.0).collect();
+        let logprobs: Vec<f64> = top.iter().map(|t| t.1).collect();
+        Ok((
+            PyArray1::from_vec(py, tokens),
+            PyArray1::from_vec(py, logprobs),
+        ))
+    }
+
+    fn branch_logprobs<'py>(
+        &self,
+        py: Python<'py>,
+        branch: u64,
+        tokens: Vec<i32>,
+    ) -> PyResult<Bound<'py, PyArray1<f64>>> {
+        self.inner.model().check_tokens(&tokens).py_err()?;
+        let view = self.inner.branch_logits_view(id(branch)).py_err()?;
+        let out = view.logprobs(&tokens).py_err()?;
+        Ok(PyArray1::from_vec(py, out))
     }
 
     fn branch_surprisal(&self, branch: u64, token: i32, base: &str) -> PyResult<f64> {

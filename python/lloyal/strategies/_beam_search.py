@@ -15,15 +15,12 @@ from lloyal.strategies._common import (
     Progress,
     Prompt,
     _check_positive,
-    _entropy,
-    _log_softmax,
     _need_leases,
     _Output,
     _prompt_tokens,
     _prune_all,
     _Recorder,
     _stopper,
-    _top,
 )
 
 
@@ -122,10 +119,11 @@ async def beam_search(
         for step in range(max_tokens):
             candidates: list[tuple[float, int, int, float, float]] = []
             for bi, beam in enumerate(beams):
-                logp = _log_softmax(beam.branch.logits)
-                ent = _entropy(logp)
-                for t in _top(logp, 2 * width):
-                    candidates.append((beam.score + float(logp[t]), bi, t, -float(logp[t]), ent))
+                # Native: the best 2w tokens and the entropy, no row copied.
+                top, logp = beam.branch.top_logprobs(2 * width)
+                ent = beam.branch.model_entropy()
+                for t, lp in zip(top.tolist(), logp.tolist(), strict=True):
+                    candidates.append((beam.score + lp, bi, t, -lp, ent))
             candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
             chosen: list[tuple[float, int, int, float, float]] = []
             for cand in candidates:

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::job::{mark_busy, BranchJob, ItemResults};
-use super::state::{BranchId, BranchState};
+use super::state::{BranchId, BranchState, LogitsView};
 use super::tree::{check_tree, TreeOutcome};
 use crate::engine::{Context, Job, Reply};
 use crate::error::{invalid, Error, Result};
@@ -58,6 +58,12 @@ impl Context {
         self.check_open()?;
         let branches = lock(&self.shared.branches);
         Ok(f(branches.get(id)?))
+    }
+
+    /// The branch's logits snapshot and stats, to compute on without the
+    /// branches lock (top tokens, log-probabilities, entropy).
+    pub fn branch_logits_view(&self, id: BranchId) -> Result<LogitsView> {
+        self.read_branch(id, BranchState::logits_view)?
     }
 
     /// Leases free now.

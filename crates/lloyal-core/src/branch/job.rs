@@ -1,8 +1,6 @@
 //! Branch jobs: what the worker runs for branch operations, how queued
 //! commits merge, and the busy marks that keep a branch to one job at a time.
 
-use std::sync::Arc;
-
 use super::state::{BranchId, Branches};
 use super::tree::TreeOutcome;
 use crate::engine::{Recover, Reply, Task, Worker};
@@ -229,10 +227,14 @@ impl Worker<'_> {
                 })
             }
             BranchJob::Drop { id } => {
-                let shared = Arc::clone(&self.shared);
-                let mut branches = lock(&shared.branches);
-                branches.detach_children(id);
-                let _ = self.dispose(&mut branches, id);
+                let removed = {
+                    let mut branches = lock(&self.shared.branches);
+                    branches.detach_children(id);
+                    branches.remove(id)
+                };
+                if let Ok(state) = removed {
+                    self.dispose(vec![state]);
+                }
             }
             BranchJob::Save { id, reply } => {
                 let result = self.save_branch(id);

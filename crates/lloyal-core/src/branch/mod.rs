@@ -24,5 +24,5 @@ pub(crate) mod state;
 mod tree;
 
 pub use job::ItemResults;
-pub use state::{BranchId, BranchState, Branches};
+pub use state::{BranchId, BranchState, Branches, LogitsView};
 pub use tree::TreeOutcome;

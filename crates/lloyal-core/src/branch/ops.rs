@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::state::{BranchId, Branches};
+use super::state::{BranchId, BranchState};
 use crate::engine::Worker;
 use crate::error::{invalid, Error, Result};
 use crate::sync::lock;
@@ -15,100 +15,123 @@ impl Worker<'_> {
         }
     }
 
+    // The KV work below (copies, removals: scans of every cell) runs
+    // without the branches lock, so that callers reading branch state on
+    // other threads do not wait behind it. A branch being forked is busy
+    // (or the worker is idle: inline), and leases taken or not yet given
+    // back keep their sequences from anyone else meanwhile.
+
     pub(super) fn fork(&mut self, parent: BranchId) -> Result<BranchId> {
-        let shared = Arc::clone(&self.shared);
-        let mut branches = lock(&shared.branches);
-        let (src, position) = {
+        let (src, position, child, dst) = {
+            let mut branches = lock(&self.shared.branches);
             let p = branches.get(parent)?;
-            (p.seq, p.position)
+            let (src, position) = (p.seq, p.position);
+            let dst = branches.lease(|s| self.shared.holds_flat_data(s))?;
+            // The parent's state as of now, whatever happens to it later.
+            let child = branches.get(parent)?.fork(dst, parent);
+            (src, position, child, dst)
         };
-        let dst = branches.lease(|s| shared.holds_flat_data(s))?;
         // The lease may hold flat-API cells; a fork starts from the parent's.
         // (`seq_rm` scans every cell, so skip it when the sequence is empty.)
         if self.ctx.kv_cache_seq_pos_max(dst) >= 0 {
             let _ = self.remove_cells(dst, None, None);
         }
         if position > 0 {
-            self.ctx
-                .copy_kv_cache_seq(src, dst, None, None)
-                .map_err(|e| {
-                    branches.release(dst);
-                    Error::Internal(format!("KV sequence copy failed: {e}"))
-                })?;
+            if let Err(e) = self.ctx.copy_kv_cache_seq(src, dst, None, None) {
+                let _ = self.remove_cells(dst, None, None);
+                lock(&self.shared.branches).release(dst);
+                self.refresh_seq(dst);
+                return Err(Error::Internal(format!("KV sequence copy failed: {e}")));
+            }
         }
-        let child = branches.get(parent)?.fork(dst, parent);
+        let mut branches = lock(&self.shared.branches);
         let id = branches.insert(child);
-        branches.get_mut(parent)?.children.push(id);
+        match branches.get_mut(parent) {
+            Ok(p) => p.children.push(id),
+            // Dropped meanwhile by another thread (`branch_drop` frees a
+            // garbage-collected branch at once): the child is a root.
+            Err(_) => branches.get_mut(id)?.parent = None,
+        }
         drop(branches);
         self.refresh_seq(dst);
         Ok(id)
     }
 
-    /// Clear a removed branch's cells and give its lease back.
-    pub(super) fn dispose(&mut self, branches: &mut Branches, id: BranchId) -> Result<()> {
-        let state = branches.remove(id)?;
-        let _ = self.remove_cells(state.seq, None, None);
-        branches.release(state.seq);
-        self.refresh_seq(state.seq);
-        Ok(())
+    /// Clear the cells of branches taken out of the arena, then give their
+    /// leases back (a lease is free only once its cells are).
+    pub(super) fn dispose(&mut self, removed: Vec<BranchState>) {
+        for state in &removed {
+            let _ = self.remove_cells(state.seq, None, None);
+            self.refresh_seq(state.seq);
+        }
+        let mut branches = lock(&self.shared.branches);
+        for state in &removed {
+            branches.release(state.seq);
+        }
+        drop(branches);
     }
 
     pub(super) fn prune(&mut self, id: BranchId, cascade: bool) -> Result<()> {
-        let shared = Arc::clone(&self.shared);
-        let mut branches = lock(&shared.branches);
-        let order = if cascade {
-            branches.subtree_post_order(id)?
-        } else {
-            let live = branches.get(id)?.children.len();
-            if live > 0 {
-                return Err(invalid(format!(
-                    "the branch has {live} live children; prune them first or use prune_subtree()"
-                )));
-            }
-            vec![id]
+        let removed = {
+            let mut branches = lock(&self.shared.branches);
+            let order = if cascade {
+                branches.subtree_post_order(id)?
+            } else {
+                let live = branches.get(id)?.children.len();
+                if live > 0 {
+                    return Err(invalid(format!(
+                        "the branch has {live} live children; prune them first or use prune_subtree()"
+                    )));
+                }
+                vec![id]
+            };
+            // Everything submitted before this prune has run; an operation
+            // submitted after it finds the branch gone (BranchDisposed).
+            order
+                .into_iter()
+                .filter_map(|b| branches.remove(b).ok())
+                .collect()
         };
-        // Everything submitted before this prune has run; an operation
-        // submitted after it finds the branch gone (BranchDisposed).
-        for b in order {
-            self.dispose(&mut branches, b)?;
-        }
+        self.dispose(removed);
         Ok(())
     }
 
     pub(super) fn retain_only(&mut self, keep: BranchId) -> Result<()> {
-        let shared = Arc::clone(&self.shared);
-        let mut branches = lock(&shared.branches);
-        let keep_seq = branches.get(keep)?.seq;
-        let others: Vec<BranchId> = branches.ids().into_iter().filter(|&b| b != keep).collect();
-        if others
-            .iter()
-            .any(|&b| branches.get(b).is_ok_and(|s| s.busy))
-        {
-            return Err(Error::BranchBusy);
-        }
+        let (keep_seq, removed, flat_cells) = {
+            let mut branches = lock(&self.shared.branches);
+            let keep_seq = branches.get(keep)?.seq;
+            let others: Vec<BranchId> = branches.ids().into_iter().filter(|&b| b != keep).collect();
+            if others
+                .iter()
+                .any(|&b| branches.get(b).is_ok_and(|s| s.busy))
+            {
+                return Err(Error::BranchBusy);
+            }
+            let n_seq = branches.n_seq_max() as i32;
+            let flat_cells =
+                (0..n_seq).any(|s| !branches.is_leased(s) && self.ctx.kv_cache_seq_pos_max(s) >= 0);
+            let removed: Vec<BranchState> = others
+                .into_iter()
+                .filter_map(|b| branches.remove(b).ok())
+                .collect();
+            let winner = branches.get_mut(keep)?;
+            winner.parent = None;
+            winner.children.clear();
+            (keep_seq, removed, flat_cells)
+        };
         // One pass over the cells (keep only the winner's sequence), unless
         // the flat API holds cells in a sequence no branch leases, or
         // removed cells become tombstones: then clear the losers' sequences
         // one by one and leave those alone.
-        let n_seq = branches.n_seq_max() as i32;
-        let flat_cells =
-            (0..n_seq).any(|s| !branches.is_leased(s) && self.ctx.kv_cache_seq_pos_max(s) >= 0);
         if flat_cells || self.tomb().is_some() {
-            for &b in &others {
-                let seq = branches.get(b)?.seq;
-                let _ = self.remove_cells(seq, None, None);
-            }
+            self.dispose(removed);
         } else {
             self.ctx.llama_kv_cache_seq_keep(keep_seq);
+            let mut branches = lock(&self.shared.branches);
+            for state in &removed {
+                branches.release(state.seq);
+            }
         }
-        for b in others {
-            let state = branches.remove(b)?;
-            branches.release(state.seq);
-        }
-        let winner = branches.get_mut(keep)?;
-        winner.parent = None;
-        winner.children.clear();
-        drop(branches);
         for seq in 0..self.shared_pos_len() {
             self.refresh_seq(seq);
         }

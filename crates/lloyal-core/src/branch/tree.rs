@@ -142,15 +142,20 @@ impl Worker<'_> {
 
     /// Undo a failed tree: the root's cells from `base` on, and the forks.
     pub(super) fn drop_tree(&mut self, root: BranchId, base: i32, forks: &[BranchId]) {
-        let shared = Arc::clone(&self.shared);
-        let mut branches = lock(&shared.branches);
-        for &id in forks {
-            let _ = self.dispose(&mut branches, id);
-        }
-        if let Ok(b) = branches.get_mut(root) {
-            b.children.retain(|c| !forks.contains(c));
-            let seq = b.seq;
-            drop(branches);
+        let (removed, root_seq) = {
+            let mut branches = lock(&self.shared.branches);
+            let removed: Vec<_> = forks
+                .iter()
+                .filter_map(|&id| branches.remove(id).ok())
+                .collect();
+            let root_seq = branches.get_mut(root).ok().map(|b| {
+                b.children.retain(|c| !forks.contains(c));
+                b.seq
+            });
+            (removed, root_seq)
+        };
+        self.dispose(removed);
+        if let Some(seq) = root_seq {
             let _ = self.remove_cells(seq, u32::try_from(base).ok(), None);
             self.refresh_seq(seq);
         }
