@@ -458,9 +458,7 @@ class Branch:
 
     @property
     def sampler_params(self) -> SamplingParams:
-        d = self._ctx._native.branch_params(self._handle)
-        d["logit_bias"] = tuple(tuple(pair) for pair in d["logit_bias"])
-        return SamplingParams(**d)
+        return self._ctx._native.branch_params(self._handle)
 
     @property
     def logits(self) -> Logits:

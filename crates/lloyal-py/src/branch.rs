@@ -10,7 +10,10 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 use crate::context::{f32_slice, PyContext};
 use crate::errors::{to_pyerr, IntoPyResult};
 use crate::reply::{none, py_reply};
-use crate::sampling::{params_from_py, params_to_dict};
+use crate::sampling::{params_from_py, PySamplingParams};
+
+/// `(tokens, logprobs)` of `branch_top_logprobs`.
+type TopLogprobs<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<f64>>);
 
 pub(crate) fn id(bits: u64) -> BranchId {
     BranchId::from_bits(bits)
@@ -185,12 +188,12 @@ impl PyContext {
         self.inner.branch_set_params(id(branch), params).py_err()
     }
 
-    fn branch_params<'py>(&self, py: Python<'py>, branch: u64) -> PyResult<Bound<'py, PyDict>> {
-        let p = self
+    fn branch_params(&self, branch: u64) -> PyResult<PySamplingParams> {
+        let inner = self
             .inner
             .read_branch(id(branch), |b| b.sampler().params().clone())
             .py_err()?;
-        params_to_dict(py, &p)
+        Ok(PySamplingParams { inner })
     }
 
     fn branch_reseed(&self, branch: u64, seed: u64) -> PyResult<()> {
@@ -254,7 +257,7 @@ impl PyContext {
         py: Python<'py>,
         branch: u64,
         k: usize,
-    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<f64>>)> {
+    ) -> PyResult<TopLogprobs<'py>> {
         let view = self.inner.branch_logits_view(id(branch)).py_err()?;
         let top = py.detach(move || view.top_logprobs(k)).py_err()?;
         let tokens: Vec<i32> = top.iter().map(|t| t.0).collect();

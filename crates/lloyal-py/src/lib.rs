@@ -19,6 +19,7 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<context::PyContext>()?;
     m.add_class::<context::PyHold>()?;
     m.add_class::<sampling::PyPerplexityTracker>()?;
+    m.add_class::<sampling::PySamplingParams>()?;
     m.add_class::<reply::Completion>()?;
     m.add_class::<reply::ResultQueue>()?;
     m.add_class::<grammar::PyGrammar>()?;

@@ -1,60 +1,329 @@
 //! Sampling parameters and the perplexity tracker, as Python sees them.
 
 use lloyal_core::{PerplexityTracker, SamplingParams};
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
 
 use crate::errors::IntoPyResult;
 
-/// Read a `lloyal.SamplingParams` (or any object with the same attributes).
-/// Anything else is a `TypeError` that names the parameter.
+/// How to pick the next token. Defaults are llama.cpp's. Immutable; all
+/// arguments are keywords.
+///
+/// The chain runs logit bias, penalties, top-n-sigma, top-k, typical-p,
+/// top-p, min-p, XTC, temperature, then draws from the softmax.
+/// ``temperature <= 0`` is greedy (argmax after bias and penalties).
+/// ``mirostat=2`` (Mirostat 2.0) replaces the filters: after temperature it
+/// keeps tokens whose surprise in bits is within a bound that it steers
+/// toward ``mirostat_tau`` with rate ``mirostat_eta``. ``seed=None`` seeds
+/// from the OS; a fixed seed makes sampling reproducible.
+///
+/// ``logit_bias`` maps token ids to additive biases (a dict or pairs).
+///
+/// DRY (``dry_multiplier > 0``) runs after the penalties: a token that would
+/// extend a repeat of ``n >= dry_allowed_length`` earlier tokens loses
+/// ``dry_multiplier * dry_base ** (n - dry_allowed_length)``; tokens whose
+/// text contains one of ``dry_sequence_breakers`` end a repeat.
+/// ``dry_penalty_last_n=-1`` looks at the whole history.
+///
+/// The engine's own parameters (Rust ``lloyal_core::SamplingParams``): the
+/// checks run once, here, and each call hands the engine a copy. The
+/// sampler computes in ``float32``, as llama.cpp's do. Values are kept as
+/// given (``float64``); biases are ``float32``.
+///
+/// >>> from lloyal import SamplingParams
+/// >>> SamplingParams(temperature=0).is_greedy
+/// True
+/// >>> SamplingParams(seed=1).with_(top_k=10).top_k
+/// 10
+/// >>> SamplingParams(top_p=1.5)
+/// Traceback (most recent call last):
+///   ...
+/// ValueError: top_p must be in [0, 1], got 1.5
+#[pyclass(name = "SamplingParams", module = "lloyal", frozen, eq)]
+#[derive(Clone, PartialEq)]
+pub struct PySamplingParams {
+    pub(crate) inner: SamplingParams,
+}
+
+/// The engine's copy of a `lloyal.SamplingParams`; anything else is a
+/// `TypeError` that names the parameter.
 pub fn params_from_py(obj: &Bound<'_, PyAny>) -> PyResult<SamplingParams> {
-    read_params(obj).map_err(|e| {
-        let py = obj.py();
-        if e.is_instance_of::<pyo3::exceptions::PyValueError>(py) {
-            return e;
+    match obj.cast::<PySamplingParams>() {
+        Ok(p) => Ok(p.get().inner.clone()),
+        Err(_) => {
+            let kind = obj
+                .get_type()
+                .name()
+                .map_or_else(|_| "?".to_owned(), |n| n.to_string());
+            Err(PyTypeError::new_err(format!(
+                "params must be a lloyal.SamplingParams, got {kind}"
+            )))
         }
-        let kind = obj
-            .get_type()
-            .name()
-            .map_or_else(|_| "?".to_owned(), |n| n.to_string());
-        pyo3::exceptions::PyTypeError::new_err(format!(
-            "params must be a lloyal.SamplingParams, got {kind} ({e})"
-        ))
-    })
+    }
 }
 
-fn read_params(obj: &Bound<'_, PyAny>) -> PyResult<SamplingParams> {
-    let seed: Option<u64> = obj.getattr("seed")?.extract()?;
-    let params = SamplingParams {
-        temperature: obj.getattr("temperature")?.extract()?,
-        top_k: obj.getattr("top_k")?.extract()?,
-        top_p: obj.getattr("top_p")?.extract()?,
-        min_p: obj.getattr("min_p")?.extract()?,
-        typical_p: obj.getattr("typical_p")?.extract()?,
-        repeat_penalty: obj.getattr("repeat_penalty")?.extract()?,
-        frequency_penalty: obj.getattr("frequency_penalty")?.extract()?,
-        presence_penalty: obj.getattr("presence_penalty")?.extract()?,
-        penalty_last_n: obj.getattr("penalty_last_n")?.extract()?,
-        seed,
-        logit_bias: obj.getattr("logit_bias")?.extract()?,
-        top_n_sigma: obj.getattr("top_n_sigma")?.extract()?,
-        xtc_probability: obj.getattr("xtc_probability")?.extract()?,
-        xtc_threshold: obj.getattr("xtc_threshold")?.extract()?,
-        mirostat: obj.getattr("mirostat")?.extract()?,
-        mirostat_tau: obj.getattr("mirostat_tau")?.extract()?,
-        mirostat_eta: obj.getattr("mirostat_eta")?.extract()?,
-        dry_multiplier: obj.getattr("dry_multiplier")?.extract()?,
-        dry_base: obj.getattr("dry_base")?.extract()?,
-        dry_allowed_length: obj.getattr("dry_allowed_length")?.extract()?,
-        dry_penalty_last_n: obj.getattr("dry_penalty_last_n")?.extract()?,
-        dry_sequence_breakers: obj.getattr("dry_sequence_breakers")?.extract()?,
+fn type_name(v: &Bound<'_, PyAny>) -> String {
+    v.get_type()
+        .name()
+        .map_or_else(|_| "?".to_owned(), |n| n.to_string())
+}
+
+/// A float parameter: any real number but a bool.
+fn real(name: &str, v: &Bound<'_, PyAny>) -> PyResult<f64> {
+    let wrong = || PyTypeError::new_err(format!("{name} must be a float, got {}", type_name(v)));
+    if v.is_instance_of::<PyBool>() || v.is_instance_of::<PyString>() {
+        return Err(wrong());
+    }
+    v.extract::<f64>().map_err(|_| wrong())
+}
+
+/// An integer parameter (anything with `__index__` but a bool) that fits `T`.
+fn integer<T: TryFrom<i128>>(name: &str, v: &Bound<'_, PyAny>) -> PyResult<T> {
+    if v.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be an int, got bool"
+        )));
+    }
+    let n: i128 = v.extract().map_err(|_| {
+        PyTypeError::new_err(format!("{name} must be an int, got {}", type_name(v)))
+    })?;
+    T::try_from(n).map_err(|_| PyValueError::new_err(format!("{name} is out of range, got {n}")))
+}
+
+fn logit_bias(v: &Bound<'_, PyAny>) -> PyResult<Vec<(i32, f32)>> {
+    let pairs = match v.cast::<PyDict>() {
+        Ok(d) => d.items().into_any(),
+        Err(_) => v.clone(),
     };
-    params.validate().py_err()?;
-    Ok(params)
+    let mut out = Vec::new();
+    for pair in pairs
+        .try_iter()
+        .map_err(|_| PyTypeError::new_err("logit_bias must be a dict or pairs (token id, bias)"))?
+    {
+        let (t, b): (Bound<'_, PyAny>, Bound<'_, PyAny>) = pair?.extract().map_err(|_| {
+            PyTypeError::new_err("logit_bias must be a dict or pairs (token id, bias)")
+        })?;
+        let t: i64 = integer("a logit_bias token id", &t)?;
+        if t < 0 {
+            return Err(PyValueError::new_err("logit_bias token ids must be >= 0"));
+        }
+        let t = i32::try_from(t).map_err(|_| {
+            PyValueError::new_err(format!("logit_bias token id {t} is out of range"))
+        })?;
+        out.push((t, real("a logit_bias bias", &b)? as f32));
+    }
+    Ok(out)
 }
 
-/// The inverse of [`params_from_py`]: keyword arguments for `lloyal.SamplingParams`.
+fn breakers(v: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+    let wrong = || PyTypeError::new_err("dry_sequence_breakers must be a sequence of strings");
+    if v.is_instance_of::<PyString>() {
+        return Err(wrong());
+    }
+    v.try_iter()
+        .map_err(|_| wrong())?
+        .map(|b| b.and_then(|b| b.extract::<String>()).map_err(|_| wrong()))
+        .collect()
+}
+
+/// `f32` bias as the decimal the user most likely wrote (0.1, not
+/// 0.10000000149): the shortest text that reads back as the same `f32`.
+fn shortest(x: f32) -> f64 {
+    format!("{x}").parse().unwrap_or(f64::from(x))
+}
+
+#[pymethods]
+impl PySamplingParams {
+    #[new]
+    #[pyo3(
+        text_signature = "(*, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, \
+        typical_p=1.0, repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, \
+        penalty_last_n=64, seed=None, logit_bias=(), top_n_sigma=-1.0, xtc_probability=0.0, \
+        xtc_threshold=0.1, mirostat=0, mirostat_tau=5.0, mirostat_eta=0.1, dry_multiplier=0.0, \
+        dry_base=1.75, dry_allowed_length=2, dry_penalty_last_n=-1, \
+        dry_sequence_breakers=('\\n', ':', '\"', '*'))"
+    )]
+    #[pyo3(signature = (
+        *, temperature=None, top_k=None, top_p=None, min_p=None, typical_p=None,
+        repeat_penalty=None, frequency_penalty=None, presence_penalty=None, penalty_last_n=None,
+        seed=None, logit_bias=None, top_n_sigma=None, xtc_probability=None, xtc_threshold=None,
+        mirostat=None, mirostat_tau=None, mirostat_eta=None, dry_multiplier=None, dry_base=None,
+        dry_allowed_length=None, dry_penalty_last_n=None, dry_sequence_breakers=None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        temperature: Option<&Bound<'_, PyAny>>,
+        top_k: Option<&Bound<'_, PyAny>>,
+        top_p: Option<&Bound<'_, PyAny>>,
+        min_p: Option<&Bound<'_, PyAny>>,
+        typical_p: Option<&Bound<'_, PyAny>>,
+        repeat_penalty: Option<&Bound<'_, PyAny>>,
+        frequency_penalty: Option<&Bound<'_, PyAny>>,
+        presence_penalty: Option<&Bound<'_, PyAny>>,
+        penalty_last_n: Option<&Bound<'_, PyAny>>,
+        seed: Option<&Bound<'_, PyAny>>,
+        logit_bias: Option<&Bound<'_, PyAny>>,
+        top_n_sigma: Option<&Bound<'_, PyAny>>,
+        xtc_probability: Option<&Bound<'_, PyAny>>,
+        xtc_threshold: Option<&Bound<'_, PyAny>>,
+        mirostat: Option<&Bound<'_, PyAny>>,
+        mirostat_tau: Option<&Bound<'_, PyAny>>,
+        mirostat_eta: Option<&Bound<'_, PyAny>>,
+        dry_multiplier: Option<&Bound<'_, PyAny>>,
+        dry_base: Option<&Bound<'_, PyAny>>,
+        dry_allowed_length: Option<&Bound<'_, PyAny>>,
+        dry_penalty_last_n: Option<&Bound<'_, PyAny>>,
+        dry_sequence_breakers: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let mut p = SamplingParams::default();
+        macro_rules! set {
+            ($field:ident, $read:ident) => {
+                if let Some(v) = $field {
+                    p.$field = $read(stringify!($field), v)?;
+                }
+            };
+        }
+        set!(temperature, real);
+        set!(top_k, integer);
+        set!(top_p, real);
+        set!(min_p, real);
+        set!(typical_p, real);
+        set!(repeat_penalty, real);
+        set!(frequency_penalty, real);
+        set!(presence_penalty, real);
+        set!(penalty_last_n, integer);
+        if let Some(v) = seed.filter(|v| !v.is_none()) {
+            if v.is_instance_of::<PyBool>() || v.extract::<i128>().is_err() {
+                return Err(PyTypeError::new_err(format!(
+                    "seed must be an int or None, got {}",
+                    type_name(v)
+                )));
+            }
+            let n: i128 = v.extract()?;
+            p.seed = Some(u64::try_from(n).map_err(|_| {
+                PyValueError::new_err(format!("seed must be in [0, 2**64), got {n}"))
+            })?);
+        }
+        if let Some(v) = logit_bias {
+            p.logit_bias = self::logit_bias(v)?;
+        }
+        set!(top_n_sigma, real);
+        set!(xtc_probability, real);
+        set!(xtc_threshold, real);
+        set!(mirostat, integer);
+        set!(mirostat_tau, real);
+        set!(mirostat_eta, real);
+        set!(dry_multiplier, real);
+        set!(dry_base, real);
+        set!(dry_allowed_length, integer);
+        set!(dry_penalty_last_n, integer);
+        if let Some(v) = dry_sequence_breakers {
+            p.dry_sequence_breakers = breakers(v)?;
+        }
+        p.validate().py_err()?;
+        Ok(PySamplingParams { inner: p })
+    }
+
+    /// Whether these parameters always pick the most likely token.
+    #[getter]
+    fn is_greedy(&self) -> bool {
+        self.inner.temperature <= 0.0 || self.inner.top_k == 1
+    }
+
+    #[getter]
+    fn seed(&self) -> Option<u64> {
+        self.inner.seed
+    }
+
+    #[getter]
+    fn logit_bias<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(
+            py,
+            self.inner.logit_bias.iter().map(|&(t, b)| (t, shortest(b))),
+        )
+    }
+
+    #[getter]
+    fn dry_sequence_breakers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.inner.dry_sequence_breakers)
+    }
+
+    /// A copy with some fields changed.
+    #[pyo3(signature = (**changes))]
+    fn with_<'py>(
+        slf: &Bound<'py, Self>,
+        changes: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let kwargs = params_to_dict(slf.py(), &slf.get().inner)?;
+        if let Some(changes) = changes {
+            kwargs.update(changes.as_mapping())?;
+        }
+        slf.get_type().call((), Some(&kwargs))
+    }
+
+    /// Pickling and `copy`: rebuilt from its keywords.
+    fn __getnewargs_ex__<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Bound<'py, PyTuple>, Bound<'py, PyDict>)> {
+        Ok((PyTuple::empty(py), params_to_dict(py, &self.inner)?))
+    }
+
+    fn __hash__(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        format!("{:?}", self.inner).hash(&mut h);
+        h.finish()
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let d = params_to_dict(py, &self.inner)?;
+        let mut parts = Vec::new();
+        for (k, v) in d.iter() {
+            parts.push(format!("{}={}", k.str()?, v.repr()?));
+        }
+        Ok(format!("SamplingParams({})", parts.join(", ")))
+    }
+}
+
+macro_rules! plain_getters {
+    ($($name:ident: $ty:ty),* $(,)?) => {
+        #[pymethods]
+        impl PySamplingParams {
+            $(
+                #[getter]
+                fn $name(&self) -> $ty {
+                    self.inner.$name
+                }
+            )*
+        }
+    };
+}
+
+plain_getters!(
+    temperature: f64,
+    top_k: i32,
+    top_p: f64,
+    min_p: f64,
+    typical_p: f64,
+    repeat_penalty: f64,
+    frequency_penalty: f64,
+    presence_penalty: f64,
+    penalty_last_n: i32,
+    top_n_sigma: f64,
+    xtc_probability: f64,
+    xtc_threshold: f64,
+    mirostat: u8,
+    mirostat_tau: f64,
+    mirostat_eta: f64,
+    dry_multiplier: f64,
+    dry_base: f64,
+    dry_allowed_length: i32,
+    dry_penalty_last_n: i32,
+);
+
+/// Keyword arguments for `lloyal.SamplingParams`, in field order.
 pub fn params_to_dict<'py>(py: Python<'py>, p: &SamplingParams) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("temperature", p.temperature)?;
@@ -67,7 +336,12 @@ pub fn params_to_dict<'py>(py: Python<'py>, p: &SamplingParams) -> PyResult<Boun
     d.set_item("presence_penalty", p.presence_penalty)?;
     d.set_item("penalty_last_n", p.penalty_last_n)?;
     d.set_item("seed", p.seed)?;
-    d.set_item("logit_bias", p.logit_bias.clone())?;
+    let bias: Vec<(i32, f64)> = p
+        .logit_bias
+        .iter()
+        .map(|&(t, b)| (t, shortest(b)))
+        .collect();
+    d.set_item("logit_bias", PyTuple::new(py, bias)?)?;
     d.set_item("top_n_sigma", p.top_n_sigma)?;
     d.set_item("xtc_probability", p.xtc_probability)?;
     d.set_item("xtc_threshold", p.xtc_threshold)?;
@@ -78,7 +352,10 @@ pub fn params_to_dict<'py>(py: Python<'py>, p: &SamplingParams) -> PyResult<Boun
     d.set_item("dry_base", p.dry_base)?;
     d.set_item("dry_allowed_length", p.dry_allowed_length)?;
     d.set_item("dry_penalty_last_n", p.dry_penalty_last_n)?;
-    d.set_item("dry_sequence_breakers", p.dry_sequence_breakers.clone())?;
+    d.set_item(
+        "dry_sequence_breakers",
+        PyTuple::new(py, &p.dry_sequence_breakers)?,
+    )?;
     Ok(d)
 }
 

@@ -40,8 +40,6 @@ impl Context {
         rx.recv().map_err(|_| Error::ContextClosed)?
     }
 
-    /// Occupy the worker until the returned guard is dropped: jobs submitted
-
     /// Largest position held for `seq` (`-1` when empty).
     pub fn kv_seq_pos_max(&self, seq: i32) -> Result<i32> {
         self.check_open()?;

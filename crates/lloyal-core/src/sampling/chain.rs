@@ -39,7 +39,7 @@ impl Sampler {
         params.validate()?;
         let rng = seeded_rng(params.seed);
         Ok(Self {
-            mu: 2.0 * params.mirostat_tau,
+            mu: 2.0 * (params.mirostat_tau as f32),
             params,
             history: VecDeque::new(),
             counts: HashMap::new(),
@@ -69,7 +69,7 @@ impl Sampler {
         if params.mirostat_tau != self.params.mirostat_tau
             || params.mirostat != self.params.mirostat
         {
-            self.mu = 2.0 * params.mirostat_tau;
+            self.mu = 2.0 * (params.mirostat_tau as f32);
         }
         self.params = params;
         self.trim_history();
@@ -154,7 +154,8 @@ impl Sampler {
     ) -> Result<(i32, f64)> {
         let p = &self.params;
         // XTC flips its coin before the chain runs, so `distribution` stays pure.
-        let xtc = p.xtc_probability > 0.0 && self.rng.random::<f32>() < p.xtc_probability;
+        let xtc = (p.xtc_probability as f32) > 0.0
+            && self.rng.random::<f32>() < (p.xtc_probability as f32);
         let dist = match argmax {
             Some(t) if p.is_plain_greedy() && !logits.is_empty() => vec![(t, 1.0)],
             _ => self.chain(logits, xtc)?,
@@ -177,7 +178,8 @@ impl Sampler {
         if self.params.mirostat == 2 {
             // Move the bound towards the target surprise (in bits).
             let observed = -(chosen.1.max(f64::MIN_POSITIVE)).log2() as f32;
-            self.mu -= self.params.mirostat_eta * (observed - self.params.mirostat_tau);
+            self.mu -=
+                (self.params.mirostat_eta as f32) * (observed - (self.params.mirostat_tau as f32));
         }
         Ok(chosen)
     }
@@ -221,7 +223,7 @@ impl Sampler {
         }
         self.apply_penalties(&mut cands);
         self.apply_dry(&mut cands);
-        if p.temperature <= 0.0 {
+        if (p.temperature as f32) <= 0.0 {
             return argmax(&cands).map(|t| vec![(t, 1.0)]).ok_or_else(nothing);
         }
         cands.retain(|c| c.logit.is_finite() || c.logit == f32::INFINITY);
@@ -231,8 +233,8 @@ impl Sampler {
         if p.mirostat == 2 {
             return Ok(self.mirostat_v2(cands));
         }
-        if p.top_n_sigma > 0.0 {
-            top_n_sigma(&mut cands, p.top_n_sigma);
+        if (p.top_n_sigma as f32) > 0.0 {
+            top_n_sigma(&mut cands, p.top_n_sigma as f32);
         }
         let top_k = usize::try_from(p.top_k).unwrap_or(0);
         if top_k > 0 && top_k < cands.len() {
@@ -240,25 +242,25 @@ impl Sampler {
             cands.truncate(top_k);
         }
         cands.sort_unstable_by(|a, b| b.logit.total_cmp(&a.logit).then(a.id.cmp(&b.id)));
-        if p.typical_p < 1.0 {
-            typical(&mut cands, p.typical_p);
+        if (p.typical_p as f32) < 1.0 {
+            typical(&mut cands, p.typical_p as f32);
         }
-        if p.top_p < 1.0 {
+        if (p.top_p as f32) < 1.0 {
             let probs = softmax(&cands, 1.0);
             let mut cum = 0.0;
             let mut keep = cands.len();
             for (i, pr) in probs.iter().enumerate() {
                 cum += pr;
-                if cum >= f64::from(p.top_p) {
+                if cum >= f64::from(p.top_p as f32) {
                     keep = i + 1;
                     break;
                 }
             }
             cands.truncate(keep.max(1));
         }
-        if p.min_p > 0.0 {
+        if (p.min_p as f32) > 0.0 {
             // Sorted descending, so the first candidate is the best.
-            let threshold = cands[0].logit + p.min_p.ln();
+            let threshold = cands[0].logit + (p.min_p as f32).ln();
             let keep = cands.iter().take_while(|c| c.logit >= threshold).count();
             cands.truncate(keep.max(1));
         }
@@ -267,13 +269,13 @@ impl Sampler {
             let probs = softmax(&cands, 1.0);
             let above = probs
                 .iter()
-                .take_while(|&&q| q >= f64::from(p.xtc_threshold))
+                .take_while(|&&q| q >= f64::from(p.xtc_threshold as f32))
                 .count();
             if above >= 2 {
                 cands.drain(..above - 1);
             }
         }
-        let probs = softmax(&cands, p.temperature);
+        let probs = softmax(&cands, p.temperature as f32);
         Ok(cands.iter().map(|c| c.id).zip(probs).collect())
     }
 
@@ -281,7 +283,7 @@ impl Sampler {
     /// (bits) is within the running bound `mu`.
     fn mirostat_v2(&self, mut cands: Vec<Candidate>) -> Vec<(i32, f64)> {
         cands.sort_unstable_by(|a, b| b.logit.total_cmp(&a.logit).then(a.id.cmp(&b.id)));
-        let probs = softmax(&cands, self.params.temperature);
+        let probs = softmax(&cands, self.params.temperature as f32);
         let keep = probs
             .iter()
             .take_while(|&&q| -q.log2() <= f64::from(self.mu))
@@ -337,7 +339,7 @@ impl Sampler {
             }
             if let Some(c) = usize::try_from(token).ok().and_then(|i| cands.get_mut(i)) {
                 let exponent = (k - allowed) as i32;
-                c.logit -= p.dry_multiplier * p.dry_base.powi(exponent.min(64));
+                c.logit -= (p.dry_multiplier as f32) * (p.dry_base as f32).powi(exponent.min(64));
             }
         }
     }
@@ -366,11 +368,11 @@ impl Sampler {
                 continue;
             };
             if c.logit > 0.0 {
-                c.logit /= p.repeat_penalty;
+                c.logit /= p.repeat_penalty as f32;
             } else {
-                c.logit *= p.repeat_penalty;
+                c.logit *= p.repeat_penalty as f32;
             }
-            c.logit -= count as f32 * p.frequency_penalty + p.presence_penalty;
+            c.logit -= count as f32 * (p.frequency_penalty as f32) + (p.presence_penalty as f32);
         }
     }
 }

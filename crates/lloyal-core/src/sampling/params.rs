@@ -5,19 +5,19 @@ use crate::error::{invalid, Result};
 /// Sampling parameters. The defaults are llama.cpp's.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
-    pub temperature: f32,
+    pub temperature: f64,
     /// Keep the `top_k` most likely tokens; `0` disables.
     pub top_k: i32,
     /// Nucleus sampling; `1.0` disables.
-    pub top_p: f32,
+    pub top_p: f64,
     /// Drop tokens below `min_p * p(best)`; `0.0` disables.
-    pub min_p: f32,
+    pub min_p: f64,
     /// Locally typical sampling; `1.0` disables.
-    pub typical_p: f32,
+    pub typical_p: f64,
     /// Divide positive logits (multiply negative ones) of recent tokens; `1.0` disables.
-    pub repeat_penalty: f32,
-    pub frequency_penalty: f32,
-    pub presence_penalty: f32,
+    pub repeat_penalty: f64,
+    pub frequency_penalty: f64,
+    pub presence_penalty: f64,
     /// How many recent tokens the penalties look at; `0` disables, `-1` = all.
     pub penalty_last_n: i32,
     /// RNG seed; `None` draws one from the OS.
@@ -25,21 +25,21 @@ pub struct SamplingParams {
     /// Added to these tokens' logits before anything else.
     pub logit_bias: Vec<(i32, f32)>,
     /// Keep tokens within `n` standard deviations of the top logit; `<= 0` disables.
-    pub top_n_sigma: f32,
+    pub top_n_sigma: f64,
     /// XTC: with this probability, drop every token above `xtc_threshold`
     /// except the least likely of them; `0` disables.
-    pub xtc_probability: f32,
-    pub xtc_threshold: f32,
+    pub xtc_probability: f64,
+    pub xtc_threshold: f64,
     /// Mirostat: `0` off, `2` = Mirostat 2.0 (replaces top-k/p, min-p, typical).
     pub mirostat: u8,
     /// Mirostat target surprise (bits) and learning rate.
-    pub mirostat_tau: f32,
-    pub mirostat_eta: f32,
+    pub mirostat_tau: f64,
+    pub mirostat_eta: f64,
     /// DRY ("don't repeat yourself"): a token that would extend a repeat of
     /// an earlier sequence of `n >= dry_allowed_length` tokens loses
     /// `dry_multiplier * dry_base^(n - dry_allowed_length)` logits; `0` disables.
-    pub dry_multiplier: f32,
-    pub dry_base: f32,
+    pub dry_multiplier: f64,
+    pub dry_base: f64,
     pub dry_allowed_length: i32,
     /// How far back DRY looks; `-1` = all kept history, `0` disables.
     pub dry_penalty_last_n: i32,
@@ -170,7 +170,7 @@ impl SamplingParams {
 
     /// Whether this is plain argmax with nothing that edits the logits.
     pub(crate) fn is_plain_greedy(&self) -> bool {
-        self.temperature <= 0.0
+        (self.temperature as f32) <= 0.0
             && !self.has_penalties()
             && !self.has_dry()
             && self.logit_bias.is_empty()

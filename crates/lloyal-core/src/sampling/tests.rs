@@ -186,7 +186,7 @@ fn invalid_params_are_rejected() {
     })
     .is_err());
     assert!(Sampler::new(SamplingParams {
-        temperature: f32::NAN,
+        temperature: f64::NAN,
         ..SamplingParams::default()
     })
     .is_err());
