@@ -541,3 +541,21 @@ async def test_top_logprobs_and_logprobs_match_the_logits_row(model: Path) -> No
         with pytest.raises(lloyal.BranchDisposedError):
             empty.top_logprobs(3)
         await b.prune()
+
+
+async def test_a_sampler_run_off_the_loop_keeps_its_random_stream(model: Path) -> None:
+    """produce() on the sampler thread writes the advanced random stream
+    back: the same seed gives the same tokens as sampling on the loop."""
+    params = lloyal.SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    async with await lloyal.create_context(model, n_ctx=256, n_seq_max=3) as ctx:
+        root = lloyal.Branch.create(ctx, params)
+        await root.prefill(await ctx.tokenize(PROMPT))
+        off, on = await root.fork(), await root.fork()
+        native = ctx._native
+        assert native.branch_produce_is_slow(off._handle)
+        via_thread = [(await off.produce()).token for _ in range(6)]
+        on_loop = [native.branch_produce(on._handle)[0] for _ in range(6)]
+        assert via_thread == on_loop
+        assert len(set(via_thread)) > 1  # really sampled, not one token
+        await off.commit(via_thread[-1])  # the branch is not left busy
+        await root.prune_subtree()

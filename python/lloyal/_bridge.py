@@ -12,7 +12,10 @@ for whichever event loop is running:
   arrived meanwhile (one wake-up for a whole batch).
   A loop without ``add_reader`` (Windows' Proactor loop) is handed each
   result with ``call_soon_threadsafe`` instead.
-* trio: the worker reschedules the waiting task through its ``TrioToken``.
+* trio: the worker hands the results of one job to :func:`_deliver`, which
+  reschedules every task waiting on them through one ``run_sync_soon`` of
+  their run's ``TrioToken`` (one wake-up for the batch, and the tasks run
+  in the same round).
 
 Cancelling the awaiting task abandons the wait; the native operation still
 runs to completion on the worker.
@@ -115,36 +118,72 @@ def call_native(start: Start) -> Awaitable[Any]:
     return fut
 
 
-def _call_native_trio(start: Start) -> Awaitable[Any]:
-    """Start the native call now (as under asyncio: the caller may have
-    work queued behind a hold before it awaits) and return a coroutine
-    that waits for its result."""
+class _TrioDone:
+    """The ``done`` of a native call awaited under trio: hands the result to
+    the run through its token (see :func:`_deliver`)."""
+
+    __slots__ = ("token", "wake")
+
+    def __init__(self, token: Any, wake: Callable[[Any], None]) -> None:
+        self.token = token
+        self.wake = wake
+
+    def __call__(self, error: BaseException | None, value: Any) -> None:
+        _deliver([(self, error, value)])
+
+
+def _outcome(error: BaseException | None, value: Any) -> Any:
     import outcome
+
+    return outcome.Error(error) if error is not None else outcome.Value(value)
+
+
+def _wake_all(wakes: list[tuple[Callable[[Any], None], Any]]) -> None:
+    for wake, result in wakes:
+        wake(result)
+
+
+def _deliver(calls: list[tuple[Done, BaseException | None, Any]]) -> None:
+    """Complete the callable ``done``s of one engine job (the engine calls
+    this once per job, from its thread, with the GIL). Those of a trio run
+    are woken by one callback per run, so every task waiting on the job is
+    rescheduled in the same round."""
+    by_run: dict[Any, list[tuple[Callable[[Any], None], Any]]] = {}
+    for done, error, value in calls:
+        if isinstance(done, _TrioDone):
+            by_run.setdefault(done.token, []).append((done.wake, _outcome(error, value)))
+        else:
+            done(error, value)
+    if not by_run:
+        return
     import trio
 
-    token = trio.lowlevel.current_trio_token()
+    for token, wakes in by_run.items():
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(_wake_all, wakes)
+
+
+def _call_native_trio(start: Start) -> Awaitable[Any]:
+    """Start the native call now (as under asyncio: the caller may have
+    work queued behind a hold before it awaits) and return what waits for
+    its result."""
+    import trio
+
     # The waiting task once it waits; the result if it came first. Both
-    # are only touched on trio's thread (`done` hands over through
-    # `run_sync_soon`).
+    # are only touched on trio's thread (`wake` runs there).
     waiting: list[Any] = []
     arrived: list[Any] = []
     abandoned = False
 
-    def done(error: BaseException | None, value: Any) -> None:
-        result = outcome.Error(error) if error is not None else outcome.Value(value)
+    def wake(result: Any) -> None:
+        if abandoned:
+            return
+        if waiting:
+            trio.lowlevel.reschedule(waiting[0], result)
+        else:
+            arrived.append(result)
 
-        def wake() -> None:
-            if abandoned:
-                return
-            if waiting:
-                trio.lowlevel.reschedule(waiting[0], result)
-            else:
-                arrived.append(result)
-
-        with contextlib.suppress(trio.RunFinishedError):
-            token.run_sync_soon(wake)
-
-    start(done)
+    start(_TrioDone(trio.lowlevel.current_trio_token(), wake))
 
     async def wait() -> Any:
         if arrived:

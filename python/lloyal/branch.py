@@ -303,12 +303,18 @@ class Branch:
 
         Cheap samplers (greedy, the default ``top_k=40``) run right here; a
         sampler that sorts or scans the whole vocabulary (``top_k=0`` or
-        over 1024, mirostat) or applies a grammar runs on a worker thread
-        (``anyio.to_thread``), so the event loop is not stalled: ``top_k=0``
-        on Gemma 3's 262k-token vocabulary takes about 9 ms."""
+        over 1024, mirostat) or applies a grammar runs on a sampler thread
+        of the engine, outside the branches lock, and settles this await
+        like a decode does, so the event loop is not stalled: ``top_k=0``
+        on Gemma 3's 262k-token vocabulary takes about 9 ms. Meanwhile the
+        branch is busy (another operation on it raises
+        :class:`BranchBusyError`)."""
         native = self._ctx._native
-        if native.branch_produce_is_slow(self._handle):
-            token, piece, stop = await anyio.to_thread.run_sync(native.branch_produce, self._handle)
+        handle = self._handle
+        if native.branch_produce_is_slow(handle):
+            token, piece, stop = await call_native(
+                lambda done: native.branch_produce_async(handle, done)
+            )
         else:
             token, piece, stop = native.branch_produce(self._handle)
         return Produced(token, piece.decode("utf-8", errors="replace"), stop)

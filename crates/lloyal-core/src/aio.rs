@@ -64,6 +64,19 @@ impl Aio<'_> {
         answer.await
     }
 
+    /// [`Context::branch_produce`]: the next token (the random stream
+    /// advances; nothing is written). A slow sampler
+    /// ([`Context::branch_produce_is_slow`]) runs on a thread of its own,
+    /// so the task's runtime thread is not held for it.
+    pub async fn produce(self, id: BranchId) -> Result<i32> {
+        if !self.0.branch_produce_is_slow(id)? {
+            return self.0.branch_produce(id);
+        }
+        let (reply, answer) = channel();
+        self.0.branch_produce_off_thread(id, reply);
+        answer.await
+    }
+
     /// [`Context::branch_commit`]: one token per branch, one decode (merged
     /// with commits other callers queued meanwhile). Fails with the first
     /// item's error; use [`Aio::commit_each`] for one result per item.

@@ -121,13 +121,44 @@ async fn closing_fails_the_queued_requests() {
         let ctx = Arc::clone(&ctx);
         tokio::spawn(async move { ctx.aio().close().await })
     };
-    queued(&ctx, 3).await;
-    drop(hold);
+    // Closing ends the hold (a holder may be waiting for the close).
     assert!(matches!(commit.await.unwrap(), Err(Error::ContextClosed)));
     assert!(matches!(fork.await.unwrap(), Err(Error::ContextClosed)));
     close.await.unwrap().unwrap();
+    drop(hold);
     assert!(matches!(
         ctx.aio().fork(kids[0]).await,
         Err(Error::ContextClosed)
     ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_sampler_runs_on_its_own_thread_and_keeps_its_stream() {
+    let ctx = open(3);
+    let kids = forks(&ctx, 2).await;
+    let full_vocabulary = SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: Some(7),
+        ..SamplingParams::default()
+    };
+    for &kid in &kids {
+        ctx.branch_set_params(kid, full_vocabulary.clone()).unwrap();
+    }
+    assert!(ctx.branch_produce_is_slow(kids[0]).unwrap());
+    let mut via_thread = Vec::new();
+    let mut here = Vec::new();
+    for _ in 0..6 {
+        via_thread.push(ctx.aio().produce(kids[0]).await.unwrap());
+        here.push(ctx.branch_produce(kids[1]).unwrap());
+    }
+    assert_eq!(via_thread, here);
+    // Not left busy.
+    ctx.aio()
+        .commit(vec![(kids[0], via_thread[5])])
+        .await
+        .unwrap();
+    ctx.aio().close().await.unwrap();
 }

@@ -1,7 +1,9 @@
 //! Branch operations on `NativeContext`. Branch handles cross into Python
 //! as plain integers (`BranchId::to_bits`); `lloyal.Branch` wraps them.
 
-use lloyal_core::{Base, BranchId};
+use std::sync::Arc;
+
+use lloyal_core::{Base, BranchId, Reply};
 use lloyal_core::{ItemResults, TreeOutcome};
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -14,6 +16,13 @@ use crate::sampling::{params_from_py, PySamplingParams};
 
 /// `(tokens, logprobs)` of `branch_top_logprobs`.
 type TopLogprobs<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<f64>>);
+
+fn produced(py: Python<'_>, (token, piece, stop): (i32, Vec<u8>, bool)) -> PyResult<Py<PyAny>> {
+    Ok((token, PyBytes::new(py, &piece), stop)
+        .into_pyobject(py)?
+        .into_any()
+        .unbind())
+}
 
 pub(crate) fn id(bits: u64) -> BranchId {
     BranchId::from_bits(bits)
@@ -177,6 +186,26 @@ impl PyContext {
             })
             .py_err()?;
         Ok((token, PyBytes::new(py, &piece), stop))
+    }
+
+    /// `branch_produce` on a sampler thread (slow samplers), completing
+    /// ``done`` with ``(token, piece bytes, is_stop)``; the event loop
+    /// settles it without waiting for the GIL to come back from a thread.
+    fn branch_produce_async(&self, branch: u64, done: Py<PyAny>) {
+        let model = Arc::clone(self.inner.model());
+        let out: Reply<(i32, Vec<u8>, bool)> = py_reply(done, produced);
+        self.inner.branch_produce_off_thread(
+            id(branch),
+            Reply::new(move |result: lloyal_core::Result<i32>| {
+                out.send(result.and_then(|token| {
+                    Ok((
+                        token,
+                        model.token_bytes(token, false)?,
+                        model.is_stop_token(token)?,
+                    ))
+                }))
+            }),
+        );
     }
 
     fn branch_accept(&self, branch: u64, token: i32) -> PyResult<()> {

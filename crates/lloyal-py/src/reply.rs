@@ -174,14 +174,51 @@ pub fn py_reply<T: Send + 'static>(
         }),
         None => Reply::new(move |result| {
             lloyal_core::after_job(Box::new(move || {
-                attach(|py| {
-                    let (error, value) = to_python(py, result, convert);
-                    if let Err(err) = done.call1(py, (error, value)) {
-                        err.write_unraisable(py, Some(done.bind(py)));
-                    }
-                });
+                call_later(done, Box::new(move |py| to_python(py, result, convert)));
             }));
         }),
+    }
+}
+
+thread_local! {
+    /// Callable `done`s of one job's replies, with their results.
+    static CALLS: std::cell::RefCell<Vec<(Py<PyAny>, Convert)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Call a callable `done` with its result, together with the other
+/// replies of the same job: the first one defers a flush behind them (an
+/// `after_job` run by a reply runs after the replies already waiting),
+/// which hands them all to `lloyal._bridge._deliver` in one call. So a trio
+/// run is woken once for a whole batch (every waiting task rescheduled in
+/// the same round, and their next commits merged again), not once per
+/// reply with the loop thread running in between.
+fn call_later(done: Py<PyAny>, convert: Convert) {
+    let first = CALLS.with(|c| {
+        let mut c = c.borrow_mut();
+        c.push((done, convert));
+        c.len() == 1
+    });
+    if first {
+        lloyal_core::after_job(Box::new(|| {
+            let calls = CALLS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+            attach(|py| {
+                let items: Vec<(Py<PyAny>, Py<PyAny>, Py<PyAny>)> = calls
+                    .into_iter()
+                    .map(|(done, convert)| {
+                        let (error, value) = convert(py);
+                        (done, error, value)
+                    })
+                    .collect();
+                let delivered = py
+                    .import(intern!(py, "lloyal._bridge"))
+                    .and_then(|m| m.getattr(intern!(py, "_deliver")))
+                    .and_then(|deliver| deliver.call1((items,)));
+                if let Err(err) = delivered {
+                    err.write_unraisable(py, None);
+                }
+            });
+        }));
     }
 }
 

@@ -2,12 +2,13 @@
 //! `branches` lock on the caller's thread; anything touching the KV cache
 //! becomes a [`BranchJob`] for the worker.
 
-use std::sync::Arc;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
 
 use super::job::{mark_busy, BranchJob, ItemResults};
 use super::state::{BranchId, BranchState, LogitsView};
 use super::tree::{check_tree, TreeOutcome};
-use crate::engine::{Context, Job, Reply};
+use crate::engine::{Context, Job, Reply, Shared};
 use crate::error::{invalid, Error, Result};
 use crate::grammar::Grammar;
 use crate::sampling::SamplingParams;
@@ -142,6 +143,65 @@ impl Context {
     /// Sample the branch's next token; nothing is written.
     pub fn branch_produce(&self, id: BranchId) -> Result<i32> {
         self.with_branch(id, BranchState::produce)
+    }
+
+    /// [`Context::branch_produce`] on a thread of its own, answering
+    /// `reply` from there: for samplers too slow for the caller's thread
+    /// ([`Context::branch_produce_is_slow`]: a 262k-entry sort, a grammar
+    /// mask), so that an event loop awaits the token instead of stalling.
+    /// The branch is busy until the token is chosen; the sampling runs
+    /// without the branches lock, so other branches and the worker's jobs
+    /// do not wait behind it.
+    pub fn branch_produce_off_thread(&self, id: BranchId, reply: Reply<i32>) {
+        let detached = (|| {
+            self.check_open()?;
+            let mut branches = lock(&self.shared.branches);
+            let state = branches.get_mut(id)?;
+            if state.busy {
+                return Err(Error::BranchBusy);
+            }
+            state.busy = true;
+            Ok(state.detach_for_produce())
+        })();
+        let detached = match detached {
+            Ok(d) => d,
+            Err(e) => return reply.send(Err(e)),
+        };
+        // Reachable here until the thread has taken it, so that a thread
+        // that cannot start still gives the branch back and answers.
+        let slot = Arc::new(Mutex::new(Some((detached, reply))));
+        let taken = Arc::clone(&slot);
+        let shared = Arc::clone(&self.shared);
+        fn finish(
+            shared: &Shared,
+            id: BranchId,
+            detached: BranchState,
+            result: Result<i32>,
+        ) -> Result<i32> {
+            if let Ok(state) = lock(&shared.branches).get_mut(id) {
+                state.reattach(detached);
+                state.busy = false;
+            }
+            result
+        }
+        let spawned = std::thread::Builder::new()
+            .name("lloyal-sampler".into())
+            .spawn(move || {
+                let Some((mut detached, reply)) = lock(&taken).take() else {
+                    return;
+                };
+                let result = catch_unwind(AssertUnwindSafe(|| detached.produce()))
+                    .unwrap_or_else(|p| Err(Error::from_panic(p)));
+                reply.send(finish(&shared, id, detached, result));
+            });
+        if let Err(e) = spawned {
+            if let Some((detached, reply)) = lock(&slot).take() {
+                let failed = Err(Error::Internal(format!(
+                    "could not start a sampler thread: {e}"
+                )));
+                reply.send(finish(&self.shared, id, detached, failed));
+            }
+        }
     }
 
     /// Accept a token without decoding it (penalties and metrics).

@@ -301,6 +301,39 @@ impl BranchState {
         Ok(token)
     }
 
+    /// What `produce` needs, taken off this branch (which the caller marks
+    /// busy) so that sampling can run without the branches lock: clones of
+    /// the sampler, snapshot and biases, and the grammar itself. Give it
+    /// back with [`BranchState::reattach`].
+    pub(crate) fn detach_for_produce(&mut self) -> BranchState {
+        BranchState {
+            seq: self.seq,
+            position: self.position,
+            fork_head: self.fork_head,
+            sampler: self.sampler.clone(),
+            logits: self.logits.clone(),
+            logit_stats: self.logit_stats.clone(),
+            logit_bias: Arc::clone(&self.logit_bias),
+            steer: self.steer.clone(),
+            grammar: self.grammar.take(),
+            perplexity: PerplexityTracker::default(),
+            sampling_perplexity: PerplexityTracker::default(),
+            last_produced: None,
+            parent: None,
+            children: Vec::new(),
+            busy: false,
+            rows: None,
+        }
+    }
+
+    /// Take back what [`BranchState::detach_for_produce`] took, as `produce`
+    /// left it (the random stream advanced).
+    pub(crate) fn reattach(&mut self, detached: BranchState) {
+        self.sampler = detached.sampler;
+        self.grammar = detached.grammar;
+        self.last_produced = detached.last_produced;
+    }
+
     pub fn grammar(&self) -> Option<&Grammar> {
         self.grammar.as_ref()
     }

@@ -36,4 +36,5 @@ pub use reply::{after_job, Reply};
 pub use shared::{Embeddings, Stats};
 
 pub(crate) use job::{Job, Recover, Task};
+pub(crate) use shared::Shared;
 pub(crate) use worker::Worker;
