@@ -7,7 +7,11 @@ report aggregate tok/s. The raw loop runs in a child process that keeps its
 context; the two sides take turns in chunks of CHUNK steps (STEPS x RUNS
 steps each in all), so a slow second of this shared machine hits both
 alike. The ratio is the median over chunk pairs of Python tok/s / raw
-tok/s; the tok/s columns are totals. Also
+tok/s; the tok/s columns are totals. The Python column commits with one
+``BranchStore.commit`` per step; "tasks ratio" is the same loop written
+as one task per branch, each awaiting ``branch.commit`` (the worker merges
+their commits: see docs/batching.md), measured against a raw run of its
+own in the same way. Also
 prints fork latency at 10 / 1000 / 3000 token prefixes next to llama.cpp's
 own KV sequence copy of the same prefix in the same context configuration
 (a Rust example over llama-cpp-2).
@@ -87,12 +91,21 @@ WARMUP_STEPS = 4
 
 
 async def paired_lockstep(
-    raw_cmd: list[str], path: Path, prompt: list[int], n: int, chunks: list[int], threads: int
+    raw_cmd: list[str],
+    path: Path,
+    prompt: list[int],
+    n: int,
+    chunks: list[int],
+    threads: int,
+    tasks: bool = False,
 ) -> tuple[list[float], list[float]]:
     """Seconds per chunk for the raw loop and for the Python API, taking
     turns (who goes first alternates); both keep their context throughout.
-    The raw side is driven with blocking calls on purpose: nothing else may
-    run while either side is timed."""
+    The Python side commits with one ``BranchStore.commit`` per step, or,
+    with ``tasks``, runs one task per branch, each awaiting its own
+    ``branch.commit`` (the worker merges them). The raw side is driven with
+    blocking calls on purpose: nothing else may run while either side is
+    timed."""
     total = WARMUP_STEPS + sum(chunks)
     raw = subprocess.Popen(  # noqa: ASYNC220 -- see the docstring
         [*raw_cmd, str(n), "0", str(threads), str(n_ctx_for(n, total))],
@@ -123,10 +136,17 @@ async def paired_lockstep(
             await root.prefill(prompt)
             branches = [await root.fork() for _ in range(n)]
 
+            async def one_branch(b: lloyal.Branch, steps: int) -> None:
+                for _ in range(steps):
+                    await b.commit((await b.produce()).token)
+
             async def py_chunk(steps: int) -> float:
                 started = time.perf_counter()
-                for _ in range(steps):
-                    await store.commit([(b, (await b.produce()).token) for b in branches])
+                if tasks:
+                    await asyncio.gather(*(one_branch(b, steps) for b in branches))
+                else:
+                    for _ in range(steps):
+                        await store.commit([(b, (await b.produce()).token) for b in branches])
                 return time.perf_counter() - started
 
             raw_chunk(WARMUP_STEPS)
@@ -254,7 +274,10 @@ def main() -> None:
             tokens_file = f.name
         print(f"\n{name}: aggregate tok/s, N branches in lockstep")
         extra = f" {'llama-cpp-python':>17} {'ours/lcp':>9}" if lcp else ""
-        print(f"{'N':>4} {'llama.cpp ref':>13} {'raw Rust':>10} {'Python':>10} {'ratio':>7}{extra}")
+        print(
+            f"{'N':>4} {'llama.cpp ref':>13} {'raw Rust':>10} {'Python':>10} {'ratio':>7}"
+            f" {'tasks ratio':>12}{extra}"
+        )
         rows: list[dict[str, float | None]] = []
         forks: dict[int, dict[str, object]] = {}
         seq_cp: dict[int, dict[str, object]] = {}
@@ -264,25 +287,35 @@ def main() -> None:
             [total % args.chunk] if total % args.chunk else []
         )
         for n in widths:
+            cmd = [str(raw_bin), str(path), tokens_file]
             raw, py = run_loop(
-                paired_lockstep(
-                    [str(raw_bin), str(path), tokens_file], path, prompt, n, chunks, args.threads
-                ),
+                paired_lockstep(cmd, path, prompt, n, chunks, args.threads), args.loop
+            )
+            # The same loop as one task per branch, paired with a raw run of
+            # its own (one context at a time: a unified KV cache attends
+            # over every sequence's cells, so sharing one would not be fair).
+            raw_t, tasks = run_loop(
+                paired_lockstep(cmd, path, prompt, n, chunks, args.threads, tasks=True),
                 args.loop,
             )
             r_med, p_med = n * total / sum(raw), n * total / sum(py)
             ratio = median([r / p for r, p in zip(raw, py, strict=True)])
+            tasks_ratio = median([r / t for r, t in zip(raw_t, tasks, strict=True)])
             row: dict[str, float | None] = {
                 "n": n,
                 "raw": r_med,
                 "python": p_med,
                 "ratio": ratio,
+                "tasks_ratio": tasks_ratio,
                 "lcp": None,
             }
             rows.append(row)
             ref = LLAMA_CPP_REF_TPS.get(name, {}).get(n)
             ref_text = f"{ref:>13}" if ref else f"{'-':>13}"
-            line = f"{n:>4} {ref_text} {r_med:>10.1f} {p_med:>10.1f} {ratio:>6.3f}x"
+            line = (
+                f"{n:>4} {ref_text} {r_med:>10.1f} {p_med:>10.1f} {ratio:>6.3f}x"
+                f" {tasks_ratio:>11.3f}x"
+            )
             if lcp:
                 out = run_json(
                     [

@@ -47,10 +47,10 @@ impl Shared {
         self.items.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Queue a result, then poke the pipe: pushed before poked, so the
+    /// Queue results, then poke the pipe once: pushed before poked, so the
     /// wake-up a poke causes finds every result queued before it.
-    fn push(&self, fut: Py<PyAny>, convert: Convert) {
-        self.items().push((fut, convert));
+    fn push_all(&self, results: impl IntoIterator<Item = (Py<PyAny>, Convert)>) {
+        self.items().extend(results);
         // A full pipe (`EAGAIN`) already guarantees a wake-up.
         let _ = (&self.write).write(&[1]);
     }
@@ -169,7 +169,7 @@ pub fn py_reply<T: Send + 'static>(
         Some((fut, queue)) => Reply::new(move |result| {
             // No GIL here. The pipe stays open while `queue` is held.
             lloyal_core::after_job(Box::new(move || {
-                queue.push(fut, Box::new(move |py| to_python(py, result, convert)));
+                push_later(queue, fut, Box::new(move |py| to_python(py, result, convert)));
             }));
         }),
         None => Reply::new(move |result| {
@@ -177,6 +177,38 @@ pub fn py_reply<T: Send + 'static>(
                 call_later(done, Box::new(move |py| to_python(py, result, convert)));
             }));
         }),
+    }
+}
+
+thread_local! {
+    /// Results of one job's replies bound for event-loop queues.
+    static PUSHES: std::cell::RefCell<Vec<(Arc<Shared>, Py<PyAny>, Convert)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Queue a result for its event loop together with the other replies of
+/// the same job (see [`call_later`] for how): each queue gets them all
+/// under one lock and one poke, so the loop's wake-up settles every future
+/// of the batch at once and their tasks run in the same loop iteration
+/// (their next commits then merge again). One by one, a loop that woke on
+/// the first result would run that task a round ahead of the others.
+fn push_later(queue: Arc<Shared>, fut: Py<PyAny>, convert: Convert) {
+    let first = PUSHES.with(|p| {
+        let mut p = p.borrow_mut();
+        p.push((queue, fut, convert));
+        p.len() == 1
+    });
+    if first {
+        lloyal_core::after_job(Box::new(|| {
+            let mut pushes = PUSHES.with(|p| std::mem::take(&mut *p.borrow_mut()));
+            while let Some((queue, _, _)) = pushes.first() {
+                let queue = Arc::clone(queue);
+                let (mine, rest): (Vec<_>, Vec<_>) =
+                    pushes.into_iter().partition(|(q, _, _)| Arc::ptr_eq(q, &queue));
+                queue.push_all(mine.into_iter().map(|(_, fut, convert)| (fut, convert)));
+                pushes = rest;
+            }
+        }));
     }
 }
 
