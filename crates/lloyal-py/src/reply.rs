@@ -169,7 +169,11 @@ pub fn py_reply<T: Send + 'static>(
         Some((fut, queue)) => Reply::new(move |result| {
             // No GIL here. The pipe stays open while `queue` is held.
             lloyal_core::after_job(Box::new(move || {
-                push_later(queue, fut, Box::new(move |py| to_python(py, result, convert)));
+                push_later(
+                    queue,
+                    fut,
+                    Box::new(move |py| to_python(py, result, convert)),
+                );
             }));
         }),
         None => Reply::new(move |result| {
@@ -203,8 +207,9 @@ fn push_later(queue: Arc<Shared>, fut: Py<PyAny>, convert: Convert) {
             let mut pushes = PUSHES.with(|p| std::mem::take(&mut *p.borrow_mut()));
             while let Some((queue, _, _)) = pushes.first() {
                 let queue = Arc::clone(queue);
-                let (mine, rest): (Vec<_>, Vec<_>) =
-                    pushes.into_iter().partition(|(q, _, _)| Arc::ptr_eq(q, &queue));
+                let (mine, rest): (Vec<_>, Vec<_>) = pushes
+                    .into_iter()
+                    .partition(|(q, _, _)| Arc::ptr_eq(q, &queue));
                 queue.push_all(mine.into_iter().map(|(_, fut, convert)| (fut, convert)));
                 pushes = rest;
             }
