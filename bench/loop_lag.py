@@ -5,6 +5,12 @@ worker thread). A ticker task records the longest gap between its turns
 while 30 produce() calls run; produce's own median time is printed too.
 
     python bench/loop_lag.py [--models gemma3,smollm2]
+
+Measured on the 2-core AVX-512 VM (2026-11-24), longest stall / median
+call in ms, on the loop vs through produce() (the engine's sampler
+thread): Gemma 3 top_k=0 9.89 / 9.30 vs 0.34 / 9.55; SmolLM2 top_k=0
+1.72 / 1.53 vs 0.25 / 2.65. Greedy and top_k=40 stay on the loop (Gemma
+3 top_k=40: 0.59 ms).
 """
 
 from __future__ import annotations

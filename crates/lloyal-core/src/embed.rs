@@ -42,14 +42,6 @@ impl Task for EmbedJob {
     fn fail(self: Box<Self>, error: Error) {
         EmbedJob::fail(*self, error);
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
-    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
-        self
-    }
 }
 
 impl Context {

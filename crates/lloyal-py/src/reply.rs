@@ -184,10 +184,12 @@ pub fn py_reply<T: Send + 'static>(
     }
 }
 
+/// A result bound for an event loop's queue: the queue, the future, the result.
+type Push = (Arc<Shared>, Py<PyAny>, Convert);
+
 thread_local! {
     /// Results of one job's replies bound for event-loop queues.
-    static PUSHES: std::cell::RefCell<Vec<(Arc<Shared>, Py<PyAny>, Convert)>> =
-        const { std::cell::RefCell::new(Vec::new()) };
+    static PUSHES: std::cell::RefCell<Vec<Push>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Queue a result for its event loop together with the other replies of

@@ -6,8 +6,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 
 use super::job::{mark_busy, BranchJob, ItemResults};
-use super::state::{BranchId, BranchState, LogitsView};
+use super::state::{BranchId, BranchState};
 use super::tree::{check_tree, TreeOutcome};
+use super::view::LogitsView;
 use crate::engine::{Context, Job, Reply, Shared};
 use crate::error::{invalid, Error, Result};
 use crate::grammar::Grammar;

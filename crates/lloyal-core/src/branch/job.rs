@@ -117,7 +117,7 @@ impl Task for BranchJob {
     fn absorb(&mut self, next: Box<dyn Task>) -> std::result::Result<(), Box<dyn Task>> {
         let both_commits = matches!(self, BranchJob::Commit { .. })
             && matches!(
-                next.as_any().downcast_ref::<BranchJob>(),
+                (*next).as_any().downcast_ref::<BranchJob>(),
                 Some(BranchJob::Commit { .. })
             );
         if !both_commits {
@@ -151,14 +151,6 @@ impl Task for BranchJob {
             }
         });
         Ok(())
-    }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
-    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
-        self
     }
 }
 

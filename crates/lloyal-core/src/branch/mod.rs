@@ -12,7 +12,8 @@
 //! different positions, each needing its own logits -- share one
 //! `llama_decode`; `tree` prefills a token tree in one decode; `ops` forks,
 //! prunes, reseeds and truncates; `snapshot` saves and restores; `scan` is
-//! the OpenMP assist that copies and scans logits rows.
+//! the OpenMP assist that copies and scans logits rows; `view` reads the
+//! next-token distribution (top tokens, log-probabilities) without the lock.
 
 mod api;
 mod decode;
@@ -22,7 +23,9 @@ mod scan;
 mod snapshot;
 pub(crate) mod state;
 mod tree;
+mod view;
 
 pub use job::ItemResults;
-pub use state::{BranchId, BranchState, Branches, LogitsView};
+pub use state::{BranchId, BranchState, Branches};
 pub use tree::TreeOutcome;
+pub use view::LogitsView;

@@ -32,9 +32,27 @@ pub(crate) enum Job {
 /// Cleanup of a task whose `run` panicked.
 pub(crate) type Recover = Box<dyn FnOnce(&mut Worker<'_>) + Send>;
 
+/// A value as `Any`, for [`Task::absorb`] to recognise its own kind
+/// (implemented for every type). On a `Box<dyn Task>` call it through the
+/// box (`(*task).as_any()`): the box itself is `Any` too.
+pub(crate) trait AsAny {
+    fn as_any(&self) -> &dyn Any;
+    fn into_any(self: Box<Self>) -> Box<dyn Any>;
+}
+
+impl<T: Any> AsAny for T {
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn Any> {
+        self
+    }
+}
+
 /// A job another module defines. The worker runs it (or fails it, when the
 /// context closes first); its replies answer its callers.
-pub(crate) trait Task: Send + 'static {
+pub(crate) trait Task: AsAny + Send + 'static {
     /// Run on the worker, holding it.
     fn run(self: Box<Self>, worker: &mut Worker<'_>);
 
@@ -53,12 +71,6 @@ pub(crate) trait Task: Send + 'static {
     fn absorb(&mut self, next: Box<dyn Task>) -> std::result::Result<(), Box<dyn Task>> {
         Err(next)
     }
-
-    /// The task itself, for `absorb` to recognise its own kind.
-    fn as_any(&self) -> &dyn Any;
-
-    /// The task itself, for `absorb` to take it apart.
-    fn into_any(self: Box<Self>) -> Box<dyn Any>;
 }
 
 impl Job {

@@ -63,14 +63,6 @@ impl Task for KvJob {
     fn fail(self: Box<Self>, error: Error) {
         KvJob::fail(*self, error);
     }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
-    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any> {
-        self
-    }
 }
 
 impl Context {
