@@ -32,24 +32,27 @@ use crate::errors::to_pyerr;
 /// thread (the conversion needs the GIL, which the worker does not take).
 type Convert = Box<dyn FnOnce(Python<'_>) -> (Py<PyAny>, Py<PyAny>) + Send>;
 
+/// A future and the result to settle it with.
+type Settle = (Py<PyAny>, Convert);
+
 /// What a [`ResultQueue`] shares with the replies in flight to it: they
 /// keep the pipe open until they have written to it.
 struct Shared {
     /// `(future, its result)`, oldest first.
-    items: Mutex<Vec<(Py<PyAny>, Convert)>>,
+    items: Mutex<Vec<Settle>>,
     read: File,
     write: File,
 }
 
 impl Shared {
-    fn items(&self) -> MutexGuard<'_, Vec<(Py<PyAny>, Convert)>> {
+    fn items(&self) -> MutexGuard<'_, Vec<Settle>> {
         // Pushing and taking cannot leave the list half-written.
         self.items.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Queue results, then poke the pipe once: pushed before poked, so the
     /// wake-up a poke causes finds every result queued before it.
-    fn push_all(&self, results: impl IntoIterator<Item = (Py<PyAny>, Convert)>) {
+    fn push_all(&self, results: impl IntoIterator<Item = Settle>) {
         self.items().extend(results);
         // A full pipe (`EAGAIN`) already guarantees a wake-up.
         let _ = (&self.write).write(&[1]);
@@ -165,100 +168,86 @@ pub fn py_reply<T: Send + 'static>(
             (c.target.clone_ref(py), Arc::clone(&c.queue.get().shared))
         })
     });
-    match to_loop {
-        Some((fut, queue)) => Reply::new(move |result| {
-            // No GIL here. The pipe stays open while `queue` is held.
-            lloyal_core::after_job(Box::new(move || {
-                push_later(
-                    queue,
-                    fut,
-                    Box::new(move |py| to_python(py, result, convert)),
-                );
-            }));
-        }),
-        None => Reply::new(move |result| {
-            lloyal_core::after_job(Box::new(move || {
-                call_later(done, Box::new(move |py| to_python(py, result, convert)));
-            }));
-        }),
-    }
+    Reply::new(move |result| {
+        let convert: Convert = Box::new(move |py| to_python(py, result, convert));
+        // No GIL here for a loop's queue. The pipe stays open while `queue`
+        // is held.
+        send_later(match to_loop {
+            Some((fut, queue)) => Out::Loop(queue, fut, convert),
+            None => Out::Call(done, convert),
+        });
+    })
 }
 
-/// A result bound for an event loop's queue: the queue, the future, the result.
-type Push = (Arc<Shared>, Py<PyAny>, Convert);
-
-thread_local! {
-    /// Results of one job's replies bound for event-loop queues.
-    static PUSHES: std::cell::RefCell<Vec<Push>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-/// Queue a result for its event loop together with the other replies of
-/// the same job (see [`call_later`] for how): each queue gets them all
-/// under one lock and one poke, so the loop's wake-up settles every future
-/// of the batch at once and their tasks run in the same loop iteration
-/// (their next commits then merge again). One by one, a loop that woke on
-/// the first result would run that task a round ahead of the others.
-fn push_later(queue: Arc<Shared>, fut: Py<PyAny>, convert: Convert) {
-    let first = PUSHES.with(|p| {
-        let mut p = p.borrow_mut();
-        p.push((queue, fut, convert));
-        p.len() == 1
-    });
-    if first {
-        lloyal_core::after_job(Box::new(|| {
-            let mut pushes = PUSHES.with(|p| std::mem::take(&mut *p.borrow_mut()));
-            while let Some((queue, _, _)) = pushes.first() {
-                let queue = Arc::clone(queue);
-                let (mine, rest): (Vec<_>, Vec<_>) = pushes
-                    .into_iter()
-                    .partition(|(q, _, _)| Arc::ptr_eq(q, &queue));
-                queue.push_all(mine.into_iter().map(|(_, fut, convert)| (fut, convert)));
-                pushes = rest;
-            }
-        }));
-    }
+/// Where a finished call's result goes.
+enum Out {
+    /// An asyncio future, through its loop's queue.
+    Loop(Arc<Shared>, Py<PyAny>, Convert),
+    /// A callable `done` (trio; loops that cannot watch a pipe).
+    Call(Py<PyAny>, Convert),
 }
 
 thread_local! {
-    /// Callable `done`s of one job's replies, with their results.
-    static CALLS: std::cell::RefCell<Vec<(Py<PyAny>, Convert)>> =
-        const { std::cell::RefCell::new(Vec::new()) };
+    /// Results of the replies of the job running on this thread.
+    static OUTBOX: std::cell::RefCell<Vec<Out>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Call a callable `done` with its result, together with the other
-/// replies of the same job: the first one defers a flush behind them (an
-/// `after_job` run by a reply runs after the replies already waiting),
-/// which hands them all to `lloyal._bridge._deliver` in one call. So a trio
-/// run is woken once for a whole batch (every waiting task rescheduled in
-/// the same round, and their next commits merged again), not once per
-/// reply with the loop thread running in between.
-fn call_later(done: Py<PyAny>, convert: Convert) {
-    let first = CALLS.with(|c| {
-        let mut c = c.borrow_mut();
-        c.push((done, convert));
-        c.len() == 1
+/// Hand a result on together with the other replies of the same job: the
+/// first one defers a flush until the job is over (`after_job`; at once
+/// off the worker). The flush gives each loop's queue its results under one
+/// lock and one poke, and hands every callable `done` to
+/// `lloyal._bridge._deliver` in one call, which wakes each trio run once.
+/// So the tasks a merged decode answers all run in the same loop round and
+/// their next commits merge again; one by one, a loop woken by the first
+/// result would run that task a round ahead of the others.
+fn send_later(out: Out) {
+    let first = OUTBOX.with(|o| {
+        let mut o = o.borrow_mut();
+        o.push(out);
+        o.len() == 1
     });
     if first {
-        lloyal_core::after_job(Box::new(|| {
-            let calls = CALLS.with(|c| std::mem::take(&mut *c.borrow_mut()));
-            attach(|py| {
-                let items: Vec<(Py<PyAny>, Py<PyAny>, Py<PyAny>)> = calls
-                    .into_iter()
-                    .map(|(done, convert)| {
-                        let (error, value) = convert(py);
-                        (done, error, value)
-                    })
-                    .collect();
-                let delivered = py
-                    .import(intern!(py, "lloyal._bridge"))
-                    .and_then(|m| m.getattr(intern!(py, "_deliver")))
-                    .and_then(|deliver| deliver.call1((items,)));
-                if let Err(err) = delivered {
-                    err.write_unraisable(py, None);
+        lloyal_core::after_job(Box::new(flush));
+    }
+}
+
+fn flush() {
+    let outbox = OUTBOX.with(|o| std::mem::take(&mut *o.borrow_mut()));
+    let mut queues: Vec<(Arc<Shared>, Vec<Settle>)> = Vec::new();
+    let mut calls = Vec::new();
+    for out in outbox {
+        match out {
+            Out::Loop(queue, fut, convert) => {
+                match queues.iter_mut().find(|(q, _)| Arc::ptr_eq(q, &queue)) {
+                    Some((_, items)) => items.push((fut, convert)),
+                    None => queues.push((queue, vec![(fut, convert)])),
                 }
-            });
-        }));
+            }
+            Out::Call(done, convert) => calls.push((done, convert)),
+        }
     }
+    for (queue, items) in queues {
+        queue.push_all(items);
+    }
+    if calls.is_empty() {
+        return;
+    }
+    attach(|py| {
+        let items: Vec<(Py<PyAny>, Py<PyAny>, Py<PyAny>)> = calls
+            .into_iter()
+            .map(|(done, convert)| {
+                let (error, value) = convert(py);
+                (done, error, value)
+            })
+            .collect();
+        let delivered = py
+            .import(intern!(py, "lloyal._bridge"))
+            .and_then(|m| m.getattr(intern!(py, "_deliver")))
+            .and_then(|deliver| deliver.call1((items,)));
+        if let Err(err) = delivered {
+            err.write_unraisable(py, None);
+        }
+    });
 }
 
 /// A Python thread state that a worker thread keeps for its lifetime, so

@@ -60,8 +60,7 @@ thread_local! {
 /// worker is free again; at once on any other thread. Reply callbacks use
 /// this so that whoever a reply wakes finds the worker idle (and can run
 /// short work inline) instead of racing its last steps. Replies still run
-/// in the order they were given; one deferred by a reply that is running
-/// (on the worker) runs after the replies already waiting.
+/// in the order they were given.
 pub fn after_job(f: Deferred) {
     let now = AFTER_JOB.with(|q| match q.borrow_mut().as_mut() {
         Some(queue) => {

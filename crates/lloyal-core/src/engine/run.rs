@@ -77,15 +77,9 @@ pub(super) fn run(engine: &Engine, rx: &mut UnboundedReceiver<Job>) {
             }
             drop(guard);
             engine.queued.fetch_sub(merged, Ordering::SeqCst);
-            // Replies run in order. One that defers work of its own
-            // (`after_job`) has it run after the replies already waiting.
-            let mut due = deferred_replies();
-            while !due.is_empty() {
-                defer_replies(Vec::new());
-                for reply in due.drain(..) {
-                    reply();
-                }
-                replies = std::mem::replace(&mut due, deferred_replies());
+            replies = deferred_replies();
+            for reply in replies.drain(..) {
+                reply();
             }
             set_panic_message(None);
             if hold {
