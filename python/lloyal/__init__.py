@@ -19,6 +19,7 @@ from lloyal._lloyal import PerplexityTracker, supports_gpu_offload
 from lloyal._lloyal import __version__ as __version__
 from lloyal.backend import LLAMA_CPP_2_VERSION, BackendInfo, Device, backend_info
 from lloyal.branch import Branch, BranchStore, Produced, Token, TokenTree
+from lloyal.chat_output import CHAT_FORMATS, ChatOutput, ToolCall, parse_chat_output
 from lloyal.context import (
     BUILTIN_CHAT_TEMPLATES,
     ChatPrompt,
@@ -42,11 +43,15 @@ from lloyal.errors import (
     StateError,
 )
 from lloyal.grammar import Grammar, json_schema_to_grammar
+from lloyal.prefix_cache import PrefixCache, PrefixCacheStats
+from lloyal.rerank import Rerank
 from lloyal.sampling import GREEDY, SamplingParams
+from lloyal.session import Session
 from lloyal.text import TextStream
 
 __all__ = [
     "BUILTIN_CHAT_TEMPLATES",
+    "CHAT_FORMATS",
     "GREEDY",
     "LLAMA_CPP_2_VERSION",
     "BackendInfo",
@@ -54,6 +59,7 @@ __all__ = [
     "BranchBusyError",
     "BranchDisposedError",
     "BranchStore",
+    "ChatOutput",
     "ChatPrompt",
     "ChatTemplateError",
     "Context",
@@ -70,14 +76,20 @@ __all__ = [
     "ModelLoadError",
     "NoLeaseError",
     "PerplexityTracker",
+    "PrefixCache",
+    "PrefixCacheStats",
     "Produced",
+    "Rerank",
     "SamplingParams",
+    "Session",
     "StateError",
     "TextStream",
     "Token",
     "TokenTree",
+    "ToolCall",
     "backend_info",
     "create_context",
     "json_schema_to_grammar",
+    "parse_chat_output",
     "supports_gpu_offload",
 ]

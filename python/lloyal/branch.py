@@ -283,10 +283,18 @@ class Branch:
         self._ctx._check_open()
         await call_native(lambda done: native.branch_clear_and_reseed(self._handle, s, t, done))
 
-    async def fork(self) -> Branch:
+    async def fork(self, *, clone_logits: bool = True, root: bool = False) -> Branch:
         """A child sharing this branch's KV prefix, with a clone of its
         sampler (the random stream continues), logits, metrics and logit
         bias (not its steer). Raises :class:`NoLeaseError` when no lease is free.
+
+        ``clone_logits=False`` leaves the child without a logits snapshot,
+        for a child that is prefilled before it samples (its ``produce``
+        refuses until then). The snapshot is shared copy-on-write either
+        way, so this saves no copy; it makes a stale distribution an error.
+        ``root=True`` makes the child a root of its own (not among this
+        branch's children), so either may be pruned first: what a cache
+        that hands out forks of its entries needs.
 
         When the context's worker is idle the fork runs at once on this
         thread (it only copies KV metadata), without a round trip through
@@ -295,7 +303,12 @@ class Branch:
         handle = native.branch_fork_now(self._handle)
         if handle is None:
             handle = await call_native(lambda done: native.branch_fork(self._handle, done))
-        return Branch(self._ctx, handle, parent=self)
+        child = Branch(self._ctx, handle, parent=None if root else self)
+        if root:
+            native.branch_detach(handle)
+        if not clone_logits:
+            native.branch_clear_logits(handle)
+        return child
 
     async def produce(self) -> Produced:
         """Sample the next token from this branch's logits. Writes nothing;
@@ -436,12 +449,15 @@ class Branch:
         *,
         json_schema: Mapping[str, Any] | str | bool | None = None,
         lark: str | None = None,
+        triggers: Sequence[str] | None = None,
     ) -> None:
         """Constrain this branch from now on (replacing any grammar), or
         remove the constraint when called with no grammar. The grammar
         starts fresh: it constrains what this branch produces next, not the
-        text already in its KV. Children forked earlier keep theirs."""
-        compiled = _compile(self._ctx, grammar, json_schema, lark)
+        text already in its KV. Children forked earlier keep theirs. With
+        ``triggers=``, the grammar is lazy: it applies from the first
+        trigger word the branch produces (see :mod:`lloyal.grammar`)."""
+        compiled = _compile(self._ctx, grammar, json_schema, lark, triggers)
         self._ctx._native.branch_set_grammar(
             self._handle, None if compiled is None else compiled._native
         )
@@ -449,6 +465,12 @@ class Branch:
     @property
     def has_grammar(self) -> bool:
         return bool(self._ctx._native.branch_has_grammar(self._handle))
+
+    @property
+    def grammar_triggered(self) -> bool | None:
+        """``None`` unless the branch has a lazy grammar; then whether its
+        trigger has appeared (the grammar constrains from there on)."""
+        return self._ctx._native.branch_grammar_triggered(self._handle)
 
     @property
     def grammar_accepting(self) -> bool | None:
@@ -790,6 +812,67 @@ class BranchStore:
         """KV leases free now: sequences held neither by a branch nor by
         tokens the flat API decoded (a lease never wipes those)."""
         return int(self._ctx._native.leases_available())
+
+    @property
+    def cells_held(self) -> int:
+        """KV cells the context's branches hold, each shared prefix counted
+        once (forks share their parent's cells)."""
+        return int(self._ctx._native.branch_cells_held())
+
+    @property
+    def kv_pressure(self) -> float:
+        """How full the KV cache is with branches: :attr:`cells_held` over
+        ``n_ctx`` (0.0 to 1.0). An agent can prune or summarise before a
+        decode would raise :class:`KVCacheFullError`."""
+        return self.cells_held / self._ctx.n_ctx
+
+    def merge_logits(
+        self,
+        branches: Sequence[Branch],
+        weights: Sequence[float],
+        *,
+        into: Branch | None = None,
+    ) -> None:
+        """Set ``into``'s logits snapshot (default ``branches[0]``) to the
+        weighted sum of the branches' snapshots, so its next ``produce``
+        samples from the mix. Contrastive decoding and classifier-free
+        guidance are such sums: with a prompted branch ``cond`` and an
+        unprompted ``uncond``, guidance scale ``g`` is weights
+        ``[g, 1 - g]`` (``uncond + g * (cond - uncond)``).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
+        ...         store = lloyal.BranchStore(ctx)
+        ...         cond = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         uncond = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await store.prefill([
+        ...             (cond, await ctx.tokenize("A poem about the sea:")),
+        ...             (uncond, await ctx.tokenize("A poem:")),
+        ...         ])
+        ...         store.merge_logits([cond, uncond], [1.5, -0.5])
+        ...         return (await cond.produce()).token >= 0
+        >>> asyncio.run(main())
+        True
+        """
+        if not branches or len(branches) != len(weights):
+            raise ValueError("give one weight per branch, and at least one branch")
+        pairs = list(zip(branches, weights, strict=True))
+        mixed: npt.NDArray[np.float32] | None = None
+        for branch, weight in pairs:
+            self._handle(branch, "branch")
+            w = float(weight)
+            if not np.isfinite(w):
+                raise ValueError(f"weights must be finite, got {weight!r}")
+            rows = branch.logits
+            if mixed is None:
+                mixed = (rows * np.float32(w)).astype(np.float32)
+            else:
+                mixed += rows * np.float32(w)
+        assert mixed is not None
+        target = into if into is not None else branches[0]
+        self._handle(target, "into")
+        target.set_logits(mixed)
 
 
 __all__ = ["Branch", "BranchStore", "Produced", "Token", "TokenTree"]

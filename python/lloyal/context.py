@@ -20,6 +20,8 @@ import numpy.typing as npt
 
 from lloyal import _check, _lloyal
 from lloyal._bridge import call_native
+from lloyal.chat_format import prepare_chat
+from lloyal.chat_output import ChatOutput, parse_chat_output
 from lloyal.errors import ContextClosedError
 from lloyal.grammar import Grammar, _compile
 from lloyal.sampling import SamplingParams
@@ -98,11 +100,42 @@ class ChatPrompt:
     model's end-of-generation token plus the template's end-of-turn marker);
     ``template_source`` says which template rendered it: ``"model"`` (the
     GGUF's own), a built-in name, or ``"custom"``.
+
+    With ``tools=`` or ``json_schema=``, ``grammar`` is the Lark grammar
+    for the reply and ``grammar_triggers`` the words that arm it (empty:
+    it applies from the first token); :meth:`create_grammar` compiles it.
+    ``chat_format`` names the tool-call convention the reply should follow
+    (:func:`lloyal.parse_chat_output` reads it); ``preserved_tokens`` are
+    the markers of that convention that are special tokens of this model
+    (render them when detokenizing, or the parser never sees them);
+    ``thinking_started`` says the prompt already opened a ``<think>`` block.
     """
 
     prompt: str
     stop_tokens: tuple[int, ...]
     template_source: str
+    chat_format: str = "content"
+    grammar: str | None = None
+    grammar_triggers: tuple[str, ...] = ()
+    preserved_tokens: tuple[int, ...] = ()
+    thinking_started: bool = False
+
+    def create_grammar(self, ctx: Context) -> Grammar | None:
+        """The reply's grammar compiled for ``ctx`` (lazy when it has
+        triggers), or ``None`` when there is none."""
+        if self.grammar is None:
+            return None
+        return ctx.create_grammar(lark=self.grammar, triggers=self.grammar_triggers or None)
+
+    def parse(self, text: str, *, partial: bool = False) -> ChatOutput:
+        """Read a reply to this prompt: content, reasoning and tool calls
+        (:func:`lloyal.parse_chat_output` with this prompt's format)."""
+        return parse_chat_output(
+            text,
+            format=self.chat_format,
+            partial=partial,
+            thinking_started=self.thinking_started,
+        )
 
 
 _I32 = 2**31
@@ -339,6 +372,10 @@ class Context:
         add_generation_prompt: bool = True,
         template: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] = "auto",
+        parallel_tool_calls: bool = True,
+        json_schema: Mapping[str, Any] | bool | None = None,
+        enable_thinking: bool | None = None,
         **template_kwargs: Any,
     ) -> ChatPrompt:
         """Render ``messages`` with a Jinja chat template.
@@ -348,6 +385,18 @@ class Context:
         built-in name (:data:`BUILTIN_CHAT_TEMPLATES`: ``"chatml"``,
         ``"gemma"``, ``"llama3"``, ``"phi3"``) or Jinja source instead.
         Extra keyword arguments become template variables.
+
+        ``tools`` (OpenAI-style function specs) are shown to the model and
+        the result carries a grammar for the calls (:mod:`lloyal.chat_format`):
+        lazy with ``tool_choice="auto"`` (it waits for the call opener),
+        from the first token with ``"required"`` or
+        ``{"type": "function", "function": {"name": ...}}``; ``"none"``
+        leaves tools out. ``parallel_tool_calls=False`` allows one call.
+        ``json_schema`` constrains the whole reply instead.
+        ``enable_thinking`` is passed to templates that read it (Qwen 3).
+        Earlier ``tool_calls`` and ``role: "tool"`` messages are accepted;
+        for templates that know nothing of tools they are rewritten as text.
+        :meth:`ChatPrompt.parse` reads the reply back.
 
         >>> import asyncio, lloyal
         >>> async def main():
@@ -365,20 +414,51 @@ class Context:
         self._check_open()
         if isinstance(messages, (str, bytes)) or not all(isinstance(m, Mapping) for m in messages):
             raise TypeError("messages must be a sequence of dicts with 'role' and 'content'")
-        extra = dict(template_kwargs)
-        if tools is not None:
-            extra["tools"] = list(tools)
+        if template is None:
+            source = self.chat_template or ""
+        elif template in BUILTIN_CHAT_TEMPLATES:
+            source = ""
+        else:
+            source = template
+        spec = prepare_chat(
+            source,
+            messages,
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+            json_schema=json_schema,
+            enable_thinking=enable_thinking,
+        )
+        extra = {**spec.variables, **template_kwargs}
         try:
-            messages_json = json.dumps(list(messages))
+            messages_json = json.dumps(spec.messages)
             extra_json = json.dumps(extra) if extra else None
         except TypeError as e:
             raise TypeError(
                 f"messages and template variables must be JSON-serialisable: {e}"
             ) from None
-        prompt, stop, source = self._native.format_chat(
+        prompt, stop, source_name = self._native.format_chat(
             messages_json, add_generation_prompt, template, extra_json
         )
-        return ChatPrompt(prompt, tuple(stop), source)
+        return ChatPrompt(
+            prompt,
+            tuple(stop),
+            source_name,
+            chat_format=spec.chat_format,
+            grammar=spec.grammar,
+            grammar_triggers=spec.triggers,
+            preserved_tokens=tuple(self._special_tokens(spec.markers)),
+            thinking_started=prompt.rstrip().endswith("<think>"),
+        )
+
+    def _special_tokens(self, markers: Iterable[str]) -> list[int]:
+        """The markers that are single special tokens of this vocabulary."""
+        out = []
+        for marker in markers:
+            ids = self._native.tokenize(marker, False, True)
+            if len(ids) == 1 and not self._native.token_bytes(ids[0], False):
+                out.append(int(ids[0]))
+        return out
 
     @staticmethod
     def validate_chat_template(template: str) -> bool:
@@ -601,9 +681,12 @@ class Context:
         *,
         json_schema: Mapping[str, Any] | str | bool | None = None,
         lark: str | None = None,
+        triggers: Sequence[str] | None = None,
     ) -> Grammar:
         """Compile a grammar for this model: GBNF text (``grammar=``), a JSON
-        schema (dict or JSON text) or a Lark grammar. Invalid input raises
+        schema (dict or JSON text) or a Lark grammar; with ``triggers=``, a
+        lazy grammar that waits for one of those words (see
+        :mod:`lloyal.grammar`). Invalid input raises
         :class:`GrammarError`. The first grammar of a model also indexes its
         vocabulary (tens of milliseconds for 50k tokens, more for 250k).
 
@@ -617,7 +700,7 @@ class Context:
         """
         if grammar is None and json_schema is None and lark is None:
             raise ValueError("give one of grammar=, json_schema= or lark=")
-        compiled = _compile(self, grammar, json_schema, lark)
+        compiled = _compile(self, grammar, json_schema, lark, triggers)
         assert compiled is not None
         return compiled
 

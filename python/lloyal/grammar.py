@@ -14,6 +14,14 @@ JSON schemas default to compact output (``", "`` and ``": "`` separators, no
 free whitespace); give the schema an ``"x-guidance"`` object to override
 (llguidance's ``whitespace_flexible``, ``item_separator``, ``key_separator``).
 
+A *lazy* grammar (``triggers=[...]``) constrains nothing until the text
+produced contains one of its trigger words; from the trigger's first
+character on, the output must match the grammar, so write the grammar to
+start with the trigger. This is how tool calls are constrained without
+constraining the prose around them (:meth:`Context.format_chat` with
+``tools=`` returns such a grammar). A token that completes a trigger but
+continues in a way the grammar rejects is not allowed.
+
 Supported GBNF: rules (continued after ``|`` or inside parentheses),
 ``root``, string literals, character classes, ``.``, grouping, alternation,
 ``* + ? {m} {m,} {m,n} {,n}``, the escapes ``\\n \\r \\t \\\\ \\" \\xHH
@@ -24,7 +32,7 @@ Supported GBNF: rules (continued after ``|`` or inside parentheses),
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -85,12 +93,29 @@ def _compile(
     grammar: str | Grammar | None,
     json_schema: Mapping[str, Any] | str | bool | None,
     lark: str | None,
+    triggers: Sequence[str] | None = None,
 ) -> Grammar | None:
     source = _source(grammar, json_schema, lark)
+    words = _triggers(triggers)
     if source is None or isinstance(source, Grammar):
+        if words is not None:
+            raise ValueError(
+                "triggers= needs a grammar given as text (grammar=, json_schema= or lark=)"
+            )
         return source
     ctx._check_open()
-    return Grammar(ctx._native.create_grammar(*source))
+    return Grammar(ctx._native.create_grammar(*source, words))
+
+
+def _triggers(triggers: Sequence[str] | None) -> list[str] | None:
+    if triggers is None:
+        return None
+    if isinstance(triggers, str):
+        raise TypeError("triggers= takes a list of strings, not one string")
+    words = list(triggers)
+    if not words or not all(isinstance(w, str) and w for w in words):
+        raise ValueError("triggers= needs at least one non-empty string")
+    return words
 
 
 class Grammar:
@@ -153,6 +178,12 @@ class Grammar:
     def is_stopped(self) -> bool:
         """Whether nothing but a stop token can follow."""
         return bool(self._native.is_stopped())
+
+    @property
+    def triggered(self) -> bool | None:
+        """``None`` for an ordinary grammar; for a lazy one (created with
+        ``triggers=``), whether a trigger word has appeared yet."""
+        return self._native.triggered()
 
     def __repr__(self) -> str:
         return f"<Grammar accepting={self.is_accepting}>"

@@ -166,8 +166,41 @@ fn top_level(spec: &GrammarSpec) -> Result<TopLevelGrammar> {
 pub struct Grammar {
     matcher: Matcher,
     env: Arc<TokenEnv>,
-    /// Tokens the matcher has consumed since the start (for rollback).
+    /// Tokens accepted since the start (for rollback).
     consumed: usize,
+    /// Set for a lazy grammar ([`Grammar::lazy`]).
+    lazy: Option<Box<Lazy>>,
+}
+
+/// The waiting side of a lazy grammar: the text produced so far, searched
+/// for the trigger words.
+#[derive(Clone)]
+struct Lazy {
+    words: Arc<[Vec<u8>]>,
+    /// The bytes accepted tokens render as (special tokens as their text),
+    /// and the length after each accepted token.
+    seen: Vec<u8>,
+    ends: Vec<usize>,
+    /// `consumed` once the trigger's token was accepted; `None` while
+    /// waiting.
+    fired_at: Option<usize>,
+}
+
+impl Lazy {
+    /// Where the first trigger word starts in `seen` followed by `more`, if
+    /// one ends inside `more` (earlier text has been searched already).
+    fn find(&self, more: &[u8]) -> Option<usize> {
+        let longest = self.words.iter().map(Vec::len).max().unwrap_or(0);
+        let from = self.seen.len().saturating_sub(longest.saturating_sub(1));
+        let mut window = self.seen[from..].to_vec();
+        window.extend_from_slice(more);
+        self.words
+            .iter()
+            .filter(|w| !w.is_empty())
+            .filter_map(|w| window.windows(w.len()).position(|x| x == w.as_slice()))
+            .min()
+            .map(|at| from + at)
+    }
 }
 
 impl std::fmt::Debug for Grammar {
@@ -219,7 +252,62 @@ impl Grammar {
             matcher,
             env,
             consumed: 0,
+            lazy: None,
         })
+    }
+
+    /// Compile `spec` as a *lazy* grammar: it constrains nothing until the
+    /// text the branch produces contains one of `triggers` (a tool-call
+    /// opener such as `<tool_call>`); from the trigger's first byte on, the
+    /// output must match `spec`, so the grammar is written to start with
+    /// the trigger. The text from the trigger to the end of the token that
+    /// completed it is fed to the grammar when that token is accepted (a
+    /// token whose tail the grammar rejects is not allowed).
+    pub fn lazy(model: &Model, spec: &GrammarSpec, triggers: &[String]) -> Result<Self> {
+        if triggers.is_empty() || triggers.iter().any(String::is_empty) {
+            return Err(grammar_error(
+                "a lazy grammar needs at least one trigger word, and no empty one",
+            ));
+        }
+        let mut grammar = Self::new(model, spec)?;
+        grammar.lazy = Some(Box::new(Lazy {
+            words: triggers.iter().map(|w| w.as_bytes().to_vec()).collect(),
+            seen: Vec::new(),
+            ends: Vec::new(),
+            fired_at: None,
+        }));
+        Ok(grammar)
+    }
+
+    /// Whether the grammar constrains the next token: always, except for a
+    /// lazy grammar still waiting for its trigger.
+    pub fn constrains(&self) -> bool {
+        self.lazy.as_ref().is_none_or(|l| l.fired_at.is_some())
+    }
+
+    /// Whether this is a lazy grammar and its trigger has appeared.
+    pub fn triggered(&self) -> Option<bool> {
+        self.lazy.as_ref().map(|l| l.fired_at.is_some())
+    }
+
+    /// The bytes `token` renders as (special tokens as their text).
+    fn text_of(&self, token: i32) -> &[u8] {
+        let bytes = self.env.factory.tok_env().tok_trie().token(token as u32);
+        match bytes.split_first() {
+            Some((&TokTrie::SPECIAL_TOKEN_MARKER, rest)) => rest,
+            _ => bytes,
+        }
+    }
+
+    /// For a waiting lazy grammar: the tokens to feed the matcher if
+    /// accepting `token` fires the trigger (`None` if it does not).
+    fn firing(&self, token: i32) -> Option<Vec<u32>> {
+        let lazy = self.lazy.as_ref().filter(|l| l.fired_at.is_none())?;
+        let more = self.text_of(token);
+        let at = lazy.find(more)?;
+        let mut tail = lazy.seen[at..].to_vec();
+        tail.extend_from_slice(more);
+        Some(self.env.factory.tok_env().tokenize_bytes(&tail))
     }
 
     /// Set the logit of every token the grammar forbids next to -inf.
@@ -231,6 +319,9 @@ impl Grammar {
                 "logits have {} entries; the vocabulary has {vocab}",
                 logits.len(),
             )));
+        }
+        if !self.constrains() {
+            return Ok(());
         }
         let mask = self.matcher.compute_mask_or_eos().map_err(matcher_error)?;
         // Walk the bitmask a word at a time: most words are all-zero or
@@ -259,6 +350,16 @@ impl Grammar {
         };
         if is_eog {
             return Ok(self.is_accepting());
+        }
+        if !self.constrains() {
+            return match self.firing(token) {
+                None => Ok(true),
+                Some(tail) => self
+                    .matcher
+                    .validate_tokens(&tail)
+                    .map(|n| n == tail.len())
+                    .map_err(matcher_error),
+            };
         }
         if self.matcher.is_stopped() {
             return Ok(false);
@@ -289,6 +390,21 @@ impl Grammar {
         if self.env.is_eog[token as usize] {
             return Ok(());
         }
+        if !self.constrains() {
+            let tail = self.firing(token);
+            if let Some(tail) = &tail {
+                self.matcher.consume_tokens(tail).map_err(matcher_error)?;
+            }
+            let more = self.text_of(token).to_vec();
+            let consumed = self.consumed + 1;
+            if let Some(lazy) = self.lazy.as_mut() {
+                lazy.seen.extend_from_slice(&more);
+                lazy.ends.push(lazy.seen.len());
+                lazy.fired_at = tail.map(|_| consumed);
+            }
+            self.consumed = consumed;
+            return Ok(());
+        }
         self.matcher
             .consume_token(token as u32)
             .map_err(matcher_error)?;
@@ -303,30 +419,56 @@ impl Grammar {
 
     /// Undo accepted tokens until [`Grammar::consumed`] is `count` again.
     pub fn rewind(&mut self, count: usize) -> Result<()> {
-        let n = self.consumed.saturating_sub(count);
-        if n > 0 {
-            self.matcher.rollback(n).map_err(matcher_error)?;
-            self.consumed = count;
+        if count >= self.consumed {
+            return Ok(());
+        }
+        if let Some(lazy) = self.lazy.as_mut() {
+            match lazy.fired_at {
+                // Back to before the trigger: waiting again.
+                Some(fired) if count < fired => {
+                    self.matcher.reset().map_err(matcher_error)?;
+                    lazy.fired_at = None;
+                }
+                Some(_) => {}
+                None => {}
+            }
+            if lazy.fired_at.is_none() {
+                lazy.ends.truncate(count);
+                lazy.seen.truncate(lazy.ends.last().copied().unwrap_or(0));
+                self.consumed = count;
+                return Ok(());
+            }
+        }
+        self.matcher
+            .rollback(self.consumed - count)
+            .map_err(matcher_error)?;
+        self.consumed = count;
+        Ok(())
+    }
+
+    /// Back to the start of the grammar (a lazy grammar waits again).
+    pub fn reset(&mut self) -> Result<()> {
+        self.matcher.reset().map_err(matcher_error)?;
+        self.consumed = 0;
+        if let Some(lazy) = self.lazy.as_mut() {
+            lazy.seen.clear();
+            lazy.ends.clear();
+            lazy.fired_at = None;
         }
         Ok(())
     }
 
-    /// Back to the start of the grammar.
-    pub fn reset(&mut self) -> Result<()> {
-        self.matcher.reset().map_err(matcher_error)?;
-        self.consumed = 0;
-        Ok(())
-    }
-
     /// Whether the text so far is a complete match (an end-of-generation
-    /// token would be allowed now).
+    /// token would be allowed now). A waiting lazy grammar accepts.
     pub fn is_accepting(&mut self) -> bool {
-        self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false)
+        !self.constrains()
+            || self.matcher.is_stopped()
+            || self.matcher.is_accepting().unwrap_or(false)
     }
 
     /// Whether nothing but end-of-generation can follow.
     pub fn is_stopped(&self) -> bool {
-        self.matcher.is_stopped()
+        self.constrains() && self.matcher.is_stopped()
     }
 }
 

@@ -370,4 +370,16 @@ impl PyContext {
     fn leases_available(&self) -> usize {
         self.inner.leases_available()
     }
+
+    fn branch_cells_held(&self) -> u64 {
+        self.inner.branch_cells_held()
+    }
+
+    fn branch_detach(&self, branch: u64) -> PyResult<()> {
+        self.inner.branch_detach(id(branch)).py_err()
+    }
+
+    fn branch_clear_logits(&self, branch: u64) -> PyResult<()> {
+        self.inner.branch_clear_logits(id(branch)).py_err()
+    }
 }

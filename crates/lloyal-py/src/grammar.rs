@@ -73,17 +73,34 @@ impl PyGrammar {
     fn is_stopped(&self) -> bool {
         self.lock().is_stopped()
     }
+
+    /// `None` for an eager grammar; whether a lazy one has seen its trigger.
+    fn triggered(&self) -> Option<bool> {
+        self.lock().triggered()
+    }
 }
 
 #[pymethods]
 impl PyContext {
     /// Compile a grammar for this context's model (`kind`: gbnf, lark or
-    /// json_schema). The first grammar of a model also builds its token
-    /// trie, so this runs without the GIL.
-    fn create_grammar(&self, py: Python<'_>, kind: &str, text: String) -> PyResult<PyGrammar> {
+    /// json_schema); with `triggers`, a lazy one. The first grammar of a
+    /// model also builds its token trie, so this runs without the GIL.
+    #[pyo3(signature = (kind, text, triggers=None))]
+    fn create_grammar(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        text: String,
+        triggers: Option<Vec<String>>,
+    ) -> PyResult<PyGrammar> {
         let spec = spec(kind, text)?;
         let model = self.inner.model().clone();
-        let grammar = py.detach(move || Grammar::new(&model, &spec)).py_err()?;
+        let grammar = py
+            .detach(move || match triggers {
+                Some(words) => Grammar::lazy(&model, &spec, &words),
+                None => Grammar::new(&model, &spec),
+            })
+            .py_err()?;
         Ok(PyGrammar {
             inner: Mutex::new(grammar),
         })
@@ -99,6 +116,12 @@ impl PyContext {
     fn branch_has_grammar(&self, branch: u64) -> PyResult<bool> {
         self.inner
             .read_branch(id(branch), |b| b.grammar().is_some())
+            .py_err()
+    }
+
+    fn branch_grammar_triggered(&self, branch: u64) -> PyResult<Option<bool>> {
+        self.inner
+            .read_branch(id(branch), |b| b.grammar().and_then(Grammar::triggered))
             .py_err()
     }
 

@@ -215,6 +215,38 @@ impl Context {
         })
     }
 
+    /// Drop the branch's logits snapshot (a fork that will be prefilled
+    /// before it samples: `produce` refuses until then).
+    pub fn branch_clear_logits(&self, id: BranchId) -> Result<()> {
+        self.with_branch(id, |b| {
+            b.clear_logits();
+            Ok(())
+        })
+    }
+
+    /// Make the branch a root: it leaves its parent's children, so either
+    /// can be pruned first (their KV cells stay shared until then).
+    pub fn branch_detach(&self, id: BranchId) -> Result<()> {
+        self.check_open()?;
+        let mut branches = lock(&self.shared.branches);
+        let state = branches.get_mut(id)?;
+        if state.busy {
+            return Err(Error::BranchBusy);
+        }
+        if let Some(parent) = state.parent.take() {
+            if let Ok(p) = branches.get_mut(parent) {
+                p.children.retain(|&c| c != id);
+            }
+        }
+        Ok(())
+    }
+
+    /// KV cells the branches hold, a shared prefix counted once
+    /// (see `Branches::cells_held`); out of [`Context::n_ctx`].
+    pub fn branch_cells_held(&self) -> u64 {
+        lock(&self.shared.branches).cells_held()
+    }
+
     pub fn branch_accept(&self, id: BranchId, token: i32) -> Result<()> {
         self.model().check_token(token)?;
         self.with_branch(id, |b| b.accept(token))

@@ -201,13 +201,15 @@ impl BranchState {
             return false;
         }
         let p = self.sampler.params();
-        self.grammar.is_some()
+        self.grammar.as_ref().is_some_and(Grammar::constrains)
             || (!p.is_plain_greedy() && (p.top_k <= 0 || p.top_k > 1024 || p.mirostat != 0))
     }
 
     /// Whether sampling sees the snapshot edited (bias, steering, grammar).
     fn edits_logits(&self) -> bool {
-        !self.logit_bias.is_empty() || !self.steer.is_empty() || self.grammar.is_some()
+        !self.logit_bias.is_empty()
+            || !self.steer.is_empty()
+            || self.grammar.as_ref().is_some_and(Grammar::constrains)
     }
 
     /// The logits sampling sees: the snapshot plus bias and steer, with
@@ -363,6 +365,25 @@ impl Branches {
             free_seqs: (0..n_seq_max as i32).collect(),
             n_seq_max,
         }
+    }
+
+    /// KV cells the live branches hold, counting a shared prefix once: a
+    /// branch holds its cells from the point it still shares with its
+    /// parent (its fork head, or the parent's position if that is lower)
+    /// to its own position; a root, or a branch whose parent is gone, all
+    /// of its own. An estimate after a truncate below a fork head followed
+    /// by new tokens on both sides (each side is counted from the shared
+    /// point); exact otherwise.
+    pub fn cells_held(&self) -> u64 {
+        let live = self.slots.iter().filter_map(|s| s.state.as_ref());
+        live.map(|b| {
+            let shared = b
+                .parent
+                .and_then(|p| self.get(p).ok())
+                .map_or(0, |p| b.fork_head.min(p.position));
+            u64::try_from(b.position - shared.min(b.position)).unwrap_or(0)
+        })
+        .sum()
     }
 
     /// Leases free now.

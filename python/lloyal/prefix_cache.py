@@ -1,0 +1,326 @@
+"""A prefix cache: decoded prompts kept as branches, reused by forking.
+
+Prompts that share a beginning (a system prompt, a few-shot preamble, a
+document asked several questions, the turns of one conversation) need not
+decode it again. :class:`PrefixCache` keeps the prompts it served as
+branches of their own, indexed by a radix tree of their tokens; a new
+prompt forks the entry sharing its longest prefix (a fork copies KV
+metadata, not cells), cuts it back to the shared part and prefills only
+the rest.
+
+Entries hold KV leases and cells; the least recently used go first when
+``max_branches`` or ``max_cells`` would be exceeded, or when a lease is
+needed and none is free.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lloyal.branch import Branch, BranchStore
+from lloyal.context import _token_list
+from lloyal.errors import NoLeaseError
+from lloyal.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from lloyal.context import Context
+
+__all__ = ["PrefixCache", "PrefixCacheStats"]
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """Counters of a :class:`PrefixCache` since it was created.
+
+    ``hit_rate`` is the share of requests that reused at least one token;
+    ``saved_tokens`` the tokens not decoded thanks to the cache (of
+    ``requested_tokens``); ``prefilled_tokens`` those decoded.
+    """
+
+    requests: int
+    hits: int
+    requested_tokens: int
+    saved_tokens: int
+    prefilled_tokens: int
+    evictions: int
+    entries: int
+    cells: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.requests if self.requests else 0.0
+
+
+class _Node:
+    """A radix-tree node: the tokens on the edge into it, its children by
+    their edge's first token, and the entry for the path ending here."""
+
+    __slots__ = ("children", "edge", "entry", "parent")
+
+    def __init__(self, edge: tuple[int, ...], parent: _Node | None) -> None:
+        self.edge = edge
+        self.parent = parent
+        self.children: dict[int, _Node] = {}
+        self.entry: _Entry | None = None
+
+
+@dataclass
+class _Entry:
+    tokens: tuple[int, ...]
+    branch: Branch
+    node: _Node
+    used: int
+
+
+class PrefixCache:
+    """Reuse decoded prompt prefixes across requests.
+
+    >>> import asyncio, lloyal
+    >>> async def main():
+    ...     async with await lloyal.create_context(MODEL, n_seq_max=8) as ctx:
+    ...         cache = lloyal.PrefixCache(ctx, max_branches=4)
+    ...         system = await ctx.tokenize("You answer questions about geography. " * 8)
+    ...         q1 = await ctx.tokenize("Capital of France?", add_special=False)
+    ...         q2 = await ctx.tokenize("Capital of Spain?", add_special=False)
+    ...         async with await cache.branch(system + q1) as a:
+    ...             pass
+    ...         async with await cache.branch(system + q2) as b:
+    ...             saved = cache.stats.saved_tokens
+    ...         await cache.aclose()
+    ...         return saved >= len(system)
+    >>> asyncio.run(main())
+    True
+
+    :meth:`branch` returns a new branch of the caller's (prune it when
+    done) holding ``tokens`` with the logits after the last one, ready to
+    ``produce``. ``max_branches`` bounds the entries (each holds a lease),
+    ``max_cells`` the KV cells all branches of the context may hold before
+    entries are evicted (default: no bound but the cache itself).
+    """
+
+    def __init__(
+        self,
+        ctx: Context,
+        *,
+        max_branches: int = 16,
+        max_cells: int | None = None,
+        params: SamplingParams | None = None,
+    ) -> None:
+        if max_branches < 1:
+            raise ValueError("max_branches must be at least 1")
+        if max_cells is not None and max_cells < 1:
+            raise ValueError("max_cells must be at least 1 (or None)")
+        self._ctx = ctx
+        self._store = BranchStore(ctx)
+        self._max_branches = max_branches
+        self._max_cells = max_cells
+        self._params = params
+        self._root = _Node((), None)
+        self._entries: list[_Entry] = []
+        self._by_tokens: dict[tuple[int, ...], _Entry] = {}
+        self._clock = itertools.count(1)
+        self._requests = self._hits = self._requested = 0
+        self._saved = self._prefilled = self._evictions = 0
+
+    # -- the radix tree ----------------------------------------------------------
+
+    def _walk(self, tokens: tuple[int, ...]) -> tuple[_Node, int]:
+        """The deepest node whose path ``tokens`` starts with (or runs into,
+        ending inside its edge), and how many tokens matched."""
+        node, at = self._root, 0
+        while at < len(tokens):
+            child = node.children.get(tokens[at])
+            if child is None:
+                break
+            edge = child.edge
+            n = 0
+            while n < len(edge) and at + n < len(tokens) and edge[n] == tokens[at + n]:
+                n += 1
+            at += n
+            node = child
+            if n < len(edge):
+                break
+        return node, at
+
+    def _any_entry(self, node: _Node) -> _Entry | None:
+        """The most recently used entry at or below ``node``."""
+        best: _Entry | None = None
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.entry is not None and (best is None or n.entry.used > best.used):
+                best = n.entry
+            stack.extend(n.children.values())
+        return best
+
+    def _insert(self, tokens: tuple[int, ...]) -> _Node:
+        node, at = self._root, 0
+        while at < len(tokens):
+            child = node.children.get(tokens[at])
+            if child is None:
+                leaf = _Node(tokens[at:], node)
+                node.children[tokens[at]] = leaf
+                return leaf
+            edge = child.edge
+            n = 0
+            while n < len(edge) and at + n < len(tokens) and edge[n] == tokens[at + n]:
+                n += 1
+            if n < len(edge):  # split the edge
+                middle = _Node(edge[:n], node)
+                node.children[tokens[at]] = middle
+                child.edge = edge[n:]
+                child.parent = middle
+                middle.children[child.edge[0]] = child
+                child = middle
+            at += n
+            node = child
+        return node
+
+    def _remove(self, entry: _Entry) -> None:
+        node = entry.node
+        node.entry = None
+        # Drop empty leaves; merge a node left with one child into it.
+        while node.parent is not None and node.entry is None and len(node.children) <= 1:
+            parent = node.parent
+            if not node.children:
+                del parent.children[node.edge[0]]
+            else:
+                (only,) = node.children.values()
+                only.edge = node.edge + only.edge
+                only.parent = parent
+                parent.children[node.edge[0]] = only
+            node = parent
+
+    # -- requests ------------------------------------------------------------------
+
+    async def branch(
+        self, tokens: Sequence[int], *, params: SamplingParams | None = None
+    ) -> Branch:
+        """A new branch holding ``tokens`` (its logits after the last one),
+        decoding only what no cached prompt shares. The prompt is cached
+        for later requests. Raises :class:`NoLeaseError` when no lease can
+        be freed even by evicting every entry."""
+        ids = tuple(_token_list(tokens))
+        if not ids:
+            raise ValueError("tokens must not be empty")
+        self._requests += 1
+        self._requested += len(ids)
+        node, matched = self._walk(ids)
+        source = self._any_entry(node) if matched else None
+        # At least one token is decoded, for the logits after the last.
+        reuse = min(matched, len(ids) - 1) if source is not None else 0
+        p = params or self._params
+        if source is not None and reuse > 0:
+            source.used = next(self._clock)
+            donor = source.branch
+            out = await self._with_lease(
+                lambda: donor.fork(clone_logits=False, root=True), keep=source
+            )
+            if p is not None:
+                out.set_sampler_params(p)
+            await out.truncate(reuse)
+            self._hits += 1
+        else:
+            reuse = 0
+            out = await self._with_lease(lambda: _create(self._ctx, p))
+        try:
+            await out.prefill(ids[reuse:])
+        except BaseException:
+            await out.prune()
+            raise
+        self._saved += reuse
+        self._prefilled += len(ids) - reuse
+        await self._remember(ids, out)
+        return out
+
+    async def _with_lease(
+        self, make: Callable[[], Awaitable[Branch]], keep: _Entry | None = None
+    ) -> Branch:
+        """``make()``, evicting entries (never ``keep``) while no lease is free."""
+        while True:
+            try:
+                return await make()
+            except NoLeaseError:
+                if not await self._evict_one(keep):
+                    raise
+
+    async def _remember(self, ids: tuple[int, ...], branch: Branch) -> None:
+        """Keep a fork of ``branch`` as the entry for ``ids``."""
+        known = self._by_tokens.get(ids)
+        if known is not None:
+            known.used = next(self._clock)
+            return
+        while len(self._entries) >= self._max_branches or (
+            self._store.available == 0 and self._entries
+        ):
+            await self._evict_one()
+        try:
+            kept = await branch.fork(root=True)
+        except NoLeaseError:
+            return  # every lease is the callers': serve without caching
+        node = self._insert(ids)
+        entry = _Entry(ids, kept, node, next(self._clock))
+        node.entry = entry
+        self._entries.append(entry)
+        self._by_tokens[ids] = entry
+        while (
+            self._max_cells is not None
+            and self._store.cells_held > self._max_cells
+            and await self._evict_one(entry)
+        ):
+            pass
+
+    async def _evict_one(self, keep: _Entry | None = None) -> bool:
+        """Prune the least recently used entry other than ``keep``;
+        ``False`` when there is none."""
+        candidates = [e for e in self._entries if e is not keep]
+        if not candidates:
+            return False
+        victim = min(candidates, key=lambda e: e.used)
+        self._entries.remove(victim)
+        del self._by_tokens[victim.tokens]
+        self._remove(victim)
+        self._evictions += 1
+        await victim.branch.prune()
+        return True
+
+    # -- reading and closing ---------------------------------------------------------
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            requests=self._requests,
+            hits=self._hits,
+            requested_tokens=self._requested,
+            saved_tokens=self._saved,
+            prefilled_tokens=self._prefilled,
+            evictions=self._evictions,
+            entries=len(self._entries),
+            cells=self._store.cells_held,
+        )
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def clear(self) -> None:
+        """Prune every entry (branches handed out are the callers')."""
+        while self._entries:
+            entry = self._entries.pop()
+            del self._by_tokens[entry.tokens]
+            self._remove(entry)
+            await entry.branch.prune()
+
+    async def aclose(self) -> None:
+        """:meth:`clear`."""
+        await self.clear()
+
+    def __repr__(self) -> str:
+        s = self.stats
+        return f"<PrefixCache entries={s.entries} hit_rate={s.hit_rate:.2f} saved={s.saved_tokens}>"
+
+
+async def _create(ctx: Context, params: SamplingParams | None) -> Branch:
+    return Branch.create(ctx, params)

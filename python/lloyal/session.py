@@ -1,0 +1,415 @@
+"""A conversation on one trunk branch.
+
+A :class:`Session` keeps the chat's messages and a branch whose KV holds
+exactly the rendered chat. Appending a turn renders the whole chat with the
+template again and decodes only what changed: the text after the longest
+prefix the branch already holds, cut at a token boundary. For templates
+that only ever append (ChatML, Gemma, Llama 3) that is the new turn alone;
+a template that rewrites earlier text (one that drops old reasoning, say)
+costs a re-decode from the first changed token, never a wrong cache.
+
+The delta is found by comparing rendered text, never by guessing strings:
+the session knows the bytes each of its tokens stands for.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import struct
+import zlib
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from lloyal.branch import Branch
+from lloyal.chat_output import ChatOutput
+from lloyal.errors import StateError
+from lloyal.sampling import SamplingParams
+from lloyal.text import TextStream
+
+if TYPE_CHECKING:
+    from lloyal.context import ChatPrompt, Context
+
+__all__ = ["Session"]
+
+_MAGIC = b"LLOYAL-SESSION\x002"
+
+
+class Session:
+    """A conversation that grows turn by turn on one branch.
+
+    >>> import asyncio, lloyal
+    >>> async def main():
+    ...     async with await lloyal.create_context(MODEL) as ctx:
+    ...         async with await lloyal.Session.create(ctx, params=lloyal.GREEDY) as chat:
+    ...             await chat.add_user("What is the capital of France?")
+    ...             reply = await chat.reply(max_tokens=12)
+    ...             return "Paris" in reply.content, [m["role"] for m in chat.messages]
+    >>> asyncio.run(main())
+    (True, ['user', 'assistant'])
+
+    Create one with :meth:`create` (or :meth:`load`); add turns with
+    :meth:`add_user`, :meth:`add_assistant` and :meth:`add_tool_result`;
+    let the model answer with :meth:`generate` (streaming) or
+    :meth:`reply`. :meth:`fork` explores another answer without touching
+    this session; :meth:`save` and :meth:`load` keep it across processes.
+    """
+
+    def __init__(
+        self,
+        ctx: Context,
+        branch: Branch,
+        *,
+        messages: list[dict[str, Any]],
+        chat_options: dict[str, Any],
+        held: bytes,
+        ends: list[int],
+    ) -> None:
+        self._ctx = ctx
+        self._branch = branch
+        self._messages = messages
+        self._options = chat_options
+        # The bytes the branch's tokens stand for, and where each token ends.
+        self._held = held
+        self._ends = ends
+        self.tokens_decoded = 0
+        """Tokens this session object has decoded (prefills and generation)."""
+        self.last_delta = 0
+        """Tokens the last change of the chat decoded."""
+
+    @classmethod
+    async def create(
+        cls,
+        ctx: Context,
+        messages: Sequence[Mapping[str, Any]] = (),
+        *,
+        params: SamplingParams | None = None,
+        template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] = "auto",
+        parallel_tool_calls: bool = True,
+        enable_thinking: bool | None = None,
+    ) -> Session:
+        """A session starting from ``messages`` (decoded now, if any), on a
+        new root branch with ``params``. ``template``, ``tools`` and the
+        rest are passed to :meth:`Context.format_chat` on every turn."""
+        options: dict[str, Any] = {
+            "template": template,
+            "tools": list(tools) if tools else None,
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": parallel_tool_calls,
+            "enable_thinking": enable_thinking,
+        }
+        branch = Branch.create(ctx, params)
+        session = cls(ctx, branch, messages=[], chat_options=options, held=b"", ends=[])
+        try:
+            if messages:
+                await session.extend(messages)
+        except BaseException:
+            await branch.prune()
+            raise
+        return session
+
+    # -- reading ---------------------------------------------------------------
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """A copy of the conversation so far."""
+        return [dict(m) for m in self._messages]
+
+    @property
+    def branch(self) -> Branch:
+        """The trunk branch (its KV holds the rendered chat)."""
+        return self._branch
+
+    @property
+    def text(self) -> str:
+        """The text the branch's KV holds."""
+        return self._held.decode("utf-8", errors="replace")
+
+    def render(self, *, add_generation_prompt: bool = True) -> ChatPrompt:
+        """The whole chat rendered now (what the branch is synced to)."""
+        return self._ctx.format_chat(
+            self._messages,
+            add_generation_prompt=add_generation_prompt,
+            **self._options,
+        )
+
+    # -- adding turns ------------------------------------------------------------
+
+    async def add_user(self, content: str) -> None:
+        """Append a user message and decode it with the assistant's turn
+        opener, ready for :meth:`generate`."""
+        await self.extend([{"role": "user", "content": _text(content)}])
+
+    async def add_assistant(
+        self, content: str | None = None, *, tool_calls: Sequence[Mapping[str, Any]] | None = None
+    ) -> None:
+        """Append an assistant message written elsewhere (not generated)."""
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = [dict(c) for c in tool_calls]
+        await self.extend([message], add_generation_prompt=False)
+
+    async def add_tool_result(
+        self, content: str, *, tool_call_id: str | None = None, name: str | None = None
+    ) -> None:
+        """Append the result of a tool call, then the assistant's opener."""
+        message: dict[str, Any] = {"role": "tool", "content": _text(content)}
+        if tool_call_id is not None:
+            message["tool_call_id"] = tool_call_id
+        if name is not None:
+            message["name"] = name
+        await self.extend([message])
+
+    async def extend(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool | None = None
+    ) -> None:
+        """Append ``messages`` and sync the branch (decoding only the new
+        text). The generation prompt is added unless the last message is
+        the assistant's. On an error the session is unchanged."""
+        new = [dict(m) for m in messages]
+        if not all(isinstance(m.get("role"), str) for m in new):
+            raise ValueError("every message needs a 'role'")
+        if add_generation_prompt is None:
+            add_generation_prompt = not new or new[-1]["role"] != "assistant"
+        before = self._messages
+        self._messages = before + new
+        try:
+            await self._sync(self.render(add_generation_prompt=add_generation_prompt).prompt)
+        except BaseException:
+            self._messages = before
+            raise
+
+    # -- generating --------------------------------------------------------------
+
+    async def generate(self, *, max_tokens: int = 512) -> AsyncIterator[str]:
+        """Let the model answer: yields text pieces as they are decoded.
+        With tools, the chat's lazy grammar keeps a tool call well formed.
+        When the answer ends (a stop token, ``max_tokens``, or the loop
+        leaving early), it is added to :attr:`messages`, parsed into
+        content and tool calls, and the turn is closed in the KV."""
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        chat = self.render()
+        if self._held != chat.prompt.encode():
+            await self._sync(chat.prompt)
+        grammar = chat.create_grammar(self._ctx)
+        branch = self._branch
+        if grammar is not None:
+            branch.set_grammar(grammar)
+        stop = set(chat.stop_tokens)
+        preserved = set(chat.preserved_tokens)
+        stream = TextStream(self._ctx)
+        pieces: list[str] = []
+        try:
+            for _ in range(max_tokens):
+                p = await branch.produce()
+                if p.is_stop or p.token in stop:
+                    break
+                await branch.commit(p.token)
+                self.tokens_decoded += 1
+                piece = self._ctx.token_bytes(p.token, render_special=p.token in preserved)
+                self._held += piece
+                self._ends.append(len(self._held))
+                text = (
+                    stream.flush() + piece.decode("utf-8", errors="replace")
+                    if p.token in preserved
+                    else stream.push(p.token)
+                )
+                if text:
+                    pieces.append(text)
+                    yield text
+            tail = stream.flush()
+            if tail:
+                pieces.append(tail)
+                yield tail
+        finally:
+            if grammar is not None:
+                branch.set_grammar(None)
+            await self._close_turn(chat.parse("".join(pieces)))
+
+    async def reply(self, *, max_tokens: int = 512) -> ChatOutput:
+        """:meth:`generate` to the end; returns the parsed answer."""
+        async for _ in self.generate(max_tokens=max_tokens):
+            pass
+        return self.last_output
+
+    @property
+    def last_output(self) -> ChatOutput:
+        """The last assistant message, parsed (content, reasoning, calls)."""
+        return getattr(self, "_last_output", ChatOutput(content=""))
+
+    async def _close_turn(self, output: ChatOutput) -> None:
+        self._last_output = output
+        message: dict[str, Any] = {"role": "assistant", "content": output.content}
+        if output.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id or f"call_{len(self._messages)}_{i}",
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for i, call in enumerate(output.tool_calls)
+            ]
+        await self.extend([message], add_generation_prompt=False)
+
+    # -- branching and persistence --------------------------------------------------
+
+    async def fork(self) -> Session:
+        """An independent session continuing from here: it shares this
+        session's KV prefix and diverges on its own."""
+        child = await self._branch.fork()
+        twin = Session(
+            self._ctx,
+            child,
+            messages=self.messages,
+            chat_options=dict(self._options),
+            held=self._held,
+            ends=list(self._ends),
+        )
+        return twin
+
+    async def save(self) -> bytes:
+        """The session as bytes: messages, options and the branch's state
+        (:meth:`Branch.save`). Tools and messages must be JSON-serialisable."""
+        meta = json.dumps(
+            {
+                "messages": self._messages,
+                "options": self._options,
+                "held": self._held.hex(),
+                "ends": self._ends,
+            }
+        ).encode()
+        state = await self._branch.save()
+        return _MAGIC + struct.pack("<QI", len(meta), zlib.crc32(meta)) + meta + state
+
+    async def save_file(self, path: str | os.PathLike[str]) -> None:
+        """:meth:`save` to a file."""
+        data = await self.save()
+        await anyio.Path(path).write_bytes(data)
+
+    @classmethod
+    async def load(
+        cls, ctx: Context, data: bytes, *, params: SamplingParams | None = None
+    ) -> Session:
+        """A session from :meth:`save` bytes, on a new branch of ``ctx``
+        (same model). Damaged or foreign data raises :class:`StateError`."""
+        raw = bytes(data)
+        head = len(_MAGIC) + 12
+        if len(raw) < head or not raw.startswith(_MAGIC):
+            raise StateError("not a saved lloyal session")
+        size, crc = struct.unpack("<QI", raw[len(_MAGIC) : head])
+        if zlib.crc32(raw[head : head + size]) != crc:
+            raise StateError("the saved session is damaged (checksum mismatch)")
+        try:
+            meta = json.loads(raw[head : head + size])
+            held = bytes.fromhex(meta["held"])
+            ends = [int(e) for e in meta["ends"]]
+            messages = list(meta["messages"])
+            options = dict(meta["options"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise StateError(f"the saved session is damaged: {e}") from None
+        branch = await Branch.restore(ctx, raw[head + size :], params=params)
+        if branch.position != len(ends):
+            await branch.prune()
+            raise StateError("the saved session's text and KV state disagree")
+        return cls(ctx, branch, messages=messages, chat_options=options, held=held, ends=ends)
+
+    @classmethod
+    async def load_file(
+        cls, ctx: Context, path: str | os.PathLike[str], *, params: SamplingParams | None = None
+    ) -> Session:
+        """:meth:`load` from a file written by :meth:`save_file`."""
+        return await cls.load(ctx, await anyio.Path(path).read_bytes(), params=params)
+
+    async def aclose(self) -> None:
+        """Prune the trunk branch (its lease goes back)."""
+        if not self._branch.disposed:
+            await self._branch.prune()
+
+    async def __aenter__(self) -> Session:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<Session messages={len(self._messages)} tokens={len(self._ends)}>"
+
+    # -- the delta -----------------------------------------------------------------
+
+    async def _sync(self, target: str) -> None:
+        """Make the branch hold exactly ``target``: keep the longest prefix
+        (at a token boundary) it holds already, decode the rest."""
+        want = target.encode()
+        if want == self._held:
+            self.last_delta = 0
+            return
+        # Tokens wholly inside the common prefix stay.
+        keep = bisect.bisect_right(self._ends, _common_prefix(self._held, want))
+        if keep > 0 and self._ends[keep - 1] == len(want):
+            keep -= 1  # nothing left to decode: redo the last token for its logits
+        # The cut must fall on a character boundary to tokenize the rest.
+        while keep > 0 and not _char_boundary(want, self._ends[keep - 1]):
+            keep -= 1
+        start = self._ends[keep - 1] if keep else 0
+        rest = want[start:].decode()
+        tokens, ends = self._tokenize(rest, first=keep == 0, base=start)
+        if keep < len(self._ends):
+            await self._branch.truncate(keep)
+            self._held, self._ends = self._held[:start], self._ends[:keep]
+        if tokens:
+            await self._branch.prefill(tokens)
+        self._held = want
+        self._ends = self._ends[:keep] + ends
+        self.tokens_decoded += len(tokens)
+        self.last_delta = len(tokens)
+
+    def _tokenize(self, text: str, *, first: bool, base: int) -> tuple[list[int], list[int]]:
+        """Tokens of ``text`` and the byte offset each ends at. Tokens
+        whose bytes do not add up to the text (a normalising tokenizer)
+        are treated as one unit, so no cut ever falls inside them."""
+        ctx = self._ctx
+        tokens = ctx.tokenize_sync(text, add_special=bool(first))
+        pieces = [ctx.token_bytes(t, render_special=True) for t in tokens]
+        data = text.encode()
+        if first and tokens and ctx.bos_token is not None and tokens[0] == ctx.bos_token:
+            if not data.startswith(pieces[0]):
+                pieces[0] = b""  # the tokenizer added BOS; the text has none
+            elif len(tokens) > 1 and tokens[1] == tokens[0]:
+                tokens, pieces = tokens[1:], pieces[1:]  # the template wrote BOS too
+        ends, at = [], base
+        for piece in pieces:
+            at += len(piece)
+            ends.append(at)
+        if b"".join(pieces) != data:
+            ends = [base + len(data)] * len(tokens)
+        return tokens, ends
+
+
+def _text(content: object) -> str:
+    if not isinstance(content, str):
+        raise TypeError(f"content must be str, got {type(content).__name__}")
+    return content
+
+
+def _common_prefix(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n
+    while lo < hi:  # the first differing byte, by halving
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _char_boundary(data: bytes, at: int) -> bool:
+    return at >= len(data) or (data[at] & 0xC0) != 0x80
