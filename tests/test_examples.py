@@ -155,3 +155,11 @@ def test_embed_ranks_in_one_decode() -> None:
     assert result.returncode == 0, result.stderr
     assert "6 documents embedded in 1 decode call(s)" in result.stdout
     assert len([line for line in result.stdout.splitlines() if line.startswith("  ")]) == 2
+
+
+def test_tools_runs_a_call_and_hands_back_the_result() -> None:
+    result = run_example(example("tools", "tools.py"), "--max-tokens", "60")
+    assert result.returncode == 0, result.stderr
+    assert 'call: get_weather({"city": ' in result.stdout
+    assert "result: " in result.stdout
+    assert "answer: " in result.stdout

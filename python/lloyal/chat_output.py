@@ -32,10 +32,11 @@ format       what a call looks like
 
 Nothing a model writes makes it raise: what does not parse as a call stays
 in the content as written. With ``partial=True`` the text is a prefix of a
-reply still being generated; what comes back only ever grows as the text
-does (the content and reasoning are prefixes of the final ones, a call shows
-once its name is complete and its arguments grow as their JSON arrives), so
-a stream can be shown by re-parsing the whole text after every token.
+reply still being generated; for a reply that ends well formed, what comes
+back only grows as the text does (the content and reasoning are prefixes of
+the final ones, a call shows once its name is complete and its arguments
+grow as their JSON arrives), so a stream can be shown by re-parsing the
+whole text after every token.
 
 Choices where conventions differ:
 
@@ -54,7 +55,8 @@ Choices where conventions differ:
   call object starts with (``name``, ``type``, ``function``, ``arguments``,
   ``parameters``, ``id``) and it has both a name and arguments.
 - A final reply whose call is cut off or broken keeps that text, marker
-  included, in the content; calls before it are kept.
+  included, in the content; calls before it are kept. A call whose JSON is
+  complete counts even when its closing tag never came.
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ class ToolCall:
     """One tool call: the function's name and its arguments as JSON text.
 
     ``arguments`` is the text the model wrote (a prefix of it while the
-    call is still streaming, ``""`` before any of it arrived); ``id`` is
-    the call id the model wrote, if any (Mistral writes one).
+    call is still streaming, ``""`` before any of it arrived), or for calls
+    written in Python syntax the ``json.dumps`` of their keyword arguments;
+    ``id`` is the call id the model wrote, if any (Mistral writes one).
     """
 
     name: str
@@ -146,7 +149,7 @@ def parse_chat_output(
     >>> call = out.tool_calls[0]
     >>> call.name, call.arguments, call.parsed_arguments()
     ('get_weather', '{"city": "Paris"}', {'city': 'Paris'})
-    >>> parse_chat_output(reply[:60], partial=True).tool_calls
+    >>> parse_chat_output(reply[:66], partial=True).tool_calls
     (ToolCall(name='get_weather', arguments='{"ci', id=None),)
     """
     if not isinstance(text, str):

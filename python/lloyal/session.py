@@ -45,11 +45,12 @@ class Session:
     >>> async def main():
     ...     async with await lloyal.create_context(MODEL) as ctx:
     ...         async with await lloyal.Session.create(ctx, params=lloyal.GREEDY) as chat:
-    ...             await chat.add_user("What is the capital of France?")
-    ...             reply = await chat.reply(max_tokens=12)
-    ...             return "Paris" in reply.content, [m["role"] for m in chat.messages]
+    ...             await chat.add_user("Say hello.")
+    ...             reply = await chat.reply(max_tokens=8)
+    ...             delta = chat.last_delta  # closing the turn: <|im_end|> and a newline
+    ...             return bool(reply.content), [m["role"] for m in chat.messages], delta
     >>> asyncio.run(main())
-    (True, ['user', 'assistant'])
+    (True, ['user', 'assistant'], 2)
 
     Create one with :meth:`create` (or :meth:`load`); add turns with
     :meth:`add_user`, :meth:`add_assistant` and :meth:`add_tool_result`;
@@ -186,9 +187,14 @@ class Session:
 
     # -- generating --------------------------------------------------------------
 
-    async def generate(self, *, max_tokens: int = 512) -> AsyncIterator[str]:
+    async def generate(
+        self, *, max_tokens: int = 512, constrain: bool = True
+    ) -> AsyncIterator[str]:
         """Let the model answer: yields text pieces as they are decoded.
-        With tools, the chat's lazy grammar keeps a tool call well formed.
+        With tools, the chat's grammar keeps a tool call well formed (lazy
+        with ``tool_choice="auto"``; a call is forced with ``"required"``);
+        ``constrain=False`` lets this answer go unconstrained (say, prose
+        after a required call's result) without changing the prompt.
         When the answer ends (a stop token, ``max_tokens``, or the loop
         leaving early), it is added to :attr:`messages`, parsed into
         content and tool calls, and the turn is closed in the KV."""
@@ -197,7 +203,7 @@ class Session:
         chat = self.render()
         if self._held != chat.prompt.encode():
             await self._sync(chat.prompt)
-        grammar = chat.create_grammar(self._ctx)
+        grammar = chat.create_grammar(self._ctx) if constrain else None
         branch = self._branch
         if grammar is not None:
             branch.set_grammar(grammar)
@@ -232,9 +238,9 @@ class Session:
                 branch.set_grammar(None)
             await self._close_turn(chat.parse("".join(pieces)))
 
-    async def reply(self, *, max_tokens: int = 512) -> ChatOutput:
+    async def reply(self, *, max_tokens: int = 512, constrain: bool = True) -> ChatOutput:
         """:meth:`generate` to the end; returns the parsed answer."""
-        async for _ in self.generate(max_tokens=max_tokens):
+        async for _ in self.generate(max_tokens=max_tokens, constrain=constrain):
             pass
         return self.last_output
 

@@ -1,0 +1,191 @@
+"""PrefixCache, Rerank, merge_logits, fork(clone_logits/root), kv_pressure.
+
+Async tests run on asyncio; they are about reuse and counts, not loops.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lloyal
+import numpy as np
+import pytest
+from lloyal.models import model_path
+
+from tests.conftest import MODELS
+
+SHARED = "You are a careful assistant. Answer briefly and precisely. " * 48
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("model_name", MODELS)
+async def test_second_request_prefills_only_its_suffix(model_name: str) -> None:
+    async with await lloyal.create_context(model_path(model_name), n_ctx=2048, n_seq_max=6) as ctx:
+        cache = lloyal.PrefixCache(ctx, max_branches=4, params=lloyal.GREEDY)
+        prefix = await ctx.tokenize(SHARED)
+        assert len(prefix) >= 500
+        q1 = await ctx.tokenize(" Question one: what is two plus two?", add_special=False)
+        q2 = await ctx.tokenize(" Question two: name a colour.", add_special=False)
+        async with await cache.branch(prefix + q1) as first:
+            assert first.position == len(prefix) + len(q1)
+        before = ctx.stats
+        async with await cache.branch(prefix + q2) as second:
+            decoded = ctx.stats.tokens_decoded - before.tokens_decoded
+            # Only the part after the longest shared prefix was decoded.
+            shared = next(i for i, (a, b) in enumerate(zip(q1, q2, strict=False)) if a != b)
+            assert decoded == len(q2) - shared
+            assert second.position == len(prefix) + len(q2)
+            # Same distribution as decoding the whole prompt fresh.
+            async with lloyal.Branch.create(ctx, lloyal.GREEDY) as fresh:
+                await fresh.prefill(prefix + q2)
+                assert np.abs(fresh.logits - second.logits).max() < 2.0
+                assert (await fresh.produce()).token == (await second.produce()).token
+        s = cache.stats
+        assert (s.requests, s.hits) == (2, 1)
+        assert s.saved_tokens == len(prefix) + shared
+        assert s.prefilled_tokens == len(prefix) + len(q1) + len(q2) - shared
+        assert s.requested_tokens == 2 * len(prefix) + len(q1) + len(q2)
+        assert s.entries == 2
+        assert 0 < s.hit_rate <= 1
+        # The exact prompt again: everything but the last token is reused.
+        async with await cache.branch(prefix + q1) as again:
+            assert again.position == len(prefix) + len(q1)
+        assert cache.stats.saved_tokens == s.saved_tokens + len(prefix) + len(q1) - 1
+        await cache.aclose()
+        assert lloyal.BranchStore(ctx).available == 6
+
+
+@pytest.mark.asyncio
+async def test_eviction_under_lease_pressure_keeps_serving(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=2048, n_seq_max=3) as ctx:
+        cache = lloyal.PrefixCache(ctx, max_branches=8)
+        base = await ctx.tokenize("Shared opening words for every prompt here.")
+        held: list[lloyal.Branch] = []
+        for i in range(6):
+            tail = await ctx.tokenize(f" Prompt number {i}.", add_special=False)
+            b = await cache.branch(base + tail)
+            assert b.position == len(base) + len(tail)
+            held.append(b)
+            if len(held) == 2:  # the caller keeps two leases; the cache gets one
+                await held.pop(0).prune()
+        assert cache.stats.evictions >= 4
+        assert len(cache) <= 1
+        assert cache.stats.hits >= 4  # each request still reused the last entry
+        for b in held:
+            await b.prune()
+        await cache.clear()
+        assert lloyal.BranchStore(ctx).available == 3
+
+
+@pytest.mark.asyncio
+async def test_max_branches_and_max_cells_bound_the_cache(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=2048, n_seq_max=8) as ctx:
+        store = lloyal.BranchStore(ctx)
+        cache = lloyal.PrefixCache(ctx, max_branches=2)
+        for i in range(4):
+            text = f"Entirely different prompt {i} " * (i + 1)
+            async with await cache.branch(await ctx.tokenize(text)):
+                pass
+        assert len(cache) == 2
+        assert cache.stats.evictions == 2
+        await cache.clear()
+        tight = lloyal.PrefixCache(ctx, max_branches=8, max_cells=60)
+        for i in range(4):
+            async with await tight.branch(await ctx.tokenize(f"Prompt {i} " * 10)):
+                pass
+            assert store.cells_held <= 60 or len(tight) == 1
+        await tight.clear()
+        assert store.cells_held == 0
+        with pytest.raises(ValueError, match="max_branches"):
+            lloyal.PrefixCache(ctx, max_branches=0)
+        with pytest.raises(ValueError, match="empty"):
+            await tight.branch([])
+
+
+@pytest.mark.asyncio
+async def test_kv_pressure_counts_shared_prefixes_once(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=1024, n_seq_max=4) as ctx:
+        store = lloyal.BranchStore(ctx)
+        assert store.kv_pressure == 0.0
+        root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await root.prefill(list(range(100, 200)))
+        child = await root.fork()
+        await child.prefill(list(range(300, 310)))
+        assert store.cells_held == 110
+        assert store.kv_pressure == pytest.approx(110 / 1024)
+        await child.prune()
+        await root.prune()
+        assert store.cells_held == 0
+
+
+@pytest.mark.asyncio
+async def test_fork_without_logits_and_as_a_root(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_seq_max=4) as ctx:
+        root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize("The capital of France is"))
+        bare = await root.fork(clone_logits=False)
+        with pytest.raises(ValueError, match="logits"):
+            await bare.produce()
+        await bare.prefill(await ctx.tokenize(" Paris", add_special=False))
+        assert (await bare.produce()).token >= 0
+        orphan = await root.fork(root=True)
+        assert orphan.parent is None
+        assert orphan not in root.children
+        await bare.prune()
+        await root.prune()  # allowed: the other fork is a root of its own
+        assert (await orphan.produce()).text == " Paris"
+        await orphan.prune()
+
+
+@pytest.mark.asyncio
+async def test_merge_logits_is_the_weighted_sum(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_seq_max=3) as ctx:
+        store = lloyal.BranchStore(ctx)
+        cond = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        uncond = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await store.prefill(
+            [
+                (cond, await ctx.tokenize("A poem about the sea:")),
+                (uncond, await ctx.tokenize("A poem:")),
+            ]
+        )
+        a, b = cond.logits.copy(), uncond.logits.copy()
+        store.merge_logits([cond, uncond], [1.5, -0.5])
+        expected = (a * np.float32(1.5) + b * np.float32(-0.5)).astype(np.float32)
+        assert np.array_equal(cond.logits, expected)
+        assert np.array_equal(uncond.logits, b)
+        store.merge_logits([uncond], [1.0], into=cond)
+        assert np.array_equal(cond.logits, b)
+        with pytest.raises(ValueError, match="weight"):
+            store.merge_logits([cond, uncond], [1.0])
+        with pytest.raises(ValueError, match="finite"):
+            store.merge_logits([cond], [float("nan")])
+        assert np.array_equal(cond.logits, b)  # untouched by the refused calls
+        await cond.prune()
+        await uncond.prune()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("model_name", MODELS)
+async def test_rerank_puts_the_relevant_document_first_in_one_decode(model_name: str) -> None:
+    template = None if model_name == "smollm2" else "gemma"
+    async with await lloyal.create_context(model_path(model_name), n_ctx=2048, n_seq_max=8) as ctx:
+        rerank = lloyal.Rerank(ctx, template=template)
+        docs = [
+            "Bananas are a good source of potassium.",
+            "Paris is the capital and largest city of France.",
+            "The stock market closed lower on Tuesday.",
+            "Cats sleep for most of the day.",
+        ]
+        before = ctx.stats
+        scores = await rerank.score("What is the capital of France?", docs)
+        calls = ctx.stats.decode_calls - before.decode_calls
+        assert scores.shape == (4,)
+        assert scores.dtype == np.float32
+        assert int(np.argmax(scores)) == 1
+        assert calls == 2  # the shared question once, then all four documents together
+        assert ((scores >= 0) & (scores <= 1)).all()
+        assert (await rerank.score("anything", [])).shape == (0,)
+        with pytest.raises(TypeError):
+            await rerank.score("query", "not a list")
+        assert lloyal.BranchStore(ctx).available == 8
