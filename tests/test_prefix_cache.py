@@ -189,3 +189,20 @@ async def test_rerank_puts_the_relevant_document_first_in_one_decode(model_name:
         with pytest.raises(TypeError):
             await rerank.score("query", "not a list")
         assert lloyal.BranchStore(ctx).available == 8
+
+
+@pytest.mark.asyncio
+async def test_rerank_on_an_embedding_context_uses_cosine_similarity(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, embeddings=True, pooling="mean") as ctx:
+        rerank = lloyal.Rerank(ctx)
+        assert rerank.method == "embedding"
+        docs = ["a kitten sat on the mat", "tax law of the federal republic"]
+        scores = await rerank.score("a cat sat", docs)
+        rows = await ctx.embed(["a cat sat", *docs])
+        assert np.allclose(scores, rows[1:] @ rows[0], atol=1e-5)
+        assert scores[0] > scores[1]
+    async with await lloyal.create_context(smollm2) as plain:
+        with pytest.raises(ValueError, match="embeddings"):
+            lloyal.Rerank(plain, method="embedding")
+        with pytest.raises(ValueError, match="method"):
+            lloyal.Rerank(plain, method="bm25")  # type: ignore[arg-type]
