@@ -193,7 +193,7 @@ async def test_lazy_grammar_refuses_a_trigger_followed_by_garbage(smollm2: Path)
 
 
 @pytest.mark.asyncio
-async def test_undoing_a_commit_rewinds_a_lazy_grammar_past_its_trigger(smollm2: Path) -> None:
+async def test_a_fork_that_fires_the_trigger_leaves_its_parent_waiting(smollm2: Path) -> None:
     async with await lloyal.create_context(smollm2, n_seq_max=2) as ctx:
         chat = ctx.format_chat(ASK, tools=[WEATHER])
         async with lloyal.Branch.create(ctx, lloyal.GREEDY) as b:

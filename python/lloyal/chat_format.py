@@ -211,9 +211,19 @@ def _as_text(messages: Sequence[Mapping[str, Any]], system: str | None) -> list[
     one user turn so that templates insisting on alternating roles accept
     them."""
     out: list[dict[str, Any]] = []
+    results = False  # whether out[-1] is a turn of merged tool results
     for m in messages:
         role = m.get("role")
         content = m.get("content") or ""
+        if role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if results:
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+            results = True
+            continue
+        results = False
         if role == "assistant" and m.get("tool_calls"):
             blocks = []
             for call in m["tool_calls"]:
@@ -226,16 +236,8 @@ def _as_text(messages: Sequence[Mapping[str, Any]], system: str | None) -> list[
                 blocks.append(f"<tool_call>\n{body}\n</tool_call>")
             text = "\n".join(([content] if content else []) + blocks)
             out.append({"role": "assistant", "content": text})
-        elif role == "tool":
-            block = f"<tool_response>\n{content}\n</tool_response>"
-            if out and out[-1].get("_tool"):
-                out[-1]["content"] += "\n" + block
-            else:
-                out.append({"role": "user", "content": block, "_tool": True})
         else:
             out.append({**m, "content": content})
-    for m in out:
-        m.pop("_tool", None)
     if system is not None:
         if out and out[0].get("role") == "system":
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}

@@ -135,13 +135,10 @@ class PrefixCache:
             child = node.children.get(tokens[at])
             if child is None:
                 break
-            edge = child.edge
-            n = 0
-            while n < len(edge) and at + n < len(tokens) and edge[n] == tokens[at + n]:
-                n += 1
+            n = _shared(child.edge, tokens, at)
             at += n
             node = child
-            if n < len(edge):
+            if n < len(child.edge):
                 break
         return node, at
 
@@ -165,9 +162,7 @@ class PrefixCache:
                 node.children[tokens[at]] = leaf
                 return leaf
             edge = child.edge
-            n = 0
-            while n < len(edge) and at + n < len(tokens) and edge[n] == tokens[at + n]:
-                n += 1
+            n = _shared(edge, tokens, at)
             if n < len(edge):  # split the edge
                 middle = _Node(edge[:n], node)
                 node.children[tokens[at]] = middle
@@ -221,7 +216,8 @@ class PrefixCache:
             )
             if p is not None:
                 out.set_sampler_params(p)
-            await out.truncate(reuse)
+            if reuse < len(source.tokens):
+                await out.truncate(reuse)
             self._hits += 1
         else:
             reuse = 0
@@ -320,6 +316,14 @@ class PrefixCache:
     def __repr__(self) -> str:
         s = self.stats
         return f"<PrefixCache entries={s.entries} hit_rate={s.hit_rate:.2f} saved={s.saved_tokens}>"
+
+
+def _shared(edge: tuple[int, ...], tokens: tuple[int, ...], at: int) -> int:
+    """How many of ``edge``'s tokens ``tokens[at:]`` begins with."""
+    n = 0
+    while n < len(edge) and at + n < len(tokens) and edge[n] == tokens[at + n]:
+        n += 1
+    return n
 
 
 async def _create(ctx: Context, params: SamplingParams | None) -> Branch:

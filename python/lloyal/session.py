@@ -80,6 +80,7 @@ class Session:
         """Tokens this session object has decoded (prefills and generation)."""
         self.last_delta = 0
         """Tokens the last change of the chat decoded."""
+        self._last_output = ChatOutput(content="")
 
     @classmethod
     async def create(
@@ -201,8 +202,7 @@ class Session:
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         chat = self.render()
-        if self._held != chat.prompt.encode():
-            await self._sync(chat.prompt)
+        await self._sync(chat.prompt)
         grammar = chat.create_grammar(self._ctx) if constrain else None
         branch = self._branch
         if grammar is not None:
@@ -211,6 +211,10 @@ class Session:
         preserved = set(chat.preserved_tokens)
         stream = TextStream(self._ctx)
         pieces: list[str] = []
+        # The answer's bytes, joined onto what the branch holds at the end
+        # (appending to one bytes object per token would copy it each time).
+        held: list[bytes] = []
+        at = len(self._held)
         try:
             for _ in range(max_tokens):
                 p = await branch.produce()
@@ -219,8 +223,9 @@ class Session:
                 await branch.commit(p.token)
                 self.tokens_decoded += 1
                 piece = self._ctx.token_bytes(p.token, render_special=p.token in preserved)
-                self._held += piece
-                self._ends.append(len(self._held))
+                held.append(piece)
+                at += len(piece)
+                self._ends.append(at)
                 text = (
                     stream.flush() + piece.decode("utf-8", errors="replace")
                     if p.token in preserved
@@ -234,6 +239,7 @@ class Session:
                 pieces.append(tail)
                 yield tail
         finally:
+            self._held += b"".join(held)
             if grammar is not None:
                 branch.set_grammar(None)
             await self._close_turn(chat.parse("".join(pieces)))
@@ -247,7 +253,7 @@ class Session:
     @property
     def last_output(self) -> ChatOutput:
         """The last assistant message, parsed (content, reasoning, calls)."""
-        return getattr(self, "_last_output", ChatOutput(content=""))
+        return self._last_output
 
     async def _close_turn(self, output: ChatOutput) -> None:
         self._last_output = output

@@ -423,14 +423,10 @@ impl Grammar {
             return Ok(());
         }
         if let Some(lazy) = self.lazy.as_mut() {
-            match lazy.fired_at {
+            if lazy.fired_at.is_some_and(|fired| count < fired) {
                 // Back to before the trigger: waiting again.
-                Some(fired) if count < fired => {
-                    self.matcher.reset().map_err(matcher_error)?;
-                    lazy.fired_at = None;
-                }
-                Some(_) => {}
-                None => {}
+                self.matcher.reset().map_err(matcher_error)?;
+                lazy.fired_at = None;
             }
             if lazy.fired_at.is_none() {
                 lazy.ends.truncate(count);

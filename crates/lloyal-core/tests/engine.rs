@@ -91,3 +91,43 @@ fn chat_template_renders() {
     assert_eq!(prompt.template_source, "model");
     ctx.close_blocking();
 }
+
+#[test]
+fn a_lazy_grammar_waits_fires_and_rewinds_past_its_trigger() {
+    use lloyal_core::{Grammar, GrammarSpec};
+    let ctx = open(256);
+    let model = ctx.model().clone();
+    let spec = GrammarSpec::Lark(r#"start: "<call>" /[a-z]+/ "</call>""#.to_owned());
+    let mut g = Grammar::lazy(&model, &spec, &["<call>".to_owned()]).unwrap();
+    assert!(Grammar::lazy(&model, &spec, &[]).is_err());
+    let prose = model.tokenize("Sure, ", None, false).unwrap();
+    let opener = model.tokenize("<call>", None, false).unwrap();
+    let bad = model.tokenize("123", None, false).unwrap()[0];
+    for &t in &prose {
+        g.accept(t).unwrap();
+    }
+    assert_eq!(g.triggered(), Some(false));
+    assert!(g.is_accepting() && !g.constrains());
+    for &t in &opener {
+        g.accept(t).unwrap();
+    }
+    assert_eq!(g.triggered(), Some(true));
+    assert!(g.constrains() && !g.is_accepting());
+    assert!(!g.allows(bad).unwrap());
+    // Back to the middle of the opener: waiting again, free text allowed.
+    g.rewind(prose.len() + opener.len() - 1).unwrap();
+    assert_eq!(g.triggered(), Some(false));
+    assert!(g.allows(bad).unwrap());
+    // The same opener fires again, and the grammar completes.
+    g.accept(*opener.last().unwrap()).unwrap();
+    assert_eq!(g.triggered(), Some(true));
+    for t in model.tokenize("abc</call>", None, false).unwrap() {
+        g.accept(t).unwrap();
+    }
+    assert!(g.is_accepting());
+    // Rewinding inside the constrained part keeps it fired.
+    g.rewind(prose.len() + opener.len()).unwrap();
+    assert_eq!(g.triggered(), Some(true));
+    assert!(!g.is_accepting());
+    ctx.close_blocking();
+}
