@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from lloyal.models import model_path
 
-from tests.conftest import MODELS
+from tests.conftest import MODELS, ROUTE_NOISE
 
 SHARED = "You are a careful assistant. Answer briefly and precisely. " * 48
 
@@ -38,8 +38,10 @@ async def test_second_request_prefills_only_its_suffix(model_name: str) -> None:
             # Same distribution as decoding the whole prompt fresh.
             async with lloyal.Branch.create(ctx, lloyal.GREEDY) as fresh:
                 await fresh.prefill(prefix + q2)
-                assert np.abs(fresh.logits - second.logits).max() < 2.0
-                assert (await fresh.produce()).token == (await second.produce()).token
+                assert np.abs(fresh.logits - second.logits).max() < ROUTE_NOISE
+                best, runner_up = np.sort(fresh.logits)[-2:][::-1]
+                if best - runner_up > ROUTE_NOISE:  # a choice no route can flip
+                    assert (await fresh.produce()).token == (await second.produce()).token
         s = cache.stats
         assert (s.requests, s.hits) == (2, 1)
         assert s.saved_tokens == len(prefix) + shared
@@ -165,29 +167,63 @@ async def test_merge_logits_is_the_weighted_sum(smollm2: Path) -> None:
         await uncond.prune()
 
 
+RERANK_DOCS = [
+    "Bananas are a good source of potassium.",
+    "Paris is the capital and largest city of France.",
+    "The stock market closed lower on Tuesday.",
+    "Cats sleep for most of the day.",
+]
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("model_name", MODELS)
-async def test_rerank_puts_the_relevant_document_first_in_one_decode(model_name: str) -> None:
-    template = None if model_name == "smollm2" else "gemma"
+async def test_rerank_puts_the_relevant_document_first_in_fixed_decodes(model_name: str) -> None:
     async with await lloyal.create_context(model_path(model_name), n_ctx=2048, n_seq_max=8) as ctx:
-        rerank = lloyal.Rerank(ctx, template=template)
-        docs = [
-            "Bananas are a good source of potassium.",
-            "Paris is the capital and largest city of France.",
-            "The stock market closed lower on Tuesday.",
-            "Cats sleep for most of the day.",
-        ]
+        rerank = lloyal.Rerank(ctx)
+        assert rerank.method == "likelihood"
         before = ctx.stats
-        scores = await rerank.score("What is the capital of France?", docs)
+        scores = await rerank.score("What is the capital of France?", RERANK_DOCS)
         calls = ctx.stats.decode_calls - before.decode_calls
         assert scores.shape == (4,)
         assert scores.dtype == np.float32
+        # Measured: the relevant document leads by 0.79 (SmolLM2) and 1.40
+        # (Gemma 3) nats per query token, over eight tokens.
         assert int(np.argmax(scores)) == 1
-        assert calls == 2  # the shared question once, then all four documents together
-        assert ((scores >= 0) & (scores <= 1)).all()
+        assert (scores < 0).all()
+        # The prompt head once, the four documents together, the query
+        # after each of them together: three decodes for any number of
+        # documents that fit one batch.
+        assert calls == 3
+        # With three leases free, the documents go two at a time.
+        held = [lloyal.Branch.create(ctx) for _ in range(5)]
+        before = ctx.stats
+        chunked = await rerank.score("What is the capital of France?", RERANK_DOCS)
+        assert ctx.stats.decode_calls - before.decode_calls == 1 + 2 * 2
+        assert np.abs(chunked - scores).max() < ROUTE_NOISE
+        assert int(np.argmax(chunked)) == 1
+        for b in held:
+            await b.prune()
         assert (await rerank.score("anything", [])).shape == (0,)
         with pytest.raises(TypeError):
             await rerank.score("query", "not a list")
+        assert lloyal.BranchStore(ctx).available == 8
+
+
+@pytest.mark.asyncio
+async def test_rerank_yes_no_asks_the_chat_model_in_one_batch(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=2048, n_seq_max=8) as ctx:
+        rerank = lloyal.Rerank(ctx, method="yes_no")
+        before = ctx.stats
+        scores = await rerank.score("What is the capital of France?", RERANK_DOCS)
+        # SmolLM2 barely separates relevance this way (why it is not the
+        # default), so only the shape of the answer is checked here.
+        assert ctx.stats.decode_calls - before.decode_calls == 2
+        assert scores.shape == (4,)
+        assert ((scores > 0) & (scores < 1)).all()
+        with pytest.raises(ValueError, match="query"):
+            lloyal.Rerank(ctx, prompt="no slots here")
+        with pytest.raises(ValueError, match="end with"):
+            lloyal.Rerank(ctx, prompt="{query} then {document}")
         assert lloyal.BranchStore(ctx).available == 8
 
 

@@ -1,16 +1,24 @@
 """Score documents against a query.
 
-Two methods, picked by the context:
+Three methods:
 
-- **yes/no** (any instruct model, the default): the model is asked whether
-  each document is relevant to the query; the score is the probability it
-  puts on "yes" against "no" (over the usual spellings of both). The prompt
-  up to the document is decoded once; every document is a fork of it, and
-  the documents go through the model together, in one ``llama_decode`` as
-  long as their tokens fit ``n_batch`` (and leases allow).
+- **likelihood** (any generative model, base or instruct; the default):
+  how likely the model finds the query after the document, the mean
+  log-probability of the query's tokens (query likelihood, as in UPR,
+  Sachan et al. 2022). The documents are decoded together, then the query
+  after each of them together, with every position's logits: a fixed
+  number of ``llama_decode`` calls however many documents (3 when they
+  fit ``n_batch``, the leases and the logits budget), and no text is
+  generated. Scores are log-probabilities (negative; higher is better).
+- **yes_no** (instruct models): the model is asked, through its chat
+  template, whether each document is relevant, and the score is the
+  probability it puts on "yes" against "no" (over their usual spellings).
+  The question up to the document is decoded once and every document is a
+  fork of it, decoded together. Larger instruct models judge well this
+  way; models of a few hundred million parameters barely do (on the test
+  models the scores hardly separate), which is why it is not the default.
 - **embedding** (a context created with ``embeddings=True`` and pooling):
-  the cosine similarity of the query's and each document's embedding,
-  again batched.
+  the cosine similarity of the query's and each document's embedding.
 """
 
 from __future__ import annotations
@@ -29,12 +37,18 @@ if TYPE_CHECKING:
 
 __all__ = ["Rerank"]
 
+Method = Literal["auto", "likelihood", "yes_no", "embedding"]
+
 _SLOT = "\x00DOCUMENT\x00"
 _INSTRUCTION = (
     "Judge whether the document is relevant to the query. "
     'Answer only "yes" or "no".\n\nQuery: {query}\n\nDocument: {document}\n\n'
     "Is the document relevant to the query?"
 )
+_LIKELIHOOD = "Passage: {document}\nA question this passage answers: {query}"
+# The per-position logits the likelihood method holds at once (the
+# documents go in chunks that stay under it).
+_ROWS_BUDGET = 64 << 20
 
 
 class Rerank:
@@ -46,51 +60,62 @@ class Rerank:
     ...         rerank = lloyal.Rerank(ctx)
     ...         scores = await rerank.score(
     ...             "What is the capital of France?",
-    ...             ["Paris is the capital and largest city of France.",
-    ...              "Bananas are rich in potassium."],
+    ...             ["The capital of France is Paris.",
+    ...              "Bananas are yellow fruit."],
     ...         )
-    ...         return scores.dtype.name, bool(scores[0] > scores[1])
+    ...         return rerank.method, scores.dtype.name, bool(scores[0] > scores[1])
     >>> asyncio.run(main())
-    ('float32', True)
+    ('likelihood', 'float32', True)
 
     ``method="auto"`` uses embeddings on a pooling (embedding) context and
-    the yes/no question otherwise. ``template`` is passed to
-    :meth:`Context.format_chat`; ``instruction`` replaces the question
-    (it must contain ``{query}`` and ``{document}``).
+    the query likelihood otherwise (see the module docs). ``prompt``
+    replaces the text the method builds around the query and document: it
+    must contain ``{query}`` and ``{document}`` (for ``likelihood``, the
+    query last). ``template`` is the chat template of ``yes_no``
+    (:meth:`Context.format_chat`).
     """
 
     def __init__(
         self,
         ctx: Context,
         *,
-        method: Literal["auto", "yes_no", "embedding"] = "auto",
+        method: Method = "auto",
         template: str | None = None,
-        instruction: str = _INSTRUCTION,
+        prompt: str | None = None,
     ) -> None:
-        if method not in ("auto", "yes_no", "embedding"):
-            raise ValueError(f"method must be 'auto', 'yes_no' or 'embedding', got {method!r}")
-        if "{query}" not in instruction or "{document}" not in instruction:
-            raise ValueError("instruction must contain {query} and {document}")
+        if method not in ("auto", "likelihood", "yes_no", "embedding"):
+            raise ValueError(
+                f"method must be 'auto', 'likelihood', 'yes_no' or 'embedding', got {method!r}"
+            )
         if method == "auto":
-            method = "embedding" if ctx.has_pooling else "yes_no"
+            method = "embedding" if ctx.has_pooling else "likelihood"
         if method == "embedding" and not ctx.has_pooling:
             raise ValueError(
                 "the embedding method needs a context with embeddings=True and pooling"
             )
+        if method != "embedding" and ctx.has_pooling:
+            raise ValueError(f"the {method} method needs a generative context (no pooling)")
+        text = prompt if prompt is not None else _INSTRUCTION if method == "yes_no" else _LIKELIHOOD
+        if "{query}" not in text or "{document}" not in text:
+            raise ValueError("prompt must contain {query} and {document}")
+        if method == "likelihood" and not text.rstrip().endswith("{query}"):
+            raise ValueError("the likelihood prompt must end with {query}")
         self._ctx = ctx
-        self.method = method
+        self.method: Literal["likelihood", "yes_no", "embedding"] = method
         self._template = template
-        self._instruction = instruction
-        self._yes = self._first_tokens(("yes", "Yes", " yes", " Yes", "YES"))
-        self._no = self._first_tokens(("no", "No", " no", " No", "NO"))
+        self._prompt = text
+        if method == "yes_no":
+            self._yes = self._first_tokens(("yes", "Yes", " yes", " Yes", "YES"))
+            self._no = self._first_tokens(("no", "No", " no", " No", "NO"))
 
     def _first_tokens(self, words: Sequence[str]) -> list[int]:
         ids = {self._ctx.tokenize_sync(w, add_special=False, parse_special=False)[0] for w in words}
         return sorted(ids)
 
     async def score(self, query: str, documents: Sequence[str]) -> npt.NDArray[np.float32]:
-        """One score per document, higher is more relevant: a probability
-        of "yes" (yes/no method) or a cosine similarity (embedding)."""
+        """One score per document, higher is more relevant: a mean
+        log-probability (likelihood), a probability of "yes" (yes_no) or a
+        cosine similarity (embedding)."""
         if not isinstance(query, str) or isinstance(documents, str):
             raise TypeError("score(query: str, documents: list of str)")
         docs = list(documents)
@@ -102,11 +127,55 @@ class Rerank:
             rows = await self._ctx.embed([query, *docs])
             sims: npt.NDArray[np.float32] = (rows[1:] @ rows[0]).astype(np.float32)
             return sims
-        return await self._yes_no(query, docs)
+        if self.method == "yes_no":
+            return await self._yes_no(query, docs)
+        return await self._likelihood(query, docs)
+
+    def _chunks(self, docs: list[str], per_doc_bytes: int) -> list[list[int]]:
+        """Document indices in groups that fit the free leases (the trunk
+        holds one already) and the logits budget."""
+        room = max(1, BranchStore(self._ctx).available)
+        room = min(room, max(1, _ROWS_BUDGET // max(1, per_doc_bytes)))
+        return [list(range(i, min(i + room, len(docs)))) for i in range(0, len(docs), room)]
+
+    async def _likelihood(self, query: str, docs: list[str]) -> npt.NDArray[np.float32]:
+        ctx = self._ctx
+        head, _, middle = self._prompt.partition("{document}")
+        middle = middle[: middle.rindex("{query}")].replace("{query}", query)
+        # A space before the query goes with it, as the tokenizer would put it.
+        spaced = middle.endswith(" ")
+        middle = middle.removesuffix(" ")
+        asked = await ctx.tokenize(" " + query if spaced else query, add_special=False)
+        if not asked:
+            raise ValueError("the query is empty")
+        store = BranchStore(ctx)
+        scores = np.empty(len(docs), dtype=np.float32)
+        async with Branch.create(ctx, GREEDY) as trunk:
+            await trunk.prefill(await ctx.tokenize(head.replace("{query}", query)))
+            for chunk in self._chunks(docs, len(asked) * ctx.vocab_size * 4):
+                forks = [await trunk.fork(clone_logits=False) for _ in chunk]
+                try:
+                    inputs = [
+                        await ctx.tokenize(docs[i] + middle, add_special=False) for i in chunk
+                    ]
+                    await store.prefill(list(zip(forks, inputs, strict=True)))
+                    # The first query token from each snapshot, the rest
+                    # from the rows of one more decode.
+                    firsts = [float(b.logprobs(asked[:1])[0]) for b in forks]
+                    rest = [0.0] * len(forks)
+                    if len(asked) > 1:
+                        rows = await store.prefill([(b, asked[:-1]) for b in forks], logits="all")
+                        rest = [_logprob_sum(r, asked[1:]) for r in rows]
+                    for i, first, more in zip(chunk, firsts, rest, strict=True):
+                        scores[i] = (first + more) / len(asked)
+                finally:
+                    for b in forks:
+                        await b.prune()
+        return scores
 
     async def _yes_no(self, query: str, docs: list[str]) -> npt.NDArray[np.float32]:
         ctx = self._ctx
-        text = self._instruction.format(query=query, document=_SLOT)
+        text = self._prompt.replace("{document}", _SLOT).replace("{query}", query)
         prompt = ctx.format_chat(
             [{"role": "user", "content": text}], template=self._template
         ).prompt
@@ -117,23 +186,30 @@ class Rerank:
         scores = np.empty(len(docs), dtype=np.float32)
         async with Branch.create(ctx, GREEDY) as trunk:
             await trunk.prefill(await ctx.tokenize(head))
-            done = 0
-            while done < len(docs):
-                room = max(1, store.available)
-                chunk = docs[done : done + room]
+            for chunk in self._chunks(docs, 0):
                 forks = [await trunk.fork(clone_logits=False) for _ in chunk]
                 try:
-                    inputs = [await ctx.tokenize(d + tail, add_special=False) for d in chunk]
+                    inputs = [await ctx.tokenize(docs[i] + tail, add_special=False) for i in chunk]
                     await store.prefill(list(zip(forks, inputs, strict=True)))
-                    for i, b in enumerate(forks):
-                        scores[done + i] = self._p_yes(b.logits)
+                    for i, b in zip(chunk, forks, strict=True):
+                        scores[i] = self._p_yes(b.logits)
                 finally:
                     for b in forks:
                         await b.prune()
-                done += len(chunk)
         return scores
 
     def _p_yes(self, logits: npt.NDArray[np.float32]) -> float:
         yes = np.logaddexp.reduce(logits[self._yes].astype(np.float64))
         no = np.logaddexp.reduce(logits[self._no].astype(np.float64))
         return float(1.0 / (1.0 + np.exp(no - yes)))
+
+
+def _logprob_sum(rows: npt.NDArray[np.float32], tokens: Sequence[int]) -> float:
+    """Sum over positions of ``log softmax(rows[k])[tokens[k]]``."""
+    if not tokens:
+        return 0.0
+    r = rows.astype(np.float64)
+    top = r.max(axis=1, keepdims=True)
+    norm = np.log(np.exp(r - top).sum(axis=1)) + top[:, 0]
+    picked = r[np.arange(len(tokens)), tokens]
+    return float((picked - norm).sum())
