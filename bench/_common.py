@@ -37,3 +37,25 @@ def median(xs: list[float]) -> float:
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+VENV = Path.home() / ".cache" / "lloyal" / "bench-venv"
+
+
+def llama_cpp_python(extra: str = "") -> Path:
+    """The python of a venv with llama-cpp-python (``extra``: e.g.
+    ``"[server]"``), built for this CPU the first time (several minutes)."""
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    module = "llama_cpp.server" if extra == "[server]" else "llama_cpp"
+    probe = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True)
+    if probe.returncode != 0:
+        print("building llama-cpp-python in", VENV, "(several minutes)", file=sys.stderr)
+        env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON"}
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", f"llama-cpp-python{extra}"],
+            check=True,
+            env=env,
+        )
+    return python

@@ -63,7 +63,7 @@ from typing import Any, TypeVar
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lloyal
-from _common import build_example, median, run_json
+from _common import build_example, llama_cpp_python, median, run_json
 from lloyal.models import KNOWN_MODELS, model_path
 
 PROMPT_TOKENS = 128
@@ -193,24 +193,6 @@ async def fork_latency(path: Path, tokens: list[int], threads: int) -> float:
             samples.append(time.perf_counter() - started)
             await child.prune()
         return median(samples) * 1e6
-
-
-VENV = Path.home() / ".cache" / "lloyal" / "bench-venv"
-
-
-def llama_cpp_python() -> Path:
-    """A venv with llama-cpp-python, built for this CPU."""
-    python = VENV / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-    probe = subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True)
-    if probe.returncode != 0:
-        print("building llama-cpp-python in", VENV, "(several minutes)", file=sys.stderr)
-        env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON"}
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "llama-cpp-python"], check=True, env=env
-        )
-    return python
 
 
 T = TypeVar("T")

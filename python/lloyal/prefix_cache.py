@@ -301,6 +301,14 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    async def make_room(self, leases: int) -> bool:
+        """Evict least recently used entries until ``leases`` leases are
+        free (for branches the caller is about to create or fork). Returns
+        whether there are that many now."""
+        while self._store.available < leases and await self._evict_one():
+            pass
+        return self._store.available >= leases
+
     async def clear(self) -> None:
         """Prune every entry (branches handed out are the callers')."""
         while self._entries:

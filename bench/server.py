@@ -1,0 +1,292 @@
+"""lloyal serve against llama.cpp's llama-server and llama-cpp-python's server.
+
+Each server gets the same model and the same load: C concurrent clients
+(default 1, 8 and 32), each sending R chat completions one after another
+(a shared system prompt and a question of its own), every answer exactly
+``--max-tokens`` tokens long (end-of-generation tokens are banned with
+``logit_bias``, a field all three servers take, so nobody wins by stopping
+early). Printed per server and concurrency: aggregate completion tokens
+per second, p50 and p99 request latency, and the ratio of lloyal's
+tokens/s to the other server's, all from one run.
+
+    python bench/server.py                       # SmolLM2, all servers found or built
+    python bench/server.py --clients 1,8 --servers lloyal,llama-server
+
+Where the other servers come from:
+
+- ``llama-server``: ``$LLAMA_SERVER`` or ``llama-server`` on PATH, else
+  built with cmake from the llama.cpp that llama-cpp-python's source
+  package vendors (the llama-cpp-2 crate we build on ships llama.cpp
+  without the server's sources, so *the same* llama.cpp is not available;
+  the version built is printed). Slots = clients' maximum (``-np``),
+  continuous batching on.
+- ``llama-cpp-python``: its ``[server]`` extra in ``~/.cache/lloyal/bench-venv``
+  (built for this CPU the first time; several minutes). It serves one
+  request at a time.
+
+Both builds are cached under ``~/.cache/lloyal``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lloyal
+from _common import llama_cpp_python
+from lloyal.models import model_path
+
+CACHE = Path.home() / ".cache" / "lloyal"
+SYSTEM = "You are a concise assistant. Answer in one or two sentences. " * 3
+
+
+@dataclass
+class Result:
+    server: str
+    clients: int
+    tokens: int
+    seconds: float
+    latencies: list[float]
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+    def pct(self, q: float) -> float:
+        xs = sorted(self.latencies)
+        return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def llama_server() -> tuple[Path, str]:
+    """A llama-server binary and a label for its llama.cpp."""
+    found = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+    if found:
+        return Path(found), "llama-server (found)"
+    src = CACHE / "llama-server-src"
+    binary = src / "build" / "bin" / "llama-server"
+    if not binary.exists():
+        print("building llama-server (several minutes)", file=sys.stderr)
+        src.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "llama-cpp-python",
+                "-d",
+                str(src),
+            ],
+            check=True,
+        )
+        archive = next(src.glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(archive) as tar:
+            tar.extractall(src, filter="data")
+        tree = next(src.glob("llama_cpp_python-*/vendor/llama.cpp"))
+        build = src / "build"
+        subprocess.run(
+            [
+                "cmake",
+                "-S",
+                str(tree),
+                "-B",
+                str(build),
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DGGML_NATIVE=ON",
+                "-DLLAMA_CURL=OFF",
+                "-DLLAMA_BUILD_SERVER=ON",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        subprocess.run(
+            ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count())],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    version = next(src.glob("llama_cpp_python-*")).name.removeprefix("llama_cpp_python-")
+    return binary, f"llama-server (llama.cpp of llama-cpp-python {version})"
+
+
+def start(kind: str, model: Path, port: int, slots: int, threads: int) -> subprocess.Popen[bytes]:
+    if kind == "lloyal":
+        cmd = [
+            sys.executable,
+            "-m",
+            "lloyal",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--n-seq-max",
+            str(max(slots, 2)),
+            "--n-ctx",
+            str(256 * max(slots, 2)),
+            "--threads",
+            str(threads),
+        ]
+    elif kind == "llama-server":
+        binary, _ = llama_server()
+        cmd = [
+            str(binary),
+            "-m",
+            str(model),
+            "--port",
+            str(port),
+            "-np",
+            str(slots),
+            "-c",
+            str(256 * slots),
+            "-t",
+            str(threads),
+            "--cont-batching",
+        ]
+    else:
+        python = llama_cpp_python("[server]")
+        cmd = [
+            str(python),
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--n_ctx",
+            "2048",
+            "--n_threads",
+            str(threads),
+        ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"{kind} did not start")
+
+
+async def load(
+    url: str, clients: int, requests: int, max_tokens: int, banned: dict[str, float]
+) -> tuple[int, float, list[float]]:
+    latencies: list[float] = []
+    tokens = 0
+
+    async def client(i: int, http: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        for j in range(requests):
+            body = {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"Question {i}.{j}: name a city and a colour."},
+                ],
+                "max_tokens": max_tokens,
+                "temperature": 0.7,
+                "seed": i * 1000 + j,
+                "logit_bias": banned,
+            }
+            t0 = time.perf_counter()
+            r = await http.post(f"{url}/v1/chat/completions", json=body)
+            r.raise_for_status()
+            latencies.append(time.perf_counter() - t0)
+            tokens += r.json()["usage"]["completion_tokens"]
+
+    async with httpx.AsyncClient(timeout=600) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*[client(i, http) for i in range(clients)])
+        return tokens, time.perf_counter() - t0, latencies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--clients", default="1,8,32")
+    parser.add_argument("--requests", type=int, default=3, help="requests per client")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--servers", default="lloyal,llama-server,llama-cpp-python")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    model = Path(args.model) if Path(args.model).exists() else model_path(args.model)
+    counts = [int(c) for c in args.clients.split(",")]
+    slots = max(counts)
+
+    async def end_tokens() -> dict[str, float]:
+        async with await lloyal.create_context(model, n_ctx=256) as ctx:
+            return {str(t): -100.0 for t in range(ctx.vocab_size) if ctx.is_stop_token(t)}
+
+    banned = asyncio.run(end_tokens())
+    results: list[Result] = []
+    labels = {
+        "lloyal": f"lloyal {lloyal.__version__}",
+        "llama-cpp-python": "llama-cpp-python server",
+    }
+    for kind in args.servers.split(","):
+        try:
+            if kind == "llama-server":
+                labels[kind] = llama_server()[1]
+            port = _free_port()
+            proc = start(kind, model, port, slots, args.threads)
+        except (subprocess.CalledProcessError, RuntimeError, StopIteration, OSError) as e:
+            print(f"{kind}: not run ({e})", file=sys.stderr)
+            continue
+        try:
+            url = f"http://127.0.0.1:{port}"
+            asyncio.run(load(url, 1, 1, 4, banned))  # warm up
+            for c in counts:
+                tokens, seconds, lat = asyncio.run(
+                    load(url, c, args.requests, args.max_tokens, banned)
+                )
+                results.append(Result(kind, c, tokens, seconds, lat))
+                print(f"{kind:>16} clients={c:<3} {tokens / seconds:8.1f} tok/s", file=sys.stderr)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    base = {r.clients: r.tok_s for r in results if r.server == "lloyal"}
+    print(
+        f"\nmodel: {model.name}; {args.requests} requests per client, "
+        f"{args.max_tokens} tokens each; {args.threads} threads"
+    )
+    for kind, label in labels.items():
+        if any(r.server == kind for r in results):
+            print(f"  {kind}: {label}")
+    print("\n| server | clients | tok/s | p50 s | p99 s | lloyal / this |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        ratio = base.get(r.clients, float("nan")) / r.tok_s
+        print(
+            f"| {r.server} | {r.clients} | {r.tok_s:.1f} | {r.pct(0.5):.2f} | {r.pct(0.99):.2f} "
+            f"| {ratio:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()

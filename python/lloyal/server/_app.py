@@ -1,0 +1,573 @@
+"""The Starlette application: OpenAI's routes over :class:`Engine`."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from lloyal.branch import BranchStore
+from lloyal.chat_output import ChatOutput
+from lloyal.context import ChatPrompt, Context, create_context
+from lloyal.errors import ChatTemplateError, GrammarError, LloyalError
+from lloyal.server._engine import Engine, Event
+from lloyal.server._protocol import (
+    ApiError,
+    ChatRequest,
+    chat_request,
+    completion_request,
+    embedding_request,
+)
+
+__all__ = ["ServerConfig", "create_app"]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How :func:`create_app` opens its model (see ``lloyal serve --help``)."""
+
+    model_path: str | os.PathLike[str]
+    model_name: str | None = None
+    template: str | None = None
+    n_ctx: int = 8192
+    n_seq_max: int = 32
+    n_threads: int | None = None
+    prefix_cache: bool = True
+    cache_branches: int | None = None
+    max_queue: int = 64
+    embeddings: bool = True
+
+
+class _State:
+    def __init__(self, config: ServerConfig, ctx: Context) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.engine = Engine(
+            ctx,
+            prefix_cache=config.prefix_cache,
+            cache_branches=config.cache_branches,
+            max_queue=config.max_queue,
+        )
+        self.name = config.model_name or ctx.model_info.name or "lloyal"
+        self._embedder: Context | None = None
+        self._embed_lock = asyncio.Lock()
+
+    async def embedder(self) -> Context:
+        """A pooling context on the same model, opened on first use."""
+        async with self._embed_lock:
+            if self._embedder is None:
+                self._embedder = await create_context(
+                    self.config.model_path,
+                    embeddings=True,
+                    pooling="mean",
+                    n_ctx=min(self.config.n_ctx, 4096),
+                    n_threads=self.config.n_threads,
+                )
+            return self._embedder
+
+    async def aclose(self) -> None:
+        if self.engine.cache is not None:
+            await self.engine.cache.aclose()
+        if self._embedder is not None:
+            await self._embedder.aclose()
+        await self.ctx.aclose()
+
+
+def _error(e: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _handler(
+    fn: Callable[[Request, _State], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """Map errors to OpenAI error bodies (bad input is a 4xx, never a 500)."""
+
+    async def route(request: Request) -> Response:
+        state: _State = request.app.state.lloyal
+        try:
+            return await fn(request, state)
+        except ApiError as e:
+            return _error(e)
+        except (GrammarError, ChatTemplateError) as e:
+            return _error(ApiError(str(e)))
+        except (ValueError, TypeError) as e:
+            return _error(ApiError(str(e)))
+        except LloyalError as e:
+            return _error(ApiError(str(e), status=500, kind="server_error"))
+
+    return route
+
+
+async def _body(request: Request) -> object:
+    try:
+        return await request.json()
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError("the request body is not valid JSON") from None
+
+
+def _sse(obj: object) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+def _logprob_entry(ctx: Context, token: int, logprob: float, top: Any) -> dict[str, Any]:
+    text = ctx.token_to_text(token)
+    return {
+        "token": text,
+        "logprob": logprob,
+        "bytes": list(ctx.token_bytes(token)),
+        "top_logprobs": [
+            {"token": ctx.token_to_text(t), "logprob": lp, "bytes": list(ctx.token_bytes(t))}
+            for t, lp in top
+        ],
+    }
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run ``work``, cancelling it if the client goes away (its branches
+    are freed by the generator's cleanup)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.1)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            state: _State = request.app.state.lloyal
+            state.engine.metrics.disconnects += 1
+            await asyncio.gather(task, return_exceptions=True)
+            return Response(status_code=499)
+    return task.result()
+
+
+async def _primed(events: AsyncIterator[Event]) -> _Primed:
+    """``events`` with its first item already taken, so that admission,
+    the prompt and the first token happen before the response starts and
+    their errors get a status code of their own (429, 503, 400)."""
+    first: Event | None = None
+    try:
+        first = await events.__anext__()
+    except StopAsyncIteration:
+        pass
+    except BaseException:
+        await events.aclose()  # type: ignore[attr-defined]
+        raise
+    return _Primed(first, events)
+
+
+class _Primed:
+    def __init__(self, first: Event | None, rest: AsyncIterator[Event]) -> None:
+        self._first = first
+        self._rest = rest
+
+    def __aiter__(self) -> _Primed:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await self._rest.__anext__()
+
+    async def aclose(self) -> None:
+        await self._rest.aclose()  # type: ignore[attr-defined]
+
+
+# -- chat completions -------------------------------------------------------------
+
+
+class _ChatChoice:
+    """One chat choice's text, parsed as it grows into OpenAI deltas."""
+
+    def __init__(self, prompt: ChatPrompt) -> None:
+        self.prompt = prompt
+        self.text = ""
+        self.seen = ChatOutput(content="")
+        self.logprobs: list[dict[str, Any]] = []
+        self.tokens = 0
+
+    def delta(self, more: str) -> dict[str, Any]:
+        self.text += more
+        now = self.prompt.parse(self.text, partial=True)
+        out: dict[str, Any] = {}
+        if now.content.startswith(self.seen.content) and len(now.content) > len(self.seen.content):
+            out["content"] = now.content[len(self.seen.content) :]
+        if now.reasoning.startswith(self.seen.reasoning) and len(now.reasoning) > len(
+            self.seen.reasoning
+        ):
+            out["reasoning_content"] = now.reasoning[len(self.seen.reasoning) :]
+        calls = []
+        for j, call in enumerate(now.tool_calls):
+            before = self.seen.tool_calls[j] if j < len(self.seen.tool_calls) else None
+            if before is None:
+                calls.append(
+                    {
+                        "index": j,
+                        "id": call.id or f"call_{uuid.uuid4().hex[:24]}",
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                )
+            elif len(call.arguments) > len(before.arguments):
+                extra = call.arguments[len(before.arguments) :]
+                calls.append({"index": j, "function": {"arguments": extra}})
+        if calls:
+            out["tool_calls"] = calls
+        self.seen = now
+        return out
+
+    def final(self, finish: str) -> tuple[dict[str, Any], str]:
+        out = self.prompt.parse(self.text)
+        message: dict[str, Any] = {"role": "assistant", "content": out.content or None}
+        if out.reasoning:
+            message["reasoning_content"] = out.reasoning
+        if out.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id or f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in out.tool_calls
+            ]
+            finish = "tool_calls" if finish == "stop" else finish
+        return message, finish
+
+
+def _chat_prompt(state: _State, req: ChatRequest) -> ChatPrompt:
+    try:
+        return state.ctx.format_chat(
+            req.messages,
+            template=state.config.template,
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            parallel_tool_calls=req.parallel_tool_calls,
+            json_schema=req.json_schema,
+        )
+    except ChatTemplateError as e:
+        raise ApiError(f"the chat could not be rendered: {e}", param="messages") from None
+
+
+async def chat_completions(request: Request, state: _State) -> Response:
+    req = chat_request(await _body(request))
+    gen = req.generation
+    prompt = _chat_prompt(state, req)
+    grammar = prompt.create_grammar(state.ctx)
+    tokens = await state.ctx.tokenize(prompt.prompt)
+    if len(tokens) > 1 and tokens[0] == tokens[1] == state.ctx.bos_token:
+        tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": state.name,
+    }
+    choices = [_ChatChoice(prompt) for _ in range(gen.n)]
+
+    def usage() -> dict[str, int]:
+        done = sum(c.tokens for c in choices)
+        return {
+            "prompt_tokens": len(tokens),
+            "completion_tokens": done,
+            "total_tokens": len(tokens) + done,
+        }
+
+    async def events() -> AsyncIterator[Event]:
+        async with state.engine.admitted(gen.n):
+            async for event in state.engine.generate(
+                tokens,
+                gen,
+                grammar=grammar,
+                stop_tokens=prompt.stop_tokens,
+                preserved=prompt.preserved_tokens,
+            ):
+                if event.token is not None:
+                    choices[event.index].tokens += 1
+                    if event.logprob is not None:
+                        choices[event.index].logprobs.append(
+                            _logprob_entry(state.ctx, event.token, event.logprob, event.top)
+                        )
+                yield event
+
+    if gen.stream:
+        source = await _primed(events())
+
+        async def stream() -> AsyncIterator[bytes]:
+            chunk = {**head, "object": "chat.completion.chunk"}
+            try:
+                for i in range(gen.n):
+                    yield _sse(
+                        {
+                            **chunk,
+                            "choices": [
+                                {"index": i, "delta": {"role": "assistant", "content": ""}}
+                            ],
+                        }
+                    )
+                async for event in source:
+                    c = choices[event.index]
+                    choice: dict[str, Any] = {"index": event.index, "delta": {}}
+                    if event.finish is not None:
+                        _, finish = c.final(event.finish)
+                        choice["finish_reason"] = finish
+                    else:
+                        choice["delta"] = c.delta(event.text)
+                        if event.logprob is not None:
+                            choice["logprobs"] = {"content": [c.logprobs[-1]]}
+                        if not choice["delta"] and "logprobs" not in choice:
+                            continue
+                    yield _sse({**chunk, "choices": [choice]})
+                if gen.include_usage:
+                    yield _sse({**chunk, "choices": [], "usage": usage()})
+                yield b"data: [DONE]\n\n"
+            except ApiError as e:
+                yield _sse(e.body())
+            except asyncio.CancelledError:
+                state.engine.metrics.disconnects += 1
+                raise
+            finally:
+                await source.aclose()
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def collect() -> Response:
+        finishes: dict[int, str] = {}
+        async for event in events():
+            if event.finish is not None:
+                finishes[event.index] = event.finish
+            else:
+                choices[event.index].text += event.text
+        body_choices = []
+        for i, c in enumerate(choices):
+            message, finish = c.final(finishes.get(i, "stop"))
+            entry: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish}
+            entry["logprobs"] = {"content": c.logprobs} if gen.logprobs is not None else None
+            body_choices.append(entry)
+        return JSONResponse(
+            {**head, "object": "chat.completion", "choices": body_choices, "usage": usage()}
+        )
+
+    return await _until_disconnect(request, collect())
+
+
+# -- completions ---------------------------------------------------------------------
+
+
+async def completions(request: Request, state: _State) -> Response:
+    req = completion_request(await _body(request))
+    gen = req.generation
+    ctx = state.ctx
+    if isinstance(req.prompt, str):
+        tokens = await ctx.tokenize(req.prompt)
+        prompt_text = req.prompt
+    else:
+        vocab = ctx.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt):
+            raise ApiError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        tokens = req.prompt
+        prompt_text = await ctx.detokenize(tokens)
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.name}
+    texts = [""] * gen.n
+    counts = [0] * gen.n
+    lps: list[dict[str, list[Any]]] = [
+        {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for _ in range(gen.n)
+    ]
+
+    def record(event: Event) -> None:
+        i = event.index
+        if event.token is not None:
+            counts[i] += 1
+            if event.logprob is not None:
+                lp = lps[i]
+                lp["text_offset"].append(len(prompt_text if req.echo else "") + len(texts[i]))
+                lp["tokens"].append(ctx.token_to_text(event.token))
+                lp["token_logprobs"].append(event.logprob)
+                lp["top_logprobs"].append({ctx.token_to_text(t): v for t, v in event.top})
+        texts[i] += event.text
+
+    def usage() -> dict[str, int]:
+        return {
+            "prompt_tokens": len(tokens),
+            "completion_tokens": sum(counts),
+            "total_tokens": len(tokens) + sum(counts),
+        }
+
+    async def events() -> AsyncIterator[Event]:
+        async with state.engine.admitted(gen.n):
+            async for event in state.engine.generate(tokens, gen):
+                record(event)
+                yield event
+
+    if gen.stream:
+        source = await _primed(events())
+
+        async def stream() -> AsyncIterator[bytes]:
+            chunk = {**head, "object": "text_completion"}
+            try:
+                async for event in source:
+                    choice: dict[str, Any] = {
+                        "index": event.index,
+                        "text": event.text,
+                        "logprobs": None,
+                        "finish_reason": event.finish,
+                    }
+                    if event.finish is None and not event.text:
+                        continue
+                    yield _sse({**chunk, "choices": [choice]})
+                if gen.include_usage:
+                    yield _sse({**chunk, "choices": [], "usage": usage()})
+                yield b"data: [DONE]\n\n"
+            except ApiError as e:
+                yield _sse(e.body())
+            except asyncio.CancelledError:
+                state.engine.metrics.disconnects += 1
+                raise
+            finally:
+                await source.aclose()
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def collect() -> Response:
+        finishes: dict[int, str] = {}
+        async for event in events():
+            if event.finish is not None:
+                finishes[event.index] = event.finish
+        choices = [
+            {
+                "index": i,
+                "text": (prompt_text if req.echo else "") + texts[i],
+                "logprobs": lps[i] if gen.logprobs is not None else None,
+                "finish_reason": finishes.get(i, "stop"),
+            }
+            for i in range(gen.n)
+        ]
+        return JSONResponse(
+            {**head, "object": "text_completion", "choices": choices, "usage": usage()}
+        )
+
+    return await _until_disconnect(request, collect())
+
+
+# -- the rest ------------------------------------------------------------------------
+
+
+async def embeddings(request: Request, state: _State) -> Response:
+    req = embedding_request(await _body(request))
+    if not state.config.embeddings:
+        raise ApiError("embeddings are off on this server", status=404)
+    ctx = await state.embedder()
+    counts = [len(await ctx.tokenize(t)) for t in req.inputs]
+    if max(counts) > ctx.n_batch:
+        raise ApiError(f"each input may have at most {ctx.n_batch} tokens", param="input")
+    rows = await ctx.embed(req.inputs)
+    data = [
+        {
+            "object": "embedding",
+            "index": i,
+            # base64: the float32 vector's little-endian bytes (the openai
+            # client asks for this by default and decodes it).
+            "embedding": base64.b64encode(row.astype("<f4").tobytes()).decode()
+            if req.base64
+            else row.tolist(),
+        }
+        for i, row in enumerate(rows)
+    ]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "model": state.name,
+            "usage": {"prompt_tokens": sum(counts), "total_tokens": sum(counts)},
+        }
+    )
+
+
+async def models(request: Request, state: _State) -> Response:
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.name,
+                    "object": "model",
+                    "created": int(state.engine.metrics.started),
+                    "owned_by": "lloyal",
+                }
+            ],
+        }
+    )
+
+
+async def health(request: Request, state: _State) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request, state: _State) -> Response:
+    m = state.engine.metrics
+    stats = state.ctx.stats
+    store = BranchStore(state.ctx)
+    cache = state.engine.cache.stats if state.engine.cache is not None else None
+    lines = {
+        "lloyal_requests_total": m.requests,
+        "lloyal_requests_rejected_total": m.rejected,
+        "lloyal_requests_active": m.active,
+        "lloyal_requests_waiting": m.waiting,
+        "lloyal_client_disconnects_total": m.disconnects,
+        "lloyal_prompt_tokens_total": m.prompt_tokens,
+        "lloyal_completion_tokens_total": m.completion_tokens,
+        "lloyal_decode_calls_total": stats.decode_calls,
+        "lloyal_tokens_decoded_total": stats.tokens_decoded,
+        "lloyal_kv_leases_free": store.available,
+        "lloyal_kv_pressure": store.kv_pressure,
+        "lloyal_prefix_cache_entries": cache.entries if cache else 0,
+        "lloyal_prefix_cache_hit_rate": cache.hit_rate if cache else 0.0,
+        "lloyal_prefix_cache_saved_tokens_total": cache.saved_tokens if cache else 0,
+    }
+    text = "".join(f"{k} {v}\n" for k, v in lines.items())
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+def create_app(config: ServerConfig) -> Starlette:
+    """The server as an ASGI application; the model opens at startup.
+
+    >>> from lloyal.server import ServerConfig, create_app
+    >>> app = create_app(ServerConfig(model_path=MODEL, n_seq_max=4))
+    >>> sorted(r.path for r in app.routes)  # doctest: +NORMALIZE_WHITESPACE
+    ['/health', '/metrics', '/v1/chat/completions', '/v1/completions', '/v1/embeddings',
+     '/v1/models']
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        ctx = await create_context(
+            config.model_path,
+            n_ctx=config.n_ctx,
+            n_seq_max=config.n_seq_max,
+            n_threads=config.n_threads,
+        )
+        state = _State(config, ctx)
+        app.state.lloyal = state
+        try:
+            yield
+        finally:
+            await state.aclose()
+
+    routes = [
+        Route("/v1/chat/completions", _handler(chat_completions), methods=["POST"]),
+        Route("/v1/completions", _handler(completions), methods=["POST"]),
+        Route("/v1/embeddings", _handler(embeddings), methods=["POST"]),
+        Route("/v1/models", _handler(models), methods=["GET"]),
+        Route("/health", _handler(health), methods=["GET"]),
+        Route("/metrics", _handler(metrics), methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

@@ -1,0 +1,289 @@
+"""The OpenAI request bodies lloyal serves, checked into plain data.
+
+Anything malformed is an :class:`ApiError` with status 400 and the name of
+the offending field, before any work starts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lloyal.sampling import SamplingParams
+
+__all__ = ["ApiError", "ChatRequest", "CompletionRequest", "EmbeddingRequest", "Generation"]
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """An error the client gets as OpenAI's error body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.kind = kind
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}
+        }
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What both completion endpoints share."""
+
+    model: str | None
+    n: int
+    max_tokens: int | None
+    params: SamplingParams
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top-k alternatives per token; None: no logprobs
+    ignore_eos: bool = False  # llama-server's extension: generate max_tokens tokens
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict[str, Any]]
+    generation: Generation
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    json_schema: Mapping[str, Any] | bool | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str | list[int]
+    generation: Generation
+    echo: bool = False
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    inputs: list[str]
+    model: str | None
+    base64: bool = False
+
+
+def _object(body: object) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    return body
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiError(f"{name} must be a number", param=name)
+    if not lo <= value <= hi:
+        raise ApiError(f"{name} must be between {lo} and {hi}, got {value}", param=name)
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(f"{name} must be an integer", param=name)
+    if not lo <= value <= hi:
+        raise ApiError(f"{name} must be between {lo} and {hi}, got {value}", param=name)
+    return value
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(f"{name} must be true or false", param=name)
+    return value
+
+
+def _generation(body: dict[str, Any], *, logprobs: int | None) -> Generation:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError("model must be a string", param="model")
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
+        stops = tuple(stop)
+    else:
+        raise ApiError("stop must be a string or a list of at most 4 strings", param="stop")
+    if any(not s for s in stops):
+        raise ApiError("stop strings must not be empty", param="stop")
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise ApiError("logit_bias must map token ids to biases", param="logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(
+                f"logit_bias key {key!r} is not a token id", param="logit_bias"
+            ) from None
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not -100 <= value <= 100
+        ):
+            raise ApiError("logit_bias values must be numbers in [-100, 100]", param="logit_bias")
+        pairs.append((token, float(value)))
+    seed = _integer(body, "seed", None, -(2**63), 2**64 - 1)
+    # OpenAI's fields, plus llama-server's top_k and min_p with its
+    # defaults (40 and 0.05): a full-vocabulary sort per token would cost
+    # milliseconds on a 262k vocabulary.
+    params = SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=_integer(body, "top_k", 40, 0, 1 << 20) or 0,
+        min_p=_number(body, "min_p", 0.05, 0.0, 1.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        seed=None if seed is None else seed % 2**32,
+        logit_bias=pairs,
+    )
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError("stream_options must be an object", param="stream_options")
+    max_tokens = _integer(body, "max_completion_tokens", None, 1, 1 << 20)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", None, 1, 1 << 20)
+    return Generation(
+        model=model,
+        n=_integer(body, "n", 1, 1, MAX_N) or 1,
+        max_tokens=max_tokens,
+        params=params,
+        seed=None if seed is None else seed % 2**32,
+        stop=stops,
+        stream=_flag(body, "stream", False),
+        include_usage=bool(options.get("include_usage", False)),
+        logprobs=logprobs,
+        ignore_eos=_flag(body, "ignore_eos", False),
+    )
+
+
+def chat_request(raw: object) -> ChatRequest:
+    body = _object(raw)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages must be a non-empty list", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(f"messages[{i}] must be an object with a role", param="messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = [p.get("text") if isinstance(p, dict) else None for p in content]
+            strings = [t for t in texts if isinstance(t, str)]
+            if len(strings) != len(content):
+                raise ApiError(
+                    f"messages[{i}].content: only text parts are supported", param="messages"
+                )
+            messages[i] = {**m, "content": "".join(strings)}
+        elif content is not None and not isinstance(content, str):
+            raise ApiError(f"messages[{i}].content must be a string", param="messages")
+    top: int | None = None
+    if _flag(body, "logprobs", False):
+        top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    elif body.get("top_logprobs") is not None:
+        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    tools = body.get("tools")
+    if tools is not None and (
+        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+    ):
+        raise ApiError("tools must be a list of objects", param="tools")
+    schema: Mapping[str, Any] | bool | None = None
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in (
+            "text",
+            "json_object",
+            "json_schema",
+        ):
+            raise ApiError(
+                "response_format.type must be text, json_object or json_schema",
+                param="response_format",
+            )
+        if fmt["type"] == "json_object":
+            schema = {"type": "object"}
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+                raise ApiError(
+                    "response_format.json_schema.schema must be a JSON schema",
+                    param="response_format",
+                )
+            schema = spec.get("schema", {"type": "object"})
+    return ChatRequest(
+        messages=messages,
+        generation=_generation(body, logprobs=top),
+        tools=tools or None,
+        tool_choice=body.get("tool_choice") or "auto",
+        parallel_tool_calls=_flag(body, "parallel_tool_calls", True),
+        json_schema=schema,
+    )
+
+
+def completion_request(raw: object) -> CompletionRequest:
+    body = _object(raw)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        tokens: str | list[int] = list(prompt)
+    elif isinstance(prompt, str) and prompt:
+        tokens = prompt
+    else:
+        raise ApiError(
+            "prompt must be a non-empty string or list of token ids (one prompt per request)",
+            param="prompt",
+        )
+    top = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    return CompletionRequest(
+        prompt=tokens, generation=_generation(body, logprobs=top), echo=_flag(body, "echo", False)
+    )
+
+
+def embedding_request(raw: object) -> EmbeddingRequest:
+    body = _object(raw)
+    value = body.get("input")
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise ApiError("input must be a non-empty string or list of strings", param="input")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise ApiError("encoding_format must be 'float' or 'base64'", param="encoding_format")
+    model = body.get("model")
+    return EmbeddingRequest(
+        inputs=list(texts),
+        model=model if isinstance(model, str) else None,
+        base64=encoding == "base64",
+    )
