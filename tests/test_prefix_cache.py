@@ -5,6 +5,7 @@ Async tests run on asyncio; they are about reuse and counts, not loops.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import lloyal
@@ -55,6 +56,35 @@ async def test_second_request_prefills_only_its_suffix(model_name: str) -> None:
         assert cache.stats.saved_tokens == s.saved_tokens + len(prefix) + len(q1) - 1
         await cache.aclose()
         assert lloyal.BranchStore(ctx).available == 6
+
+
+@pytest.mark.asyncio
+async def test_concurrent_requests_share_the_cache_and_their_decodes(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=4096, n_seq_max=12) as ctx:
+        cache = lloyal.PrefixCache(ctx, max_branches=4)
+        prefix = await ctx.tokenize(SHARED)
+        async with await cache.branch(prefix):
+            pass
+
+        tails = [
+            await ctx.tokenize(f" Question {i}: name a colour.", add_special=False)
+            for i in range(6)
+        ]
+
+        async def ask(tail: list[int]) -> int:
+            async with await cache.branch(prefix + tail) as b:
+                return b.position - len(prefix) - len(tail)
+
+        before = ctx.stats
+        offsets = await asyncio.gather(*[ask(t) for t in tails])
+        assert offsets == [0] * 6
+        assert cache.stats.hits == 6
+        # Each request decoded its own suffix, nothing of the shared prefix
+        # (the forks of the one entry took turns; none found it busy).
+        assert ctx.stats.tokens_decoded - before.tokens_decoded == sum(map(len, tails))
+        assert ctx.stats.decode_calls - before.decode_calls == 6
+        await cache.aclose()
+        assert lloyal.BranchStore(ctx).available == 12
 
 
 @pytest.mark.asyncio

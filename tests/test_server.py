@@ -275,7 +275,7 @@ def test_a_client_that_disconnects_frees_its_branch(server: str) -> None:
 
 
 def test_overload_gets_429_and_concurrent_requests_share_decodes() -> None:
-    proc, url = _start("--n-seq-max", "2", "--max-queue", "1", "--cache-branches", "1")
+    proc, url = _start("--n-seq-max", "3", "--max-queue", "1", "--cache-branches", "1")
     try:
 
         async def burst() -> list[httpx.Response]:
@@ -289,8 +289,8 @@ def test_overload_gets_429_and_concurrent_requests_share_decodes() -> None:
 
         before = _metrics(url)
         codes = sorted(r.status_code for r in asyncio.run(burst()))
-        # One request runs (its two choices fill both sequences), one waits,
-        # the rest are told to come back.
+        # One request runs (its two choices fill the two sequences the
+        # prefix cache leaves), one waits, the rest are told to come back.
         assert codes == [200, 200, 429, 429, 429]
         after = _metrics(url)
         generated = (

@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import anyio
+
 from lloyal.branch import Branch, BranchStore
 from lloyal.context import _token_list
 from lloyal.errors import NoLeaseError
@@ -98,7 +100,9 @@ class PrefixCache:
     done) holding ``tokens`` with the logits after the last one, ready to
     ``produce``. ``max_branches`` bounds the entries (each holds a lease),
     ``max_cells`` the KV cells all branches of the context may hold before
-    entries are evicted (default: no bound but the cache itself).
+    entries are evicted (default: no bound but the cache itself). Tasks may
+    share one cache: lookups and entry forks take turns, the prefills of
+    their suffixes run together.
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class PrefixCache:
         self._root = _Node((), None)
         self._entries: list[_Entry] = []
         self._by_tokens: dict[tuple[int, ...], _Entry] = {}
+        self._lock = anyio.Lock()
         self._clock = itertools.count(1)
         self._requests = self._hits = self._requested = 0
         self._saved = self._prefilled = self._evictions = 0
@@ -203,33 +208,39 @@ class PrefixCache:
             raise ValueError("tokens must not be empty")
         self._requests += 1
         self._requested += len(ids)
-        node, matched = self._walk(ids)
-        source = self._any_entry(node) if matched else None
-        # At least one token is decoded, for the logits after the last.
-        reuse = min(matched, len(ids) - 1) if source is not None else 0
         p = params or self._params
-        if source is not None and reuse > 0:
-            source.used = next(self._clock)
-            donor = source.branch
-            out = await self._with_lease(
-                lambda: donor.fork(clone_logits=False, root=True), keep=source
-            )
+        # The tree and the entries' branches are touched by one task at a
+        # time (a fork of an entry another task is forking would find it
+        # busy); the suffix's prefill, the work, runs outside the lock, so
+        # concurrent requests still share decodes.
+        async with self._lock:
+            node, matched = self._walk(ids)
+            source = self._any_entry(node) if matched else None
+            # At least one token is decoded, for the logits after the last.
+            reuse = min(matched, len(ids) - 1) if source is not None else 0
+            if source is not None and reuse > 0:
+                source.used = next(self._clock)
+                donor = source.branch
+                out = await self._with_lease(
+                    lambda: donor.fork(clone_logits=False, root=True), keep=source
+                )
+                self._hits += 1
+            else:
+                reuse = 0
+                out = await self._with_lease(lambda: _create(self._ctx, p))
+        try:
             if p is not None:
                 out.set_sampler_params(p)
-            if reuse < len(source.tokens):
+            if source is not None and 0 < reuse < len(source.tokens):
                 await out.truncate(reuse)
-            self._hits += 1
-        else:
-            reuse = 0
-            out = await self._with_lease(lambda: _create(self._ctx, p))
-        try:
             await out.prefill(ids[reuse:])
         except BaseException:
             await out.prune()
             raise
         self._saved += reuse
         self._prefilled += len(ids) - reuse
-        await self._remember(ids, out)
+        async with self._lock:
+            await self._remember(ids, out)
         return out
 
     async def _with_lease(
@@ -305,17 +316,19 @@ class PrefixCache:
         """Evict least recently used entries until ``leases`` leases are
         free (for branches the caller is about to create or fork). Returns
         whether there are that many now."""
-        while self._store.available < leases and await self._evict_one():
-            pass
-        return self._store.available >= leases
+        async with self._lock:
+            while self._store.available < leases and await self._evict_one():
+                pass
+            return self._store.available >= leases
 
     async def clear(self) -> None:
         """Prune every entry (branches handed out are the callers')."""
-        while self._entries:
-            entry = self._entries.pop()
-            del self._by_tokens[entry.tokens]
-            self._remove(entry)
-            await entry.branch.prune()
+        async with self._lock:
+            while self._entries:
+                entry = self._entries.pop()
+                del self._by_tokens[entry.tokens]
+                self._remove(entry)
+                await entry.branch.prune()
 
     async def aclose(self) -> None:
         """:meth:`clear`."""

@@ -78,8 +78,7 @@ class _State:
             return self._embedder
 
     async def aclose(self) -> None:
-        if self.engine.cache is not None:
-            await self.engine.cache.aclose()
+        await self.engine.aclose()
         if self._embedder is not None:
             await self._embedder.aclose()
         await self.ctx.aclose()

@@ -2,9 +2,10 @@
 
 Every request gets its prompt from the prefix cache (a fork of the longest
 cached prefix, with only the rest prefilled) and one branch per choice
-(``n`` choices are forks of one prompt). Each choice runs as its own task
-that produces and commits a token at a time; the commits of all tasks of
-all requests land in shared decodes (implicit batching). Admission counts
+(``n`` choices are forks of one prompt). One step loop drives every choice
+of every request: each produces a token, then all are committed in one
+``BranchStore.commit``, so a step costs one decode however many requests
+are running; a request's choices join at the next step. Admission counts
 KV leases: a request waits until its ``n`` leases fit, and is refused with
 429 once ``max_queue`` requests wait.
 """
@@ -16,11 +17,11 @@ import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from lloyal.branch import Branch
+from lloyal.branch import Branch, BranchStore, Produced
 from lloyal.context import Context
-from lloyal.errors import KVCacheFullError, NoLeaseError
+from lloyal.errors import KVCacheFullError, LloyalError, NoLeaseError
 from lloyal.grammar import Grammar
 from lloyal.prefix_cache import PrefixCache
 from lloyal.server._protocol import ApiError, Generation
@@ -66,13 +67,19 @@ class Engine:
         max_queue: int = 64,
     ) -> None:
         self.ctx = ctx
-        self.capacity = ctx.n_seq_max
-        entries = cache_branches if cache_branches is not None else max(1, self.capacity // 4)
+        # With the prefix cache, one sequence stays for the entry a request
+        # forks from (the cache gives the others back when leases run short).
+        self.capacity = max(1, ctx.n_seq_max - 1) if prefix_cache else ctx.n_seq_max
+        entries = cache_branches if cache_branches is not None else max(1, ctx.n_seq_max // 4)
         self.cache = PrefixCache(ctx, max_branches=entries) if prefix_cache else None
         self.max_queue = max_queue
         self.metrics = Metrics()
         self._reserved = 0
         self._turn = asyncio.Condition()
+        self._store = BranchStore(ctx)
+        self._active: list[_Choice] = []
+        self._wake = asyncio.Event()
+        self._stepper: asyncio.Task[None] | None = None
         self._eog: list[int] | None = None
 
     def _end_tokens(self) -> list[int]:
@@ -141,6 +148,54 @@ class Engine:
             b.reseed_sampler((base + i) % 2**32)
         return branches
 
+    def _join(self, choices: list[_Choice]) -> None:
+        self._active.extend(choices)
+        self._wake.set()
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.create_task(self._steps())
+
+    async def _steps(self) -> None:
+        """The step loop: every active choice produces a token, then all of
+        them are committed in one ``BranchStore.commit`` (one decode), as
+        llama-server steps its slots. Choices join between steps."""
+        while True:
+            self._active = [c for c in self._active if not c.released_if_cancelled()]
+            if not self._active:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch: list[tuple[_Choice, int]] = []
+            for c in list(self._active):
+                token = c.decide(await c.branch.produce())
+                if token is None:
+                    self._active.remove(c)
+                else:
+                    batch.append((c, token))
+            if not batch:
+                continue
+            try:
+                await self._store.commit([(c.branch, t) for c, t in batch])
+            except KVCacheFullError:
+                for c, _ in batch:
+                    c.end("length")
+                    self._active.remove(c)
+                continue
+            except LloyalError as e:  # a branch gone under us: end the step's choices
+                for c, _ in batch:
+                    c.end("error", str(e))
+                    self._active.remove(c)
+                continue
+            for c, _ in batch:
+                if not c.committed():
+                    self._active.remove(c)
+
+    async def aclose(self) -> None:
+        if self._stepper is not None:
+            self._stepper.cancel()
+            await asyncio.gather(self._stepper, return_exceptions=True)
+        if self.cache is not None:
+            await self.cache.aclose()
+
     async def generate(
         self,
         tokens: list[int],
@@ -151,7 +206,8 @@ class Engine:
         preserved: Sequence[int] = (),
     ) -> AsyncIterator[Event]:
         """Events of all ``gen.n`` choices as they come. Leaving the loop
-        early (a client gone) cancels the choices and frees their branches."""
+        early (a client gone) takes the choices out of the step loop and
+        frees their branches."""
         if not tokens:
             raise ApiError("the prompt is empty", param="prompt")
         room = self.ctx.n_ctx - len(tokens)
@@ -164,32 +220,36 @@ class Engine:
         self.metrics.prompt_tokens += len(tokens)
         branches = await self._branches(tokens, gen)
         events: asyncio.Queue[Event] = asyncio.Queue()
-        tasks = []
+        choices: list[_Choice] = []
         try:
             for i, b in enumerate(branches):
                 if grammar is not None:
                     b.set_grammar(grammar)
-                choice = _Choice(self, i, b, gen, limit, set(stop_tokens), set(preserved))
-                tasks.append(asyncio.create_task(choice.run(events)))
+                choices.append(
+                    _Choice(self, i, b, gen, limit, set(stop_tokens), set(preserved), events)
+                )
+            self._join(choices)
             finished = 0
-            while finished < len(tasks):
+            while finished < len(choices):
                 event = await events.get()
+                if event.finish == "error":
+                    raise ApiError(event.text, status=500, kind="server_error")
                 if event.finish is not None:
                     finished += 1
                 yield event
-            for t in tasks:
-                t.result()  # a choice that failed raises here
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for c in choices:
+                c.cancelled = True
+            self._wake.set()
+            for c in choices:
+                await c.released.wait()
             for b in branches:
                 if not b.disposed:
                     await b.prune()
 
 
 class _Choice:
-    """One choice's decode loop."""
+    """One choice's state between steps: its text, stop strings, limit."""
 
     def __init__(
         self,
@@ -200,6 +260,7 @@ class _Choice:
         limit: int,
         stop_tokens: set[int],
         preserved: set[int],
+        events: asyncio.Queue[Event],
     ) -> None:
         self.engine = engine
         self.index = index
@@ -208,54 +269,72 @@ class _Choice:
         self.limit = limit
         self.stop_tokens = stop_tokens
         self.preserved = preserved
+        self.events = events
+        self.stream = TextStream(engine.ctx)
+        self.held = ""  # text that may be the start of a stop string
+        self.made = 0
+        self.pending: Event | None = None
+        self.cancelled = False
+        # Set once the step loop no longer touches the branch.
+        self.released = asyncio.Event()
 
-    async def run(self, events: asyncio.Queue[Event]) -> None:
-        finish = "length"
-        try:
-            finish = await self._loop(events)
-        finally:
-            events.put_nowait(Event(self.index, finish=finish))
+    def released_if_cancelled(self) -> bool:
+        if self.cancelled:
+            self.released.set()
+        return self.cancelled
 
-    async def _loop(self, events: asyncio.Queue[Event]) -> str:
-        ctx, branch, gen = self.engine.ctx, self.branch, self.gen
-        stream = TextStream(ctx)
-        held = ""  # text that may be the start of a stop string
-        for _ in range(self.limit):
-            p = await branch.produce()
-            if (p.is_stop or p.token in self.stop_tokens) and not gen.ignore_eos:
-                return self._flush(events, held + stream.flush())
-            logprob: float | None = None
-            top: tuple[tuple[int, float], ...] = ()
-            if gen.logprobs is not None:
-                logprob = float(branch.logprobs([p.token])[0])
-                if gen.logprobs > 0:
-                    ids, lps = branch.top_logprobs(gen.logprobs)
-                    top = tuple(zip(ids.tolist(), lps.tolist(), strict=True))
-            try:
-                await branch.commit(p.token)
-            except KVCacheFullError:
-                return self._flush(events, held + stream.flush())
-            self.engine.metrics.completion_tokens += 1
-            if p.token in self.preserved:
-                piece = stream.flush() + ctx.token_to_text(p.token, render_special=True)
-            else:
-                piece = stream.push(p.token)
-            held += piece
-            cut = _first_stop(held, gen.stop)
-            if cut is not None:
-                events.put_nowait(Event(self.index, held[:cut], p.token, logprob, top))
-                return "stop"
-            keep = _partial_stop(held, gen.stop)
-            ready, held = held[: len(held) - keep], held[len(held) - keep :]
-            events.put_nowait(Event(self.index, ready, p.token, logprob, top))
-        self._flush(events, held + stream.flush())
-        return "length"
+    def decide(self, p: Produced) -> int | None:
+        """The token to commit this step, or None when the choice ends here."""
+        if (p.is_stop or p.token in self.stop_tokens) and not self.gen.ignore_eos:
+            self.end("stop")
+            return None
+        logprob: float | None = None
+        top: tuple[tuple[int, float], ...] = ()
+        if self.gen.logprobs is not None:
+            logprob = float(self.branch.logprobs([p.token])[0])
+            if self.gen.logprobs > 0:
+                ids, lps = self.branch.top_logprobs(self.gen.logprobs)
+                top = tuple(zip(ids.tolist(), lps.tolist(), strict=True))
+        self.pending = Event(self.index, "", p.token, logprob, top)
+        return p.token
 
-    def _flush(self, events: asyncio.Queue[Event], text: str) -> str:
+    def committed(self) -> bool:
+        """After this step's commit: send the text; False when it ended."""
+        event = self.pending
+        assert event is not None
+        assert event.token is not None
+        self.engine.metrics.completion_tokens += 1
+        self.made += 1
+        ctx = self.engine.ctx
+        if event.token in self.preserved:
+            piece = self.stream.flush() + ctx.token_to_text(event.token, render_special=True)
+        else:
+            piece = self.stream.push(event.token)
+        self.held += piece
+        stops = self.gen.stop
+        cut = _first_stop(self.held, stops)
+        if cut is not None:
+            self.events.put_nowait(replace(event, text=self.held[:cut]))
+            self.held = ""
+            self.end("stop")
+            return False
+        keep = _partial_stop(self.held, stops)
+        ready, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+        self.events.put_nowait(replace(event, text=ready))
+        if self.made >= self.limit:
+            self.end("length")
+            return False
+        return True
+
+    def end(self, finish: str, message: str = "") -> None:
+        """Send what is held back and the finish; release the branch."""
+        text = self.held + self.stream.flush()
+        self.held = ""
         cut = _first_stop(text, self.gen.stop)
-        if text:
-            events.put_nowait(Event(self.index, text if cut is None else text[:cut]))
-        return "stop"
+        if text and finish != "error":
+            self.events.put_nowait(Event(self.index, text if cut is None else text[:cut]))
+        self.events.put_nowait(Event(self.index, text=message, finish=finish))
+        self.released.set()
 
 
 def _first_stop(text: str, stops: Sequence[str]) -> int | None:
