@@ -122,12 +122,12 @@ def llama_server() -> tuple[Path, str]:
                 "-DLLAMA_BUILD_EXAMPLES=OFF",
             ],
             check=True,
-            stdout=subprocess.DEVNULL,
+            capture_output=True,
         )
         subprocess.run(
             ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count())],
             check=True,
-            stdout=subprocess.DEVNULL,
+            capture_output=True,  # compiler warnings by the thousand
         )
     version = next(src.glob("llama_cpp_python-*")).name.removeprefix("llama_cpp_python-")
     return binary, f"llama-server (llama.cpp of llama-cpp-python {version})"

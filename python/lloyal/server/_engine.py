@@ -164,30 +164,37 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch: list[tuple[_Choice, int]] = []
-            for c in list(self._active):
-                token = c.decide(await c.branch.produce())
-                if token is None:
-                    self._active.remove(c)
-                else:
-                    batch.append((c, token))
-            if not batch:
-                continue
             try:
-                await self._store.commit([(c.branch, t) for c, t in batch])
-            except KVCacheFullError:
-                for c, _ in batch:
-                    c.end("length")
-                    self._active.remove(c)
-                continue
-            except LloyalError as e:  # a branch gone under us: end the step's choices
-                for c, _ in batch:
-                    c.end("error", str(e))
-                    self._active.remove(c)
-                continue
+                await self._step()
+            except Exception as e:  # never leave requests waiting on a dead loop
+                for c in self._active:
+                    c.end("error", f"generation failed: {e}")
+                self._active = []
+
+    async def _step(self) -> None:
+        batch: list[tuple[_Choice, int]] = []
+        for c in list(self._active):
+            try:
+                token = c.decide(await c.branch.produce())
+            except LloyalError as e:  # a grammar that cannot continue, say
+                c.end("error", str(e))
+                token = None
+            if token is None:
+                self._active.remove(c)
+            else:
+                batch.append((c, token))
+        if not batch:
+            return
+        try:
+            await self._store.commit([(c.branch, t) for c, t in batch])
+        except KVCacheFullError:
             for c, _ in batch:
-                if not c.committed():
-                    self._active.remove(c)
+                c.end("length")
+                self._active.remove(c)
+            return
+        for c, _ in batch:
+            if not c.committed():
+                self._active.remove(c)
 
     async def aclose(self) -> None:
         if self._stepper is not None:
