@@ -272,3 +272,41 @@ async def test_rerank_on_an_embedding_context_uses_cosine_similarity(smollm2: Pa
             lloyal.Rerank(plain, method="embedding")
         with pytest.raises(ValueError, match="method"):
             lloyal.Rerank(plain, method="bm25")  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_evicted_entries_go_to_disk_and_come_back(smollm2: Path, tmp_path: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=2048, n_seq_max=4) as ctx:
+        cache = lloyal.PrefixCache(ctx, max_branches=1, disk_dir=tmp_path)
+        prefix = await ctx.tokenize(SHARED)
+        q1 = await ctx.tokenize(" Question one?", add_special=False)
+        q2 = await ctx.tokenize(" Question two?", add_special=False)
+        other = await ctx.tokenize("An unrelated prompt about something else entirely.")
+        async with await cache.branch(prefix + q1):
+            pass
+        async with await cache.branch(other):  # evicts the first entry to disk
+            pass
+        assert cache.stats.disk_entries == 1
+        assert len(list(tmp_path.glob("*.state"))) == 1
+        before = ctx.stats
+        async with await cache.branch(prefix + q2) as b:
+            decoded = ctx.stats.tokens_decoded - before.tokens_decoded
+            assert b.position == len(prefix) + len(q2)
+            async with lloyal.Branch.create(ctx) as fresh:
+                await fresh.prefill(prefix + q2)
+                assert np.abs(fresh.logits - b.logits).max() < ROUTE_NOISE
+        shared = next(i for i, (x, y) in enumerate(zip(q1, q2, strict=False)) if x != y)
+        # Restored from disk: only the part after the shared prefix was decoded.
+        assert decoded == len(q2) - shared
+        assert cache.stats.disk_hits == 1
+        await cache.aclose()
+        # A new cache on the same folder finds what the first one left.
+        again = lloyal.PrefixCache(ctx, max_branches=1, disk_dir=tmp_path)
+        assert again.stats.disk_entries == len(list(tmp_path.glob("*.state"))) >= 1
+        (tmp_path / "garbage.state").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00[1,2]junk")
+        broken = lloyal.PrefixCache(ctx, max_branches=1, disk_dir=tmp_path)
+        async with await broken.branch([1, 2, 3]) as c:  # a damaged file is a miss
+            assert c.position == 3
+        await again.aclose()
+        await broken.aclose()
+        assert lloyal.BranchStore(ctx).available == 4

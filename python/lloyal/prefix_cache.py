@@ -16,15 +16,19 @@ needed and none is free.
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
 
 from lloyal.branch import Branch, BranchStore
 from lloyal.context import _token_list
-from lloyal.errors import NoLeaseError
+from lloyal.errors import NoLeaseError, StateError
 from lloyal.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,7 +43,8 @@ class PrefixCacheStats:
 
     ``hit_rate`` is the share of requests that reused at least one token;
     ``saved_tokens`` the tokens not decoded thanks to the cache (of
-    ``requested_tokens``); ``prefilled_tokens`` those decoded.
+    ``requested_tokens``); ``prefilled_tokens`` those decoded;
+    ``disk_hits`` the requests served by restoring an entry from disk.
     """
 
     requests: int
@@ -50,6 +55,8 @@ class PrefixCacheStats:
     evictions: int
     entries: int
     cells: int
+    disk_entries: int = 0
+    disk_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -101,8 +108,14 @@ class PrefixCache:
     ``produce``. ``max_branches`` bounds the entries (each holds a lease),
     ``max_cells`` the KV cells all branches of the context may hold before
     entries are evicted (default: no bound but the cache itself). Tasks may
-    share one cache: lookups and entry forks take turns, the prefills of
-    their suffixes run together.
+    share one cache: lookups and entry forks take turns; the prefills of
+    their suffixes run outside that turn.
+
+    With ``disk_dir``, an evicted entry is written there as a branch state
+    file (:meth:`Branch.save`: its KV cells and logits, checksummed) and a
+    later request whose longest shared prefix is on disk restores it
+    instead of decoding it again (``stats.disk_hits``); the
+    ``max_disk_entries`` most recently written are kept.
     """
 
     def __init__(
@@ -112,6 +125,8 @@ class PrefixCache:
         max_branches: int = 16,
         max_cells: int | None = None,
         params: SamplingParams | None = None,
+        disk_dir: str | os.PathLike[str] | None = None,
+        max_disk_entries: int = 64,
     ) -> None:
         if max_branches < 1:
             raise ValueError("max_branches must be at least 1")
@@ -129,6 +144,14 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self._requests = self._hits = self._requested = 0
         self._saved = self._prefilled = self._evictions = 0
+        self._disk = Path(disk_dir) if disk_dir is not None else None
+        self._max_disk = max(1, max_disk_entries)
+        # Prompts on disk, oldest first: tokens -> state file.
+        self._on_disk: dict[tuple[int, ...], Path] = {}
+        self._disk_hits = 0
+        if self._disk is not None:
+            self._disk.mkdir(parents=True, exist_ok=True)
+            self._index_disk(self._disk)
 
     # -- the radix tree ----------------------------------------------------------
 
@@ -215,6 +238,8 @@ class PrefixCache:
         # concurrent requests still share decodes.
         async with self._lock:
             node, matched = self._walk(ids)
+            if self._disk is not None and await self._from_disk(ids, matched, p):
+                node, matched = self._walk(ids)
             source = self._any_entry(node) if matched else None
             # At least one token is decoded, for the logits after the last.
             reuse = min(matched, len(ids) - 1) if source is not None else 0
@@ -281,8 +306,8 @@ class PrefixCache:
             pass
 
     async def _evict_one(self, keep: _Entry | None = None) -> bool:
-        """Prune the least recently used entry other than ``keep``;
-        ``False`` when there is none."""
+        """Prune the least recently used entry other than ``keep`` (to disk
+        first, with ``disk_dir``); ``False`` when there is none."""
         candidates = [e for e in self._entries if e is not keep]
         if not candidates:
             return False
@@ -291,7 +316,68 @@ class PrefixCache:
         del self._by_tokens[victim.tokens]
         self._remove(victim)
         self._evictions += 1
+        if self._disk is not None and victim.tokens not in self._on_disk:
+            await self._to_disk(victim)
         await victim.branch.prune()
+        return True
+
+    def _index_disk(self, folder: Path) -> None:
+        """Take in the state files an earlier cache left in ``folder``
+        (oldest first), reading only their headers."""
+        for path in sorted(folder.glob("*.state"), key=lambda f: f.stat().st_mtime):
+            try:
+                with path.open("rb") as f:
+                    size = int.from_bytes(f.read(8), "little")
+                    tokens = tuple(int(t) for t in json.loads(f.read(size)))
+            except (OSError, ValueError, TypeError):
+                continue
+            if tokens:
+                self._on_disk[tokens] = path
+
+    async def _to_disk(self, entry: _Entry) -> None:
+        assert self._disk is not None
+        path = self._disk / f"{time.time_ns()}-{len(entry.tokens)}.state"
+        head = json.dumps(entry.tokens).encode()
+        state = await entry.branch.save()
+        await anyio.Path(path).write_bytes(len(head).to_bytes(8, "little") + head + state)
+        self._on_disk[entry.tokens] = path
+        while len(self._on_disk) > self._max_disk:
+            oldest = next(iter(self._on_disk))
+            await anyio.Path(self._on_disk.pop(oldest)).unlink(missing_ok=True)
+
+    async def _from_disk(
+        self, ids: tuple[int, ...], matched: int, params: SamplingParams | None
+    ) -> bool:
+        """Restore the disk entry sharing more of ``ids`` than memory does
+        (``matched`` tokens) as a memory entry; whether one was."""
+        best, shared = None, matched
+        for tokens in self._on_disk:
+            n = _shared(tokens, ids, 0)
+            if n > shared:
+                best, shared = tokens, n
+        if best is None:
+            return False
+        path = self._on_disk.pop(best)
+        try:
+            raw = await anyio.Path(path).read_bytes()
+            size = int.from_bytes(raw[:8], "little")
+            if tuple(json.loads(raw[8 : 8 + size])) != best:
+                raise StateError("the state file holds another prompt")
+            restored = await self._with_lease(
+                lambda: Branch.restore(self._ctx, raw[8 + size :], params=params)
+            )
+        except (OSError, ValueError, StateError):
+            return False  # a damaged or vanished file is a miss, not an error
+        finally:
+            await anyio.Path(path).unlink(missing_ok=True)
+        while len(self._entries) >= self._max_branches and await self._evict_one():
+            pass
+        node = self._insert(best)
+        entry = _Entry(best, restored, node, next(self._clock))
+        node.entry = entry
+        self._entries.append(entry)
+        self._by_tokens[best] = entry
+        self._disk_hits += 1
         return True
 
     # -- reading and closing ---------------------------------------------------------
@@ -307,6 +393,8 @@ class PrefixCache:
             evictions=self._evictions,
             entries=len(self._entries),
             cells=self._store.cells_held,
+            disk_entries=len(self._on_disk),
+            disk_hits=self._disk_hits,
         )
 
     def __len__(self) -> int:
