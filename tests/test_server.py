@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -274,8 +275,17 @@ def test_a_client_that_disconnects_frees_its_branch(server: str) -> None:
     assert m["lloyal_completion_tokens_total"] - before["lloyal_completion_tokens_total"] < 2000
 
 
-def test_overload_gets_429_and_concurrent_requests_share_decodes() -> None:
-    proc, url = _start("--n-seq-max", "3", "--max-queue", "1", "--cache-branches", "1")
+def test_overload_gets_429_and_concurrent_requests_share_decodes(tmp_path: Path) -> None:
+    proc, url = _start(
+        "--n-seq-max",
+        "3",
+        "--max-queue",
+        "1",
+        "--cache-branches",
+        "1",
+        "--cache-dir",
+        str(tmp_path),
+    )
     try:
 
         async def burst() -> list[httpx.Response]:
@@ -299,5 +309,9 @@ def test_overload_gets_429_and_concurrent_requests_share_decodes() -> None:
         decodes = after["lloyal_decode_calls_total"] - before["lloyal_decode_calls_total"]
         # Two choices per request decode together: fewer decodes than tokens.
         assert decodes < generated
+        # Another prompt pushes the one cache entry out, to --cache-dir.
+        other = {"messages": [{"role": "user", "content": "Something else."}], "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/chat/completions", json=other).status_code == 200
+        assert len(list(tmp_path.glob("*.state"))) == 1
     finally:
         _stop(proc)

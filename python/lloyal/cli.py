@@ -410,6 +410,7 @@ async def _serve(args: argparse.Namespace) -> int:
         n_threads=args.threads,
         prefix_cache=not args.no_prefix_cache,
         cache_branches=args.cache_branches,
+        cache_dir=args.cache_dir,
         max_queue=args.max_queue,
     )
     server = uvicorn.Server(
@@ -546,6 +547,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-queue", type=int, default=64, help="requests that may wait (then 429)")
     srv.add_argument("--cache-branches", type=int, default=None, help="prefix cache entries")
     srv.add_argument("--no-prefix-cache", action="store_true")
+    srv.add_argument("--cache-dir", help="keep evicted prefix-cache entries in this folder")
     srv.set_defaults(run=_serve)
 
     info = sub.add_parser(

@@ -46,6 +46,7 @@ class ServerConfig:
     n_threads: int | None = None
     prefix_cache: bool = True
     cache_branches: int | None = None
+    cache_dir: str | os.PathLike[str] | None = None
     max_queue: int = 64
     embeddings: bool = True
 
@@ -58,6 +59,7 @@ class _State:
             ctx,
             prefix_cache=config.prefix_cache,
             cache_branches=config.cache_branches,
+            cache_dir=config.cache_dir,
             max_queue=config.max_queue,
         )
         self.name = config.model_name or ctx.model_info.name or "lloyal"

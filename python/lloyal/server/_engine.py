@@ -13,6 +13,7 @@ KV leases: a request waits until its ``n`` leases fit, and is refused with
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -64,6 +65,7 @@ class Engine:
         *,
         prefix_cache: bool = True,
         cache_branches: int | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
         max_queue: int = 64,
     ) -> None:
         self.ctx = ctx
@@ -71,7 +73,9 @@ class Engine:
         # forks from (the cache gives the others back when leases run short).
         self.capacity = max(1, ctx.n_seq_max - 1) if prefix_cache else ctx.n_seq_max
         entries = cache_branches if cache_branches is not None else max(1, ctx.n_seq_max // 4)
-        self.cache = PrefixCache(ctx, max_branches=entries) if prefix_cache else None
+        self.cache = (
+            PrefixCache(ctx, max_branches=entries, disk_dir=cache_dir) if prefix_cache else None
+        )
         self.max_queue = max_queue
         self.metrics = Metrics()
         self._reserved = 0
