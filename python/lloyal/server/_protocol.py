@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from lloyal.sampling import SamplingParams
@@ -44,9 +44,9 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class Generation:
-    """What both completion endpoints share."""
+    """What both completion endpoints share. (``model`` is checked to be
+    a string and otherwise ignored: the server has one model.)"""
 
-    model: str | None
     n: int
     max_tokens: int | None
     params: SamplingParams
@@ -66,7 +66,6 @@ class ChatRequest:
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
     json_schema: Mapping[str, Any] | bool | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,6 @@ class CompletionRequest:
 @dataclass(frozen=True)
 class EmbeddingRequest:
     inputs: list[str]
-    model: str | None
     base64: bool = False
 
 
@@ -174,7 +172,6 @@ def _generation(body: dict[str, Any], *, logprobs: int | None) -> Generation:
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", None, 1, 1 << 20)
     return Generation(
-        model=model,
         n=_integer(body, "n", 1, 1, MAX_N) or 1,
         max_tokens=max_tokens,
         params=params,
@@ -281,9 +278,4 @@ def embedding_request(raw: object) -> EmbeddingRequest:
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise ApiError("encoding_format must be 'float' or 'base64'", param="encoding_format")
-    model = body.get("model")
-    return EmbeddingRequest(
-        inputs=list(texts),
-        model=model if isinstance(model, str) else None,
-        base64=encoding == "base64",
-    )
+    return EmbeddingRequest(inputs=list(texts), base64=encoding == "base64")
