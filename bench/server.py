@@ -133,7 +133,9 @@ def llama_server() -> tuple[Path, str]:
     return binary, f"llama-server (llama.cpp of llama-cpp-python {version})"
 
 
-def start(kind: str, model: Path, port: int, slots: int, threads: int) -> subprocess.Popen[bytes]:
+def start(
+    kind: str, model: Path, port: int, slots: int, threads: int, template: str | None
+) -> subprocess.Popen[bytes]:
     if kind == "lloyal":
         cmd = [
             sys.executable,
@@ -144,10 +146,11 @@ def start(kind: str, model: Path, port: int, slots: int, threads: int) -> subpro
             str(model),
             "--port",
             str(port),
+            # One sequence more than slots: the prefix cache keeps one.
             "--n-seq-max",
-            str(max(slots, 2)),
+            str(slots + 1),
             "--n-ctx",
-            str(256 * max(slots, 2)),
+            str(256 * (slots + 1)),
             "--threads",
             str(threads),
         ]
@@ -167,6 +170,8 @@ def start(kind: str, model: Path, port: int, slots: int, threads: int) -> subpro
             str(threads),
             "--cont-batching",
         ]
+        if template:
+            cmd += ["--chat-template", template]
     else:
         python = llama_cpp_python("[server]")
         cmd = [
@@ -182,6 +187,10 @@ def start(kind: str, model: Path, port: int, slots: int, threads: int) -> subpro
             "--n_threads",
             str(threads),
         ]
+        if template:
+            cmd += ["--chat_format", template]
+    if kind == "lloyal" and template:
+        cmd += ["--template", template]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -234,6 +243,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--servers", default="lloyal,llama-server,llama-cpp-python")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--template",
+        help="chat template name for models without one (gemma3: gemma; "
+        "each server's own built-in of that name)",
+    )
     args = parser.parse_args()
     model = Path(args.model) if Path(args.model).exists() else model_path(args.model)
     counts = [int(c) for c in args.clients.split(",")]
@@ -254,7 +268,8 @@ def main() -> None:
             if kind == "llama-server":
                 labels[kind] = llama_server()[1]
             port = _free_port()
-            proc = start(kind, model, port, slots, args.threads)
+            template = args.template or ("gemma" if "gemma" in model.name.lower() else None)
+            proc = start(kind, model, port, slots, args.threads, template)
         except (subprocess.CalledProcessError, RuntimeError, StopIteration, OSError) as e:
             print(f"{kind}: not run ({e})", file=sys.stderr)
             continue
