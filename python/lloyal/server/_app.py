@@ -8,7 +8,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -151,7 +151,7 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
     return task.result()
 
 
-async def _primed(events: AsyncIterator[Event]) -> _Primed:
+async def _primed(events: AsyncGenerator[Event, None]) -> _Primed:
     """``events`` with its first item already taken, so that admission,
     the prompt and the first token happen before the response starts and
     their errors get a status code of their own (429, 503, 400)."""
@@ -161,13 +161,13 @@ async def _primed(events: AsyncIterator[Event]) -> _Primed:
     except StopAsyncIteration:
         pass
     except BaseException:
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
         raise
     return _Primed(first, events)
 
 
 class _Primed:
-    def __init__(self, first: Event | None, rest: AsyncIterator[Event]) -> None:
+    def __init__(self, first: Event | None, rest: AsyncGenerator[Event, None]) -> None:
         self._first = first
         self._rest = rest
 
@@ -181,7 +181,30 @@ class _Primed:
         return await self._rest.__anext__()
 
     async def aclose(self) -> None:
-        await self._rest.aclose()  # type: ignore[attr-defined]
+        await self._rest.aclose()
+
+
+def _event_stream(
+    state: _State, source: _Primed, bodies: AsyncGenerator[dict[str, Any], None]
+) -> StreamingResponse:
+    """Server-sent events: each body, then ``[DONE]``; an error mid-stream
+    as an error body; a client gone counted, and its branches freed."""
+
+    async def stream() -> AsyncIterator[bytes]:
+        try:
+            async for body in bodies:
+                yield _sse(body)
+            yield b"data: [DONE]\n\n"
+        except ApiError as e:
+            yield _sse(e.body())
+        except asyncio.CancelledError:
+            state.engine.metrics.disconnects += 1
+            raise
+        finally:
+            await bodies.aclose()
+            await source.aclose()
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
 
 
 # -- chat completions -------------------------------------------------------------
@@ -282,7 +305,7 @@ async def chat_completions(request: Request, state: _State) -> Response:
             "total_tokens": len(tokens) + done,
         }
 
-    async def events() -> AsyncIterator[Event]:
+    async def events() -> AsyncGenerator[Event, None]:
         async with state.engine.admitted(gen.n):
             async for event in state.engine.generate(
                 tokens,
@@ -301,44 +324,28 @@ async def chat_completions(request: Request, state: _State) -> Response:
 
     if gen.stream:
         source = await _primed(events())
+        chunk = {**head, "object": "chat.completion.chunk"}
 
-        async def stream() -> AsyncIterator[bytes]:
-            chunk = {**head, "object": "chat.completion.chunk"}
-            try:
-                for i in range(gen.n):
-                    yield _sse(
-                        {
-                            **chunk,
-                            "choices": [
-                                {"index": i, "delta": {"role": "assistant", "content": ""}}
-                            ],
-                        }
-                    )
-                async for event in source:
-                    c = choices[event.index]
-                    choice: dict[str, Any] = {"index": event.index, "delta": {}}
-                    if event.finish is not None:
-                        _, finish = c.final(event.finish)
-                        choice["finish_reason"] = finish
-                    else:
-                        choice["delta"] = c.delta(event.text)
-                        if event.logprob is not None:
-                            choice["logprobs"] = {"content": [c.logprobs[-1]]}
-                        if not choice["delta"] and "logprobs" not in choice:
-                            continue
-                    yield _sse({**chunk, "choices": [choice]})
-                if gen.include_usage:
-                    yield _sse({**chunk, "choices": [], "usage": usage()})
-                yield b"data: [DONE]\n\n"
-            except ApiError as e:
-                yield _sse(e.body())
-            except asyncio.CancelledError:
-                state.engine.metrics.disconnects += 1
-                raise
-            finally:
-                await source.aclose()
+        async def bodies() -> AsyncGenerator[dict[str, Any], None]:
+            for i in range(gen.n):
+                opener = {"index": i, "delta": {"role": "assistant", "content": ""}}
+                yield {**chunk, "choices": [opener]}
+            async for event in source:
+                c = choices[event.index]
+                choice: dict[str, Any] = {"index": event.index, "delta": {}}
+                if event.finish is not None:
+                    _, choice["finish_reason"] = c.final(event.finish)
+                else:
+                    choice["delta"] = c.delta(event.text)
+                    if event.logprob is not None:
+                        choice["logprobs"] = {"content": [c.logprobs[-1]]}
+                    if not choice["delta"] and "logprobs" not in choice:
+                        continue
+                yield {**chunk, "choices": [choice]}
+            if gen.include_usage:
+                yield {**chunk, "choices": [], "usage": usage()}
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return _event_stream(state, source, bodies())
 
     async def collect() -> Response:
         finishes: dict[int, str] = {}
@@ -403,7 +410,7 @@ async def completions(request: Request, state: _State) -> Response:
             "total_tokens": len(tokens) + sum(counts),
         }
 
-    async def events() -> AsyncIterator[Event]:
+    async def events() -> AsyncGenerator[Event, None]:
         async with state.engine.admitted(gen.n):
             async for event in state.engine.generate(tokens, gen):
                 record(event)
@@ -411,32 +418,23 @@ async def completions(request: Request, state: _State) -> Response:
 
     if gen.stream:
         source = await _primed(events())
+        chunk = {**head, "object": "text_completion"}
 
-        async def stream() -> AsyncIterator[bytes]:
-            chunk = {**head, "object": "text_completion"}
-            try:
-                async for event in source:
-                    choice: dict[str, Any] = {
-                        "index": event.index,
-                        "text": event.text,
-                        "logprobs": None,
-                        "finish_reason": event.finish,
-                    }
-                    if event.finish is None and not event.text:
-                        continue
-                    yield _sse({**chunk, "choices": [choice]})
-                if gen.include_usage:
-                    yield _sse({**chunk, "choices": [], "usage": usage()})
-                yield b"data: [DONE]\n\n"
-            except ApiError as e:
-                yield _sse(e.body())
-            except asyncio.CancelledError:
-                state.engine.metrics.disconnects += 1
-                raise
-            finally:
-                await source.aclose()
+        async def bodies() -> AsyncGenerator[dict[str, Any], None]:
+            async for event in source:
+                if event.finish is None and not event.text:
+                    continue
+                choice = {
+                    "index": event.index,
+                    "text": event.text,
+                    "logprobs": None,
+                    "finish_reason": event.finish,
+                }
+                yield {**chunk, "choices": [choice]}
+            if gen.include_usage:
+                yield {**chunk, "choices": [], "usage": usage()}
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return _event_stream(state, source, bodies())
 
     async def collect() -> Response:
         finishes: dict[int, str] = {}
