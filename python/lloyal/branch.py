@@ -443,6 +443,40 @@ class Branch:
         """Restart this branch's random stream from ``seed``."""
         self._ctx._native.branch_reseed(self._handle, seed)
 
+    def sampler_state(self) -> bytes:
+        """Where this branch's sampler is: its random stream's position,
+        the penalty history and mirostat's bound (not its parameters).
+        :meth:`save` does not include it; a branch moved to another
+        process with both draws the same tokens it would have drawn here.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
+        ...         params = lloyal.SamplingParams(temperature=1.0, seed=5)
+        ...         a = lloyal.Branch.create(ctx, params)
+        ...         await a.prefill(await ctx.tokenize("Once upon a time"))
+        ...         for _ in range(3):  # the random stream moves on
+        ...             await a.commit((await a.produce()).token)
+        ...         state, saved = a.sampler_state(), await a.save()
+        ...         b = await lloyal.Branch.restore(ctx, saved, params)
+        ...         b.set_sampler_state(state)
+        ...         same = [(await a.produce()).token == (await b.produce()).token
+        ...                 for _ in range(5)]
+        ...         await a.prune(); await b.prune()
+        ...         return all(same)
+        >>> asyncio.run(main())
+        True
+        """
+        return bytes(self._ctx._native.branch_sampler_state(self._handle))
+
+    def set_sampler_state(self, state: bytes) -> None:
+        """Continue sampling from :meth:`sampler_state` bytes (of a branch
+        with the same parameters). Bad bytes raise ``ValueError`` and change
+        nothing."""
+        if not isinstance(state, (bytes, bytearray, memoryview)):
+            raise TypeError(f"state must be bytes, got {type(state).__name__}")
+        self._ctx._native.branch_set_sampler_state(self._handle, bytes(state))
+
     def set_grammar(
         self,
         grammar: str | Grammar | None = None,

@@ -375,6 +375,21 @@ impl PyContext {
         self.inner.branch_cells_held()
     }
 
+    fn branch_sampler_state<'py>(
+        &self,
+        py: Python<'py>,
+        branch: u64,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let state = self.inner.branch_sampler_state(id(branch)).py_err()?;
+        Ok(pyo3::types::PyBytes::new(py, &state))
+    }
+
+    fn branch_set_sampler_state(&self, branch: u64, state: &[u8]) -> PyResult<()> {
+        self.inner
+            .branch_set_sampler_state(id(branch), state)
+            .py_err()
+    }
+
     fn branch_detach(&self, branch: u64) -> PyResult<()> {
         self.inner.branch_detach(id(branch)).py_err()
     }

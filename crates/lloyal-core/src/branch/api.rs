@@ -224,6 +224,18 @@ impl Context {
         })
     }
 
+    /// The branch's sampler state (random stream position, penalty
+    /// history; see `Sampler::state`), for moving it to another process.
+    pub fn branch_sampler_state(&self, id: BranchId) -> Result<Vec<u8>> {
+        self.read_branch(id, |b| b.sampler.state())
+    }
+
+    /// Continue the branch's sampling from a state `branch_sampler_state`
+    /// gave (bad bytes are an error and change nothing).
+    pub fn branch_set_sampler_state(&self, id: BranchId, state: &[u8]) -> Result<()> {
+        self.with_branch(id, |b| b.sampler_mut().set_state(state))
+    }
+
     /// Make the branch a root: it leaves its parent's children, so either
     /// can be pruned first (their KV cells stay shared until then).
     pub fn branch_detach(&self, id: BranchId) -> Result<()> {

@@ -31,6 +31,11 @@ pub struct Sampler {
     dry_breakers: Arc<HashSet<i32>>,
 }
 
+/// [`Sampler::state`]'s layout: version, seed, stream, word position, mu,
+/// history length, then the history.
+const STATE_VERSION: u8 = 1;
+const STATE_HEAD: usize = 1 + 32 + 8 + 16 + 4 + 4;
+
 /// How much history is kept when `penalty_last_n == -1` (all tokens).
 const UNBOUNDED_HISTORY: usize = 1 << 16;
 
@@ -80,6 +85,56 @@ impl Sampler {
     pub fn reseed(&mut self, seed: u64) {
         self.params.seed = Some(seed);
         self.rng = ChaCha8Rng::seed_from_u64(seed);
+    }
+
+    /// The sampler's running state as bytes: where its random stream is,
+    /// the penalty history and mirostat's bound (not the parameters). A
+    /// sampler given these bytes ([`Sampler::set_state`]) draws the same
+    /// numbers from then on: how a branch moves between processes.
+    pub fn state(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(STATE_HEAD + 4 * self.history.len());
+        out.push(STATE_VERSION);
+        out.extend_from_slice(&self.rng.get_seed());
+        out.extend_from_slice(&self.rng.get_stream().to_le_bytes());
+        out.extend_from_slice(&self.rng.get_word_pos().to_le_bytes());
+        out.extend_from_slice(&self.mu.to_le_bytes());
+        out.extend_from_slice(&(self.history.len() as u32).to_le_bytes());
+        for t in &self.history {
+            out.extend_from_slice(&t.to_le_bytes());
+        }
+        out
+    }
+
+    /// Take the state [`Sampler::state`] wrote. Malformed bytes are an
+    /// error and change nothing.
+    pub fn set_state(&mut self, bytes: &[u8]) -> Result<()> {
+        let bad = || crate::error::invalid("not a sampler state (or one of another version)");
+        if bytes.len() < STATE_HEAD || bytes[0] != STATE_VERSION {
+            return Err(bad());
+        }
+        let field = |at: usize, n: usize| &bytes[at..at + n];
+        let seed: [u8; 32] = field(1, 32).try_into().map_err(|_| bad())?;
+        let stream = u64::from_le_bytes(field(33, 8).try_into().map_err(|_| bad())?);
+        let word_pos = u128::from_le_bytes(field(41, 16).try_into().map_err(|_| bad())?);
+        let mu = f32::from_le_bytes(field(57, 4).try_into().map_err(|_| bad())?);
+        let n = u32::from_le_bytes(field(61, 4).try_into().map_err(|_| bad())?) as usize;
+        if bytes.len() != STATE_HEAD + 4 * n {
+            return Err(bad());
+        }
+        let history: VecDeque<i32> = bytes[STATE_HEAD..]
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let mut rng = ChaCha8Rng::from_seed(seed);
+        rng.set_stream(stream);
+        rng.set_word_pos(word_pos);
+        self.rng = rng;
+        self.mu = mu;
+        self.reset_history();
+        for t in history {
+            self.accept(t);
+        }
+        Ok(())
     }
 
     /// Record a token in the penalty history (what llama.cpp calls accept).

@@ -228,3 +228,40 @@ fn dry_penalizes_the_token_that_extends_a_repeat() {
     let d = long.distribution(&logits).unwrap();
     assert_eq!(d[0].0, 9);
 }
+
+#[test]
+fn a_sampler_state_moves_its_random_stream_and_history() {
+    let params = SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        seed: Some(11),
+        repeat_penalty: 1.3,
+        ..SamplingParams::default()
+    };
+    let wide: Vec<f32> = (0..64).map(|i| (i % 7) as f32 * 0.3).collect();
+    let mut a = Sampler::new(params.clone()).unwrap();
+    for _ in 0..5 {
+        a.sample(&wide).unwrap();
+    }
+    let state = a.state();
+    // Another sampler, other seed and history: after set_state it draws
+    // what `a` draws.
+    let mut b = Sampler::new(SamplingParams {
+        seed: Some(99),
+        ..params
+    })
+    .unwrap();
+    b.accept(3);
+    b.set_state(&state).unwrap();
+    let from_a: Vec<i32> = (0..20).map(|_| a.sample(&wide).unwrap()).collect();
+    let from_b: Vec<i32> = (0..20).map(|_| b.sample(&wide).unwrap()).collect();
+    assert_eq!(from_a, from_b);
+    // Malformed bytes change nothing.
+    let before = b.state();
+    assert!(b.set_state(&state[..10]).is_err());
+    assert!(b.set_state(&[9; 65]).is_err());
+    let mut longer = state.clone();
+    longer.push(0);
+    assert!(b.set_state(&longer).is_err());
+    assert_eq!(b.state(), before);
+}
