@@ -29,6 +29,12 @@ from lloyal._lloyal import (
     StateError,
 )
 
+
+class WorkerLostError(LloyalError):
+    """A remote context (a :mod:`lloyal.cluster` worker) died; the branches
+    it held are gone. Other workers and their branches are unaffected."""
+
+
 __all__ = [
     "BranchBusyError",
     "BranchDisposedError",
@@ -42,4 +48,5 @@ __all__ = [
     "ModelLoadError",
     "NoLeaseError",
     "StateError",
+    "WorkerLostError",
 ]

@@ -400,6 +400,12 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def match(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` a cached entry holds (what
+        :meth:`branch` would not decode, but for the last token)."""
+        node, matched = self._walk(tuple(_token_list(tokens)))
+        return matched if matched and self._any_entry(node) is not None else 0
+
     async def make_room(self, leases: int) -> bool:
         """Evict least recently used entries until ``leases`` leases are
         free (for branches the caller is about to create or fork). Returns

@@ -1,0 +1,19 @@
+"""lloyal past one process: a pool of Ray actors, each one context
+(``pip install 'lloyal[ray]'``).
+
+:class:`ContextPool` starts the actors; :meth:`ContextPool.branch` places a
+new branch on the worker that has cached the longest prefix of its prompt
+(else the least loaded) and returns a :class:`RemoteBranch` with the local
+decoding surface. Calls from many tasks in one tick go to a worker as one
+round trip and one decode. :meth:`RemoteBranch.migrate` moves a branch by
+its state bytes; a worker that dies fails its branches with
+:class:`lloyal.WorkerLostError` and is replaced. See ``docs/cluster.md``.
+"""
+
+from __future__ import annotations
+
+from lloyal.cluster._pool import ContextPool, RemoteBranch, Worker
+from lloyal.cluster._strategies import best_of_n
+from lloyal.errors import WorkerLostError
+
+__all__ = ["ContextPool", "RemoteBranch", "Worker", "WorkerLostError", "best_of_n"]

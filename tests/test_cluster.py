@@ -1,0 +1,146 @@
+"""lloyal.cluster on a local Ray cluster: two actors, small contexts.
+
+The contexts are ``deterministic=True``: the same logits bits whatever the
+batch, so a branch on another process, in another batch, draws exactly
+what it would have drawn here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import lloyal
+import pytest
+import ray
+from lloyal.cluster import ContextPool, RemoteBranch, WorkerLostError, best_of_n
+from lloyal.models import model_path
+from lloyal.strategies import best_of_n as local_best_of_n
+
+from tests.conftest import MODELS
+
+OPTIONS = {"n_seq_max": 8, "n_ctx": 2048, "n_threads": 1, "deterministic": True}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def pool(cluster: None, request: pytest.FixtureRequest) -> Iterator[ContextPool]:
+    pool = asyncio.run(ContextPool.start(model_path(request.param), workers=2, **OPTIONS))
+    pool.model_name = request.param  # type: ignore[attr-defined]
+    yield pool
+    asyncio.run(pool.aclose())
+
+
+async def _generate(branch: RemoteBranch, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        p = await branch.produce()
+        if p.is_stop:
+            break
+        await branch.commit(p.token)
+        out.append(p.token)
+    return out
+
+
+def test_remote_best_of_n_equals_the_local_one(pool: ContextPool) -> None:
+    async def both() -> tuple[lloyal.strategies.BestOfN, lloyal.strategies.BestOfN]:
+        remote = await best_of_n(pool, "Once upon a time", n=3, max_tokens=6, seed=3)
+        path = model_path(pool.model_name)  # type: ignore[attr-defined]
+        async with await lloyal.create_context(path, **OPTIONS) as ctx:
+            local = await local_best_of_n(ctx, "Once upon a time", n=3, max_tokens=6, seed=3)
+        return remote, local
+
+    remote, local = asyncio.run(both())
+    assert [c.tokens for c in remote.candidates] == [c.tokens for c in local.candidates]
+    assert remote.best_index == local.best_index
+    assert remote.output.text == local.output.text
+
+
+def test_a_migrated_branch_continues_exactly(pool: ContextPool) -> None:
+    async def run() -> None:
+        a, b = pool.workers
+        tokens = await a.call("tokenize", "The capital of France is")
+        for params in (lloyal.GREEDY, lloyal.SamplingParams(temperature=1.0, seed=9)):
+            root = await pool.branch(tokens, params=params, worker=a)
+            await _generate(root, 2)  # the random stream moves on first
+            stay, move = await root.fork_many([None, None])
+            await move.migrate(b)
+            assert move.worker is b
+            assert move.position == stay.position
+            assert await _generate(move, 8) == await _generate(stay, 8)
+            for x in (stay, move, root):
+                await x.prune()
+
+    asyncio.run(run())
+
+
+def test_prefix_placement_sends_a_shared_prompt_to_the_same_worker(pool: ContextPool) -> None:
+    async def run() -> None:
+        w = pool.workers[0]
+        prefix = await w.call("tokenize", "Background facts about rivers and seas. " * 30)
+        assert len(prefix) >= 200
+        q1 = await w.call("tokenize", " First question?", False)
+        q2 = await w.call("tokenize", " Second question?", False)
+        first = await pool.branch(prefix + q1)
+        second = await pool.branch(prefix + q2)
+        assert second.worker is first.worker
+        # Only the second prompt's own suffix was decoded there.
+        assert second.decoded <= len(q2)
+        # (The first decoded the prefix, less at most the BOS token an
+        # earlier test's prompt left cached.)
+        assert first.decoded >= len(prefix) + len(q1) - 1
+        await first.prune()
+        await second.prune()
+
+    asyncio.run(run())
+
+
+def test_calls_from_many_tasks_share_round_trips_and_decodes(pool: ContextPool) -> None:
+    async def run() -> None:
+        w = pool.workers[1]
+        tokens = await w.call("tokenize", "Count with me: one, two,")
+        root = await pool.branch(tokens, params=lloyal.GREEDY, worker=w)
+        kids = await root.fork_many([None] * 6)
+        trips, decodes = w.round_trips, (await w.call("stats"))["decode_calls"]
+        await asyncio.gather(*(_generate(k, 5) for k in kids))
+        steps_trips = w.round_trips - trips - 1  # less the stats call
+        steps_decodes = (await w.call("stats"))["decode_calls"] - decodes
+        # 6 branches x 5 tokens: one produce and one commit round trip per
+        # step for all six, one decode per step.
+        assert steps_trips <= 2 * 5 + 1
+        assert steps_decodes == 5
+        for k in [*kids, root]:
+            await k.prune()
+
+    asyncio.run(run())
+
+
+def test_a_dead_worker_fails_its_branches_and_is_replaced(pool: ContextPool) -> None:
+    async def run() -> None:
+        a, b = pool.workers
+        tokens = await a.call("tokenize", "Hello there")
+        doomed = await pool.branch(tokens, params=lloyal.GREEDY, worker=a)
+        safe = await pool.branch(tokens, params=lloyal.GREEDY, worker=b)
+        old_pid = a.pid
+        ray.kill(a.handle)
+        with pytest.raises(WorkerLostError):
+            await _generate(doomed, 3)
+        with pytest.raises(WorkerLostError):  # fails fast from now on
+            await doomed.produce()
+        await doomed.prune()  # nothing to free: no error
+        assert pool.replaced >= 1
+        assert a.pid != old_pid
+        # The replacement works, and the other worker never noticed.
+        fresh = await pool.branch(tokens, params=lloyal.GREEDY, worker=a)
+        assert len(await _generate(fresh, 3)) == 3
+        assert len(await _generate(safe, 3)) == 3
+        await fresh.prune()
+        await safe.prune()
+
+    asyncio.run(run())
