@@ -121,6 +121,29 @@ def test_calls_from_many_tasks_share_round_trips_and_decodes(pool: ContextPool) 
     asyncio.run(run())
 
 
+def test_bad_input_raises_the_local_exception_and_harms_nothing(pool: ContextPool) -> None:
+    async def run() -> None:
+        w = pool.workers[0]
+        with pytest.raises(ValueError, match="token"):
+            await pool.branch([10**9], worker=w)
+        tokens = await w.call("tokenize", "The capital of France is")
+        b = await pool.branch(tokens, params=lloyal.GREEDY, worker=w)
+        other = await b.fork()
+        # In one tick with a good commit: only the bad one fails.
+        bad, good = await asyncio.gather(
+            b.commit(-5), other.commit(tokens[-1]), return_exceptions=True
+        )
+        assert isinstance(bad, ValueError)
+        assert "vocabulary" in str(bad)
+        assert good is None
+        assert other.position == len(tokens) + 1
+        assert len(await _generate(b, 2)) == 2  # the branch is intact
+        await other.prune()
+        await b.prune()
+
+    asyncio.run(run())
+
+
 def test_a_dead_worker_fails_its_branches_and_is_replaced(pool: ContextPool) -> None:
     async def run() -> None:
         a, b = pool.workers

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+from lloyal import errors
 from lloyal.branch import Produced, Token
 from lloyal.cluster._worker import ContextWorker
 from lloyal.errors import LloyalError, WorkerLostError
@@ -41,6 +42,7 @@ class Worker:
         self.index = index
         self.handle: Any = None
         self.pid = 0
+        self.vocab = 0
         self.generation = 0
         self._pending = _Pending()
         self._flush: asyncio.Task[None] | None = None
@@ -53,6 +55,7 @@ class Worker:
         )
         info = await self.handle.start.remote()
         self.pid = int(info["pid"])
+        self.vocab = int(info["vocab"])
         self.generation += 1
 
     async def call(self, method: str, *args: Any) -> Any:
@@ -65,6 +68,12 @@ class Worker:
         except _LOST as e:
             await self.pool._replace(self, generation)
             raise WorkerLostError(f"worker {self.index} died: {type(e).__name__}") from None
+        except RayTaskError as e:
+            # The worker raised (bad input, a full cache): the same
+            # exception here, not Ray's wrapper.
+            if isinstance(e.cause, Exception):
+                raise e.cause from None
+            raise
 
     def _schedule(self) -> None:
         if self._flush is None or self._flush.done():
@@ -91,6 +100,10 @@ class Worker:
             _settle(f, result)
 
     def commit(self, bid: int, token: int) -> asyncio.Future[dict[str, Any]]:
+        # Checked here: a bad token in a coalesced step would fail the
+        # other branches' commits with it.
+        if not 0 <= token < self.vocab:
+            raise ValueError(f"token {token} is not in the vocabulary (0..{self.vocab - 1})")
         f: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending.commits.append((bid, token, f))
         self._schedule()
@@ -107,9 +120,18 @@ def _settle(f: asyncio.Future[Any], result: Any) -> None:
     if f.done():
         return
     if isinstance(result, str):
-        f.set_exception(LloyalError(result))
+        f.set_exception(_error(result))
     else:
         f.set_result(result)
+
+
+def _error(message: str) -> LloyalError:
+    """The worker's "KVCacheFullError: ..." as that lloyal exception."""
+    name, _, rest = message.partition(": ")
+    kind = getattr(errors, name, None)
+    if isinstance(kind, type) and issubclass(kind, LloyalError):
+        return kind(rest)
+    return LloyalError(message)
 
 
 class RemoteBranch:
@@ -157,6 +179,17 @@ class RemoteBranch:
         self._check()
         self._info = await self.worker.commit(self._bid, int(token))
 
+    async def step(self, token: int) -> Produced:
+        """:meth:`commit` ``token`` and :meth:`produce` the next one, in one
+        round trip (the worker commits first, as two calls would)."""
+        self._check()
+        committed = self.worker.commit(self._bid, int(token))
+        produced = self.worker.produce(self._bid)
+        self._info = await committed
+        token, text, stop, surprisal, entropy = await produced
+        self.last_surprisal, self.last_entropy = surprisal, entropy
+        return Produced(token, text, stop)
+
     async def fork(self, *, seed: int | None = None) -> RemoteBranch:
         """A child on the same worker (it shares this branch's KV prefix)."""
         return (await self.fork_many([seed]))[0]
@@ -192,7 +225,9 @@ class RemoteBranch:
         )
 
     async def __aiter__(self) -> AsyncIterator[Token]:
-        """Produce and commit until a stop token (texts are per token)."""
+        """Produce and commit until a stop token (texts are per token). Two
+        round trips per token, so that leaving the loop leaves the sampler
+        where a local branch's would be; loops that go on use :meth:`step`."""
         while True:
             p = await self.produce()
             if p.is_stop:

@@ -55,8 +55,8 @@ async def best_of_n(
                 branches[i] = child
         recs = [_Recorder() for _ in range(n)]
         live = list(range(n))
+        made = await asyncio.gather(*(branches[i].produce() for i in live))
         for step in range(max_tokens):
-            made = await asyncio.gather(*(branches[i].produce() for i in live))
             going = []
             for i, p in zip(live, made, strict=True):
                 if p.is_stop or p.token in extra:
@@ -66,10 +66,11 @@ async def best_of_n(
                 recs[i].add(p.token, b.last_surprisal, b.last_entropy)
                 going.append(i)
             live = going
-            if live and step + 1 < max_tokens:
-                await asyncio.gather(*(branches[i].commit(recs[i].tokens[-1]) for i in live))
-            if not live:
+            if not live or step + 1 == max_tokens:
                 break
+            # Commit this step's tokens and produce the next ones: one round
+            # trip and one decode per worker.
+            made = await asyncio.gather(*(branches[i].step(recs[i].tokens[-1]) for i in live))
     finally:
         await asyncio.gather(
             *(b.prune() for b in [*branches, *roots] if b is not None), return_exceptions=True

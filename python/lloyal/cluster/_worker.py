@@ -39,7 +39,11 @@ class ContextWorker:
         self._ctx = await create_context(self._model_path, **self._options)
         self._store = BranchStore(self._ctx)
         self._cache = PrefixCache(self._ctx, max_branches=self._cache_branches)
-        return {"pid": os.getpid(), "n_seq_max": self._ctx.n_seq_max}
+        return {
+            "pid": os.getpid(),
+            "n_seq_max": self._ctx.n_seq_max,
+            "vocab": self._ctx.vocab_size,
+        }
 
     def _keep(self, b: Branch) -> int:
         bid = next(self._ids)
