@@ -10,6 +10,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+# Imported before Ray starts its threads: hypothesis's pytest plugin imports
+# it lazily at the end of the session otherwise, and on CPython 3.11.7 an
+# ast.parse racing Ray's background threads failed with "AST constructor
+# recursion depth mismatch" (the ast module's shared depth counter).
+import hypothesis  # noqa: F401
 import lloyal
 import pytest
 import ray
@@ -165,5 +170,31 @@ def test_a_dead_worker_fails_its_branches_and_is_replaced(pool: ContextPool) -> 
         assert len(await _generate(safe, 3)) == 3
         await fresh.prune()
         await safe.prune()
+
+    asyncio.run(run())
+
+
+def test_best_of_n_goes_on_with_the_candidates_it_still_holds(pool: ContextPool) -> None:
+    async def run() -> None:
+        doomed = pool.workers[1]
+        start = (await doomed.call("stats"))["decode_calls"]
+        params = lloyal.SamplingParams(temperature=0.8, logit_bias={t: -100.0 for t in range(3)})
+
+        async def kill_after_a_few_steps() -> None:
+            for _ in range(3000):  # a few steps in (30 s at the most)
+                if (await doomed.call("stats"))["decode_calls"] >= start + 4:
+                    break
+                await asyncio.sleep(0.01)
+            ray.kill(doomed.handle)
+
+        killer = asyncio.create_task(kill_after_a_few_steps())
+        result = await best_of_n(pool, "Once upon a time", n=4, max_tokens=48, params=params)
+        await killer
+        # Candidates go round robin: 1 and 3 were on the worker that died.
+        assert result.lost == (1, 3)
+        assert result.best_index in (0, 2)
+        assert len(result.candidates[0].tokens) == 48
+        assert 0 < len(result.candidates[1].tokens) < 48
+        assert pool.replaced >= 1
 
     asyncio.run(run())

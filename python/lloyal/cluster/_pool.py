@@ -183,10 +183,16 @@ class RemoteBranch:
         """:meth:`commit` ``token`` and :meth:`produce` the next one, in one
         round trip (the worker commits first, as two calls would)."""
         self._check()
-        committed = self.worker.commit(self._bid, int(token))
-        produced = self.worker.produce(self._bid)
-        self._info = await committed
-        token, text, stop, surprisal, entropy = await produced
+        both = await asyncio.gather(
+            self.worker.commit(self._bid, int(token)),
+            self.worker.produce(self._bid),
+            return_exceptions=True,
+        )
+        for outcome in both:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        self._info = both[0]
+        token, text, stop, surprisal, entropy = both[1]
         self.last_surprisal, self.last_entropy = surprisal, entropy
         return Produced(token, text, stop)
 

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable
 
 from lloyal.cluster._pool import ContextPool, RemoteBranch
+from lloyal.errors import WorkerLostError
 from lloyal.sampling import SamplingParams
 from lloyal.strategies import BestOfN, Continuation
 from lloyal.strategies._common import Prompt, _check_positive, _Recorder
@@ -30,7 +31,9 @@ async def best_of_n(
     ``i`` is seeded ``seed + i`` as locally, so on contexts created with
     ``deterministic=True`` the result equals the local one. Each step is
     one round trip and one decode per worker for all its candidates.
-    ``decode_calls`` counts the decodes of all workers."""
+    ``decode_calls`` counts the decodes of all workers. Candidates whose
+    worker dies are listed in ``lost`` and the rest go on; only when every
+    candidate is lost is it a :class:`WorkerLostError`."""
     _check_positive(n=n, max_tokens=max_tokens)
     params = params or SamplingParams(temperature=0.8)
     first = pool.workers[0]
@@ -54,11 +57,17 @@ async def best_of_n(
             for i, child in zip(mine, children, strict=True):
                 branches[i] = child
         recs = [_Recorder() for _ in range(n)]
+        lost: list[int] = []
         live = list(range(n))
-        made = await asyncio.gather(*(branches[i].produce() for i in live))
+        made = await asyncio.gather(*(branches[i].produce() for i in live), return_exceptions=True)
         for step in range(max_tokens):
             going = []
             for i, p in zip(live, made, strict=True):
+                if isinstance(p, WorkerLostError):  # its worker died: go on without it
+                    lost.append(i)
+                    continue
+                if isinstance(p, BaseException):
+                    raise p
                 if p.is_stop or p.token in extra:
                     recs[i].stopped = True
                     continue
@@ -70,26 +79,44 @@ async def best_of_n(
                 break
             # Commit this step's tokens and produce the next ones: one round
             # trip and one decode per worker.
-            made = await asyncio.gather(*(branches[i].step(recs[i].tokens[-1]) for i in live))
+            made = await asyncio.gather(
+                *(branches[i].step(recs[i].tokens[-1]) for i in live), return_exceptions=True
+            )
     finally:
         await asyncio.gather(
             *(b.prune() for b in [*branches, *roots] if b is not None), return_exceptions=True
         )
-    texts = await asyncio.gather(*(first.call("detokenize", r.tokens) for r in recs))
+    if len(lost) == n:
+        raise WorkerLostError("every worker holding a candidate died")
+    texts = await asyncio.gather(*(_detokenize(pool, r.tokens) for r in recs))
     candidates = tuple(
         Continuation(text, tuple(r.tokens), tuple(r.surprisals), tuple(r.entropies), r.stopped)
         for text, r in zip(texts, recs, strict=True)
     )
-    best = min(range(n), key=lambda i: (candidates[i].perplexity, i))
+    kept = [i for i in range(n) if i not in lost]
+    best = min(kept, key=lambda i: (candidates[i].perplexity, i))
     return BestOfN(
         candidates[best],
         candidates,
         best,
-        await _decodes(pool) - before,
+        max(0, await _decodes(pool) - before),
         time.perf_counter() - started,
+        tuple(sorted(lost)),
     )
 
 
+async def _detokenize(pool: ContextPool, tokens: list[int]) -> str:
+    """Text of ``tokens`` from any live worker."""
+    for w in pool.workers:
+        try:
+            text: str = await w.call("detokenize", tokens)
+            return text
+        except WorkerLostError:
+            continue
+    raise WorkerLostError("no worker is left to detokenize")
+
+
 async def _decodes(pool: ContextPool) -> int:
-    stats = await asyncio.gather(*(w.call("stats") for w in pool.workers))
-    return sum(s["decode_calls"] for s in stats)
+    """Decodes of all workers (a replaced worker counts from its restart)."""
+    stats = await asyncio.gather(*(w.call("stats") for w in pool.workers), return_exceptions=True)
+    return sum(s["decode_calls"] for s in stats if isinstance(s, dict))

@@ -26,13 +26,16 @@ from lloyal.strategies._common import (
 @dataclass(frozen=True)
 class BestOfN(_Output):
     """What :func:`best_of_n` returns: every candidate, and the winner
-    (``candidates[best_index]``, the lowest perplexity)."""
+    (``candidates[best_index]``, the lowest perplexity). ``lost`` lists the
+    candidates whose worker died (:func:`lloyal.cluster.best_of_n` only):
+    they keep the tokens they had and do not compete."""
 
     output: Continuation
     candidates: tuple[Continuation, ...]
     best_index: int
     decode_calls: int
     seconds: float
+    lost: tuple[int, ...] = ()
 
 
 async def best_of_n(
