@@ -8,6 +8,9 @@ what it would have drawn here.
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 
 # Imported before Ray starts its threads: hypothesis's pytest plugin imports
@@ -20,7 +23,6 @@ import pytest
 import ray
 from lloyal.cluster import ContextPool, RemoteBranch, WorkerLostError, best_of_n
 from lloyal.models import model_path
-from lloyal.strategies import best_of_n as local_best_of_n
 
 from tests.conftest import MODELS
 
@@ -53,18 +55,39 @@ async def _generate(branch: RemoteBranch, n: int) -> list[int]:
     return out
 
 
-def test_remote_best_of_n_equals_the_local_one(pool: ContextPool) -> None:
-    async def both() -> tuple[lloyal.strategies.BestOfN, lloyal.strategies.BestOfN]:
-        remote = await best_of_n(pool, "Once upon a time", n=3, max_tokens=6, seed=3)
-        path = model_path(pool.model_name)  # type: ignore[attr-defined]
-        async with await lloyal.create_context(path, **OPTIONS) as ctx:
-            local = await local_best_of_n(ctx, "Once upon a time", n=3, max_tokens=6, seed=3)
-        return remote, local
+# The local run happens in a fresh interpreter: a deterministic context
+# must be set up before its process decodes anything (docs/determinism.md),
+# and this one has decoded long before.
+LOCAL_BEST_OF_N = """
+import asyncio, json, sys
+import lloyal
+from lloyal.strategies import best_of_n
 
-    remote, local = asyncio.run(both())
-    assert [c.tokens for c in remote.candidates] == [c.tokens for c in local.candidates]
-    assert remote.best_index == local.best_index
-    assert remote.output.text == local.output.text
+async def main():
+    async with await lloyal.create_context(sys.argv[1], **json.loads(sys.argv[2])) as ctx:
+        r = await best_of_n(ctx, "Once upon a time", n=3, max_tokens=6, seed=3)
+    print(json.dumps({"tokens": [list(c.tokens) for c in r.candidates], "best": r.best_index,
+                      "text": r.output.text}))
+
+asyncio.run(main())
+"""
+
+
+def test_remote_best_of_n_equals_the_local_one(pool: ContextPool) -> None:
+    remote = asyncio.run(best_of_n(pool, "Once upon a time", n=3, max_tokens=6, seed=3))
+    path = str(model_path(pool.model_name))  # type: ignore[attr-defined]
+    run = subprocess.run(
+        [sys.executable, "-c", LOCAL_BEST_OF_N, path, json.dumps(OPTIONS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    local = json.loads(run.stdout)
+    assert [list(c.tokens) for c in remote.candidates] == local["tokens"]
+    assert remote.best_index == local["best"]
+    assert remote.output.text == local["text"]
 
 
 def test_a_migrated_branch_continues_exactly(pool: ContextPool) -> None:
