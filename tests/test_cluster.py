@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 # Imported before Ray starts its threads: hypothesis's pytest plugin imports
 # it lazily at the end of the session otherwise, and on CPython 3.11.7 an
@@ -21,8 +22,16 @@ import hypothesis  # noqa: F401
 import lloyal
 import pytest
 import ray
-from lloyal.cluster import ContextPool, RemoteBranch, WorkerLostError, best_of_n
+from lloyal.cluster import (
+    ContextPool,
+    RemoteBranch,
+    WorkerLostError,
+    beam_search,
+    best_of_n,
+    mcts,
+)
 from lloyal.models import model_path
+from lloyal.strategies import TreeNode
 
 from tests.conftest import MODELS
 
@@ -58,36 +67,119 @@ async def _generate(branch: RemoteBranch, n: int) -> list[int]:
 # The local run happens in a fresh interpreter: a deterministic context
 # must be set up before its process decodes anything (docs/determinism.md),
 # and this one has decoded long before.
-LOCAL_BEST_OF_N = """
+LOCAL = """
 import asyncio, json, sys
 import lloyal
-from lloyal.strategies import best_of_n
+from lloyal.strategies import beam_search, best_of_n, mcts
+
+def tree(n):
+    return [n.token, n.visits, n.value, [tree(c) for c in n.children]]
 
 async def main():
-    async with await lloyal.create_context(sys.argv[1], **json.loads(sys.argv[2])) as ctx:
-        r = await best_of_n(ctx, "Once upon a time", n=3, max_tokens=6, seed=3)
-    print(json.dumps({"tokens": [list(c.tokens) for c in r.candidates], "best": r.best_index,
-                      "text": r.output.text}))
+    options = {**json.loads(sys.argv[2]), "n_seq_max": 16}
+    async with await lloyal.create_context(sys.argv[1], **options) as ctx:
+        b = await best_of_n(ctx, "Once upon a time", n=3, max_tokens=6, seed=3)
+        s = await beam_search(ctx, "Once upon a time", width=3, max_tokens=8)
+        m = await mcts(ctx, "My favourite colour is", lambda t: t.count("e") - 0.1 * len(t),
+                       iterations=6, width=2, rollout_tokens=5, seed=4)
+    print(json.dumps({
+        "best_of_n": {"tokens": [list(c.tokens) for c in b.candidates], "best": b.best_index,
+                      "text": b.output.text},
+        "beam_search": {"beams": [list(c.tokens) for c in s.beams], "scores": s.scores,
+                        "text": s.text},
+        "mcts": {"text": m.text, "score": m.score, "tree": [tree(c) for c in m.roots],
+                 "rollouts": m.rollouts},
+    }))
 
 asyncio.run(main())
 """
 
 
-def test_remote_best_of_n_equals_the_local_one(pool: ContextPool) -> None:
-    remote = asyncio.run(best_of_n(pool, "Once upon a time", n=3, max_tokens=6, seed=3))
+@pytest.fixture(scope="module")
+def local(pool: ContextPool) -> dict[str, Any]:
+    """The local strategies' results for the remote tests to equal."""
     path = str(model_path(pool.model_name))  # type: ignore[attr-defined]
     run = subprocess.run(
-        [sys.executable, "-c", LOCAL_BEST_OF_N, path, json.dumps(OPTIONS)],
+        [sys.executable, "-c", LOCAL, path, json.dumps(OPTIONS)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         check=False,
     )
     assert run.returncode == 0, run.stderr
-    local = json.loads(run.stdout)
-    assert [list(c.tokens) for c in remote.candidates] == local["tokens"]
-    assert remote.best_index == local["best"]
-    assert remote.output.text == local["text"]
+    out: dict[str, Any] = json.loads(run.stdout)
+    return out
+
+
+def test_remote_best_of_n_equals_the_local_one(pool: ContextPool, local: dict[str, Any]) -> None:
+    remote = asyncio.run(best_of_n(pool, "Once upon a time", n=3, max_tokens=6, seed=3))
+    want = local["best_of_n"]
+    assert [list(c.tokens) for c in remote.candidates] == want["tokens"]
+    assert remote.best_index == want["best"]
+    assert remote.output.text == want["text"]
+
+
+def test_remote_beam_search_equals_the_local_one(pool: ContextPool, local: dict[str, Any]) -> None:
+    before = pool.migrations
+    remote = asyncio.run(beam_search(pool, "Once upon a time", width=3, max_tokens=8))
+    want = local["beam_search"]
+    assert [list(c.tokens) for c in remote.beams] == want["beams"]
+    assert list(remote.scores) == want["scores"]  # the same bits
+    assert remote.text == want["text"]
+    # Three beams over two workers: some children were made on the other
+    # worker by their parent's state bytes, and the count says so.
+    assert remote.migrations == pool.migrations - before > 0
+    assert remote.lost == 0
+    assert remote.peak_leases <= 2 * 3
+
+
+def _tree(n: TreeNode) -> list[Any]:
+    return [n.token, n.visits, n.value, [_tree(c) for c in n.children]]
+
+
+def test_remote_mcts_equals_the_local_one(pool: ContextPool, local: dict[str, Any]) -> None:
+    remote = asyncio.run(
+        mcts(
+            pool,
+            "My favourite colour is",
+            lambda t: t.count("e") - 0.1 * len(t),
+            iterations=6,
+            width=2,
+            rollout_tokens=5,
+            seed=4,
+        )
+    )
+    want = local["mcts"]
+    assert remote.text == want["text"]
+    assert remote.score == want["score"]
+    assert remote.rollouts == want["rollouts"]
+    # The same tree: tokens, visits and mean scores node for node.
+    assert [_tree(c) for c in remote.roots] == want["tree"]
+    assert remote.lost == 0
+
+
+def test_parallel_mcts_spreads_its_iterations(pool: ContextPool) -> None:
+    async def run() -> None:
+        trips = [w.round_trips for w in pool.workers]
+        result = await mcts(
+            pool,
+            "My favourite colour is",
+            lambda t: -len(t),
+            iterations=6,
+            width=2,
+            rollout_tokens=4,
+            parallel=2,
+        )
+        assert result.iterations == 6
+        assert result.rollouts >= 2
+        assert result.score == -len(result.text)
+        # The first level went round robin: both workers did work.
+        assert all(w.round_trips > t for w, t in zip(pool.workers, trips, strict=True))
+        # Every branch was given back (only prefix-cache entries remain).
+        for w in pool.workers:
+            assert (await w.load())["branches"] == 0
+
+    asyncio.run(run())
 
 
 def test_a_migrated_branch_continues_exactly(pool: ContextPool) -> None:
@@ -104,6 +196,27 @@ def test_a_migrated_branch_continues_exactly(pool: ContextPool) -> None:
             assert await _generate(move, 8) == await _generate(stay, 8)
             for x in (stay, move, root):
                 await x.prune()
+
+    asyncio.run(run())
+
+
+def test_a_fork_its_worker_has_no_lease_for_is_made_on_another(pool: ContextPool) -> None:
+    async def run() -> None:
+        a, b = pool.workers
+        tokens = await a.call("tokenize", "The capital of France is")
+        root = await pool.branch(tokens, params=lloyal.GREEDY, worker=a)
+        before = pool.migrations
+        free = (await a.load())["free"]  # leases free and prefix-cache entries
+        kids = await root.fork_many([None] * (free + 2))
+        assert [k.worker for k in kids] == [a] * free + [b, b]
+        assert pool.migrations == before + 2
+        # The spilled children are exact copies: greedy, they go on alike.
+        outs = await asyncio.gather(*(_generate(k, 4) for k in (kids[0], kids[-1])))
+        assert outs[0] == outs[1]
+        assert len(outs[0]) == 4
+        for k in [*kids, root]:
+            await k.prune()
+        assert (await a.load())["branches"] == (await b.load())["branches"] == 0
 
     asyncio.run(run())
 
@@ -143,6 +256,31 @@ def test_calls_from_many_tasks_share_round_trips_and_decodes(pool: ContextPool) 
         # step for all six, one decode per step.
         assert steps_trips <= 2 * 5 + 1
         assert steps_decodes == 5
+        for k in [*kids, root]:
+            await k.prune()
+
+    asyncio.run(run())
+
+
+def test_calls_made_while_a_step_is_on_the_wire_go_in_the_next(pool: ContextPool) -> None:
+    """Tasks out of step with each other: what one queues while another's
+    step is in flight is sent when that step returns (once this hung)."""
+
+    async def run() -> None:
+        w = pool.workers[0]
+        tokens = await w.call("tokenize", "Count with me: one, two,")
+        root = await pool.branch(tokens, params=lloyal.GREEDY, worker=w)
+        kids = await root.fork_many([None] * 3)
+
+        async def late(k: RemoteBranch, delay: float) -> list[int]:
+            await asyncio.sleep(delay)
+            return await _generate(k, 6)
+
+        outs = await asyncio.wait_for(
+            asyncio.gather(*(late(k, i * 0.003) for i, k in enumerate(kids))), timeout=60
+        )
+        assert outs[0] == outs[1] == outs[2]  # greedy: the same tokens whatever the timing
+        assert len(outs[0]) == 6
         for k in [*kids, root]:
             await k.prune()
 
@@ -201,16 +339,9 @@ def test_best_of_n_goes_on_with_the_candidates_it_still_holds(pool: ContextPool)
     async def run() -> None:
         doomed = pool.workers[1]
         start = (await doomed.call("stats"))["decode_calls"]
-        params = lloyal.SamplingParams(temperature=0.8, logit_bias={t: -100.0 for t in range(3)})
+        params = lloyal.SamplingParams(temperature=0.8, logit_bias=NO_EOS)
 
-        async def kill_after_a_few_steps() -> None:
-            for _ in range(3000):  # a few steps in (30 s at the most)
-                if (await doomed.call("stats"))["decode_calls"] >= start + 4:
-                    break
-                await asyncio.sleep(0.01)
-            ray.kill(doomed.handle)
-
-        killer = asyncio.create_task(kill_after_a_few_steps())
+        killer = asyncio.create_task(_kill_when(doomed, start + 4))
         result = await best_of_n(pool, "Once upon a time", n=4, max_tokens=48, params=params)
         await killer
         # Candidates go round robin: 1 and 3 were on the worker that died.
@@ -221,3 +352,97 @@ def test_best_of_n_goes_on_with_the_candidates_it_still_holds(pool: ContextPool)
         assert pool.replaced >= 1
 
     asyncio.run(run())
+
+
+def test_beam_search_goes_on_with_the_beams_it_still_holds(pool: ContextPool) -> None:
+    async def run() -> None:
+        doomed = pool.workers[1]
+        start = (await doomed.call("stats"))["decode_calls"]
+        replaced = pool.replaced
+        killer = asyncio.create_task(_kill_when(doomed, start + 4))
+        prompt = await pool.workers[0].call("tokenize", "Once upon a time")
+        result = await beam_search(pool, prompt, width=4, max_tokens=40)
+        await killer
+        assert result.lost > 0  # the beams on the dead worker
+        assert pool.replaced == replaced + 1
+        # The search went on (onto the replacement too) to the end.
+        assert len(result.beams) == 4
+        assert max(len(c.tokens) for c in result.beams) > 8
+
+    asyncio.run(run())
+
+
+def test_mcts_goes_on_without_a_dead_workers_subtree(pool: ContextPool) -> None:
+    async def run() -> None:
+        doomed = pool.workers[1]
+        start = (await doomed.call("stats"))["decode_calls"]
+        params = lloyal.SamplingParams(temperature=0.8, logit_bias=NO_EOS)
+        # The first level goes round robin: child 1 and its rollout (47
+        # decodes) are on the worker that dies during them.
+        killer = asyncio.create_task(_kill_when(doomed, start + 6))
+        result = await mcts(
+            pool,
+            "Once upon a time",
+            lambda t: -len(t),
+            iterations=3,
+            width=2,
+            rollout_tokens=48,
+            params=params,
+        )
+        await killer
+        assert result.lost >= 1
+        assert result.rollouts >= 1
+        assert result.score == -len(result.text)
+        for w in pool.workers:
+            assert (await w.load())["branches"] == 0
+
+    asyncio.run(run())
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def small_pool(cluster: None, request: pytest.FixtureRequest) -> Iterator[ContextPool]:
+    """Two workers with 256 KV cells each."""
+    options = {**OPTIONS, "n_ctx": 256}
+    pool = asyncio.run(ContextPool.start(model_path(request.param), workers=2, **options))
+    yield pool
+    asyncio.run(pool.aclose())
+
+
+def test_a_commit_its_worker_has_no_cells_for_moves_the_branch(small_pool: ContextPool) -> None:
+    async def run() -> None:
+        a, b = small_pool.workers
+        cells = (await a.load())["cells_free"]
+        text = "A long story about the sea and the ships that sail on it. " * 40
+        prompt = (await a.call("tokenize", text))[:40]
+        other = "Numbers, one after another: 7, 19, 23, 42, 56, 71, 88, 93. " * 40
+        filler = (await a.call("tokenize", other))[: cells - 40 - 4]  # shares no cells
+        runner = await small_pool.branch(prompt, params=lloyal.GREEDY, worker=a)
+        full = await small_pool.branch(filler, params=lloyal.GREEDY, worker=a)
+        # The reference: the same prompt on the other worker, with room.
+        reference = await small_pool.branch(prompt, params=lloyal.GREEDY, worker=b)
+        want = await _generate(reference, 12)
+        await reference.prune()
+        before = small_pool.migrations
+        got = await _generate(runner, 12)  # a's cache fills a few tokens in
+        assert runner.worker is b
+        assert small_pool.migrations == before + 1
+        assert got == want
+        assert runner.position == len(prompt) + 12
+        for x in (runner, full):
+            await x.prune()
+
+    asyncio.run(run())
+
+
+NO_EOS = {t: -100.0 for t in range(3)}
+"""Bias keeping both test models off their end tokens (ids 1 and 2)."""
+
+
+async def _kill_when(worker: Any, decodes: int) -> None:
+    """Kill ``worker``'s actor once it has made ``decodes`` decodes (30 s at
+    the most)."""
+    for _ in range(3000):
+        if (await worker.call("stats"))["decode_calls"] >= decodes:
+            break
+        await asyncio.sleep(0.01)
+    ray.kill(worker.handle)

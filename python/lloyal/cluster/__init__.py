@@ -13,7 +13,15 @@ its state bytes; a worker that dies fails its branches with
 from __future__ import annotations
 
 from lloyal.cluster._pool import ContextPool, RemoteBranch, Worker
-from lloyal.cluster._strategies import best_of_n
+from lloyal.cluster._strategies import beam_search, best_of_n, mcts
 from lloyal.errors import WorkerLostError
 
-__all__ = ["ContextPool", "RemoteBranch", "Worker", "WorkerLostError", "best_of_n"]
+__all__ = [
+    "ContextPool",
+    "RemoteBranch",
+    "Worker",
+    "WorkerLostError",
+    "beam_search",
+    "best_of_n",
+    "mcts",
+]

@@ -9,13 +9,15 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
 from lloyal import errors
 from lloyal.branch import Produced, Token
 from lloyal.cluster._worker import ContextWorker
-from lloyal.errors import LloyalError, WorkerLostError
+from lloyal.errors import KVCacheFullError, LloyalError, NoLeaseError, WorkerLostError
 from lloyal.sampling import SamplingParams
 
 __all__ = ["ContextPool", "RemoteBranch", "Worker"]
@@ -25,16 +27,26 @@ _LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 @dataclass
 class _Pending:
+    prunes: list[tuple[int, asyncio.Future[Any]]] = field(default_factory=list)
     commits: list[tuple[int, int, asyncio.Future[dict[str, Any]]]] = field(default_factory=list)
     produces: list[tuple[int, asyncio.Future[Any]]] = field(default_factory=list)
+    tops: list[tuple[int, int, asyncio.Future[Any]]] = field(default_factory=list)
+
+    def futures(self) -> list[asyncio.Future[Any]]:
+        queues: list[list[Any]] = [self.prunes, self.commits, self.produces, self.tops]
+        return [item[-1] for queue in queues for item in queue]
+
+    def empty(self) -> bool:
+        return not (self.prunes or self.commits or self.produces or self.tops)
 
 
 class Worker:
     """One actor of the pool: its handle, and the step calls it coalesces.
 
-    Calls from many tasks made in one event-loop tick (``commit`` and
-    ``produce`` of many branches) go to the actor as one ``step``: one Ray
-    round trip, and one decode for all the commits.
+    Calls from many tasks made in one event-loop tick (``prune``,
+    ``commit``, ``produce`` and ``top_logprobs`` of many branches) go to the
+    actor as one ``step``: one Ray round trip, and one decode for all the
+    commits. ``round_trips`` counts the calls made to the actor.
     """
 
     def __init__(self, pool: ContextPool, index: int) -> None:
@@ -80,40 +92,67 @@ class Worker:
             self._flush = asyncio.get_running_loop().create_task(self._send())
 
     async def _send(self) -> None:
+        """Send what is pending as one step; what queues up while a step
+        is on the wire goes in the next one, sent as soon as it returns
+        (one step in flight per actor keeps each branch's calls in order)."""
         await asyncio.sleep(0)  # let every task of this tick queue its call
-        batch, self._pending = self._pending, _Pending()
-        commits = [(bid, tok) for bid, tok, _ in batch.commits]
-        produces = [bid for bid, _ in batch.produces]
-        futures = [f for *_, f in batch.commits] + [f for _, f in batch.produces]
-        try:
-            done, made = await self.call("step", commits, produces)
-        except BaseException as e:
-            for f in futures:
-                if not f.done():
-                    f.set_exception(e if isinstance(e, Exception) else WorkerLostError(str(e)))
-            if not isinstance(e, Exception):
-                raise
-            return
-        for (_, _, f), result in zip(batch.commits, done, strict=True):
-            _settle(f, result)
-        for (_, f), result in zip(batch.produces, made, strict=True):
-            _settle(f, result)
+        while not self._pending.empty():
+            batch, self._pending = self._pending, _Pending()
+            try:
+                done, made, top = await self.call(
+                    "step",
+                    [bid for bid, _ in batch.prunes],
+                    [(bid, tok) for bid, tok, _ in batch.commits],
+                    [bid for bid, _ in batch.produces],
+                    [(bid, k) for bid, k, _ in batch.tops],
+                )
+            except BaseException as e:
+                error = e if isinstance(e, Exception) else WorkerLostError(str(e))
+                for f in batch.futures():
+                    if not f.done():
+                        f.set_exception(error)
+                if not isinstance(e, Exception):
+                    for f in self._pending.futures():  # nobody is left to send them
+                        if not f.done():
+                            f.set_exception(error)
+                    self._pending = _Pending()
+                    raise
+                continue
+            for _, f in batch.prunes:
+                _settle(f, None)
+            for (*_, f), result in zip(batch.commits, done, strict=True):
+                _settle(f, result)
+            for (_, f), result in zip(batch.produces, made, strict=True):
+                _settle(f, result)
+            for (*_, f), result in zip(batch.tops, top, strict=True):
+                _settle(f, result)
+
+    def _queue(self, queue: list[Any], *item: Any) -> asyncio.Future[Any]:
+        f: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        queue.append((*item, f))
+        self._schedule()
+        return f
 
     def commit(self, bid: int, token: int) -> asyncio.Future[dict[str, Any]]:
         # Checked here: a bad token in a coalesced step would fail the
         # other branches' commits with it.
         if not 0 <= token < self.vocab:
             raise ValueError(f"token {token} is not in the vocabulary (0..{self.vocab - 1})")
-        f: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._pending.commits.append((bid, token, f))
-        self._schedule()
-        return f
+        return self._queue(self._pending.commits, bid, token)
 
     def produce(self, bid: int) -> asyncio.Future[Any]:
-        f: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending.produces.append((bid, f))
-        self._schedule()
-        return f
+        return self._queue(self._pending.produces, bid)
+
+    def top(self, bid: int, k: int) -> asyncio.Future[Any]:
+        return self._queue(self._pending.tops, bid, k)
+
+    def prune(self, bid: int) -> asyncio.Future[Any]:
+        return self._queue(self._pending.prunes, bid)
+
+    async def load(self) -> dict[str, int]:
+        """Branches held, leases free and KV cells free on the actor."""
+        load: dict[str, int] = await self.call("load")
+        return load
 
 
 def _settle(f: asyncio.Future[Any], result: Any) -> None:
@@ -137,7 +176,15 @@ def _error(message: str) -> LloyalError:
 class RemoteBranch:
     """A branch on one of the pool's workers, with the local Branch's
     decoding surface: ``produce``, ``commit``, ``fork``, ``prune``,
-    ``async for``, ``position``, ``perplexity``; plus :meth:`migrate`."""
+    ``top_logprobs``, ``async for``, ``position``, ``perplexity``; plus
+    :meth:`step` (commit and produce in one round trip) and :meth:`migrate`.
+
+    A branch moves by itself when its worker runs out of room: a fork the
+    worker has no KV lease for is made on the worker with the most free
+    leases, and a commit its KV cache has no cells for moves the branch to
+    the worker with the most free cells and commits there (both by the
+    state bytes, so the tokens and the random stream go on exactly).
+    """
 
     def __init__(self, worker: Worker, bid: int, info: dict[str, Any], decoded: int = 0) -> None:
         self.worker = worker
@@ -176,42 +223,122 @@ class RemoteBranch:
         return Produced(token, text, stop)
 
     async def commit(self, token: int) -> None:
-        self._check()
-        self._info = await self.worker.commit(self._bid, int(token))
+        """Write ``token``: one decode, shared with every commit queued on
+        the worker in the same tick."""
+        await self._advance(token)
 
     async def step(self, token: int) -> Produced:
         """:meth:`commit` ``token`` and :meth:`produce` the next one, in one
         round trip (the worker commits first, as two calls would)."""
-        self._check()
-        both = await asyncio.gather(
-            self.worker.commit(self._bid, int(token)),
-            self.worker.produce(self._bid),
-            return_exceptions=True,
-        )
-        for outcome in both:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        self._info = both[0]
-        token, text, stop, surprisal, entropy = both[1]
-        self.last_surprisal, self.last_entropy = surprisal, entropy
-        return Produced(token, text, stop)
+        produced, _ = await self._advance(token, produce=True)
+        assert produced is not None
+        return produced
 
-    async def fork(self, *, seed: int | None = None) -> RemoteBranch:
-        """A child on the same worker (it shares this branch's KV prefix)."""
+    async def top_logprobs(self, k: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float64]]:
+        """As :meth:`lloyal.Branch.top_logprobs`: the ``k`` most likely next
+        tokens and their log-probabilities (nats, the raw distribution).
+        The distribution's entropy lands in ``last_entropy``."""
+        tokens, logprobs, _, _ = await self._top(k)
+        return np.asarray(tokens, dtype=np.int32), np.asarray(logprobs, dtype=np.float64)
+
+    async def _top(self, k: int) -> tuple[list[int], list[float], float, list[bool]]:
+        """The top-``k`` as plain lists, with the entropy and stop flags."""
+        self._check()
+        tokens, logprobs, entropy, stops = await self.worker.top(self._bid, int(k))
+        self.last_entropy = entropy
+        return tokens, logprobs, entropy, stops
+
+    async def _advance(
+        self, token: int, *, produce: bool = False, top: int = 0
+    ) -> tuple[Produced | None, Any]:
+        """Commit ``token`` and, in the same round trip, produce and/or take
+        the top-``top`` (raw: tokens, logprobs, entropy, stop flags). A
+        commit the KV cache has no room for moves the branch to a worker
+        with more free cells, once, and is made there."""
+        self._check()
+        token = int(token)
+        results: list[Any] = []
+        for attempt in range(2):
+            w, bid = self.worker, self._bid
+            calls: list[asyncio.Future[Any]] = [w.commit(bid, token)]
+            if produce:
+                calls.append(w.produce(bid))
+            if top:
+                calls.append(w.top(bid, top))
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            if isinstance(outcomes[0], KVCacheFullError) and attempt == 0 and await self._relieve():
+                continue
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                results.append(outcome)
+            break
+        self._info = results[0]
+        produced = None
+        if produce:
+            t, text, stop, surprisal, entropy = results[1]
+            self.last_surprisal, self.last_entropy = surprisal, entropy
+            produced = Produced(t, text, stop)
+        return produced, results[-1] if top else None
+
+    async def _relieve(self) -> bool:
+        """Move to the live worker with the most free KV cells, if it has
+        room for this branch's sequence; whether it moved."""
+        loads = await self.worker.pool._loads()
+        others = [(w, load) for w, load in loads if w is not self.worker]
+        if not others:
+            return False
+        target, load = max(others, key=lambda wl: wl[1]["cells_free"])
+        if load["cells_free"] <= self.position or load["free"] < 1:
+            return False
+        await self.migrate(target)
+        return True
+
+    async def fork(self, *, seed: int | None = None, worker: Worker | None = None) -> RemoteBranch:
+        """A child, reseeded if given a seed. It is made on this branch's
+        worker (sharing its KV prefix), or on ``worker`` by the state bytes."""
+        if worker is not None and worker is not self.worker:
+            self._check()
+            return (await self._copies([worker], [seed]))[0]
         return (await self.fork_many([seed]))[0]
 
     async def fork_many(self, seeds: Sequence[int | None]) -> list[RemoteBranch]:
-        """Several children in one round trip, each reseeded if given a seed."""
+        """Several children in one round trip, each reseeded if given a
+        seed. Those the worker has no lease for are made on the workers
+        with the most free leases (:class:`NoLeaseError` if none has one)."""
         self._check()
         made = await self.worker.call("fork", self._bid, list(seeds))
-        return [RemoteBranch(self.worker, bid, info) for bid, info in made]
+        out = [None if m is None else RemoteBranch(self.worker, m[0], m[1]) for m in made]
+        missing = [i for i, m in enumerate(out) if m is None]
+        if missing:
+            try:
+                targets = await self.worker.pool._spread(len(missing), avoid=self.worker)
+                spilled = await self._copies(targets, [seeds[i] for i in missing])
+            except BaseException:
+                await asyncio.gather(*(b.prune() for b in out if b is not None))
+                raise
+            for i, b in zip(missing, spilled, strict=True):
+                out[i] = b
+        return [b for b in out if b is not None]
+
+    async def _copies(
+        self, workers: Sequence[Worker], seeds: Sequence[int | None]
+    ) -> list[RemoteBranch]:
+        """Copies of this branch on ``workers`` by its state bytes (one
+        export, one adopt per copy)."""
+        state, sampler, params = await self.worker.call("export", self._bid)
+        pairs = zip(workers, seeds, strict=True)
+        made = await asyncio.gather(*(w.call("adopt", state, sampler, params, s) for w, s in pairs))
+        self.worker.pool.migrations += len(made)
+        return [RemoteBranch(w, bid, info) for w, (bid, info) in zip(workers, made, strict=True)]
 
     async def prune(self) -> None:
+        """Free this branch's lease (queued with the worker's next step)."""
         if self._pruned:
             return
         self._pruned = True
         if self._generation == self.worker.generation:
-            await self.worker.call("prune", [self._bid])
+            await self.worker.prune(self._bid)
 
     async def migrate(self, worker: Worker) -> None:
         """Move this branch to ``worker`` by its state bytes (KV cells,
@@ -220,14 +347,13 @@ class RemoteBranch:
         self._check()
         if worker is self.worker:
             return
-        state, sampler, params = await self.worker.call("export", self._bid)
-        bid, info = await worker.call("adopt", state, sampler, params)
-        await self.worker.call("prune", [self._bid])
+        (copy,) = await self._copies([worker], [None])
+        await self.worker.prune(self._bid)
         self.worker, self._bid, self._generation, self._info = (
-            worker,
-            bid,
-            worker.generation,
-            info,
+            copy.worker,
+            copy._bid,
+            copy._generation,
+            copy._info,
         )
 
     async def __aiter__(self) -> AsyncIterator[Token]:
@@ -262,6 +388,10 @@ class ContextPool:
         self.cache_branches = cache_branches
         self.workers: list[Worker] = []
         self.replaced = 0
+        """Actors started in place of dead ones."""
+        self.migrations = 0
+        """Branches copied between workers by their state bytes: moves,
+        forks made elsewhere, automatic moves when a worker ran out of room."""
 
     @classmethod
     async def start(
@@ -291,16 +421,44 @@ class ContextPool:
             ray.kill(worker.handle)
         await worker.start()
 
+    async def _loads(self) -> list[tuple[Worker, dict[str, int]]]:
+        """Each live worker's :meth:`Worker.load` (dead ones are left out)."""
+        loads = await asyncio.gather(*(w.load() for w in self.workers), return_exceptions=True)
+        out = []
+        for w, load in zip(self.workers, loads, strict=True):
+            if isinstance(load, BaseException):
+                if not isinstance(load, Exception):
+                    raise load
+                continue
+            out.append((w, load))
+        return out
+
+    async def _spread(self, n: int, *, avoid: Worker | None = None) -> list[Worker]:
+        """Workers for ``n`` new branches, one at a time to the one with
+        the most free leases, never ``avoid`` (a worker that just ran out);
+        NoLeaseError if they run out."""
+        loads = await self._loads()
+        free = {w: load["free"] for w, load in loads if w is not avoid}
+        out = []
+        for _ in range(n):
+            w = max(free, key=lambda w: (free[w], -w.index), default=None)
+            if w is None or free[w] < 1:
+                raise NoLeaseError(f"no worker of the pool has a free KV lease for {n} branches")
+            free[w] -= 1
+            out.append(w)
+        return out
+
     async def place(self, tokens: Sequence[int]) -> Worker:
-        """The worker holding the longest cached prefix of ``tokens``, else
-        the one with the most free leases."""
+        """Among workers with a free lease: the one holding the longest
+        cached prefix of ``tokens``, else the one with the most free leases."""
         ids = [int(t) for t in tokens]
-        matches = await asyncio.gather(*(w.call("match", ids) for w in self.workers))
-        best = max(range(len(self.workers)), key=lambda i: matches[i])
-        if matches[best] > 0:
-            return self.workers[best]
-        loads = await asyncio.gather(*(w.call("load") for w in self.workers))
-        return self.workers[max(range(len(loads)), key=lambda i: loads[i]["free"])]
+        loads = await self._loads()
+        if not loads:
+            raise WorkerLostError("no worker of the pool is alive")
+        open_ = [(w, load) for w, load in loads if load["free"] > 0] or loads
+        matches = await asyncio.gather(*(w.call("match", ids) for w, _ in open_))
+        best = max(range(len(open_)), key=lambda i: (matches[i], open_[i][1]["free"]))
+        return open_[best][0]
 
     async def branch(
         self,

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
+import math
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
 
-from lloyal.cluster._pool import ContextPool, RemoteBranch
+from lloyal.branch import Produced
+from lloyal.cluster._pool import ContextPool, RemoteBranch, Worker
 from lloyal.errors import WorkerLostError
-from lloyal.sampling import SamplingParams
-from lloyal.strategies import BestOfN, Continuation
-from lloyal.strategies._common import Prompt, _check_positive, _Recorder
+from lloyal.sampling import GREEDY, SamplingParams
+from lloyal.strategies import MCTS, BeamSearch, BestOfN, Continuation, TreeNode
+from lloyal.strategies._common import Progress, Prompt, Score, _check_positive, _Recorder
 
-__all__ = ["best_of_n"]
+__all__ = ["beam_search", "best_of_n", "mcts"]
 
 
 async def best_of_n(
@@ -36,14 +41,7 @@ async def best_of_n(
     candidate is lost is it a :class:`WorkerLostError`."""
     _check_positive(n=n, max_tokens=max_tokens)
     params = params or SamplingParams(temperature=0.8)
-    first = pool.workers[0]
-    tokens = (
-        await first.call("tokenize", prompt)
-        if isinstance(prompt, str)
-        else [int(t) for t in prompt]
-    )
-    if not tokens:
-        raise ValueError("the prompt is empty")
+    tokens = await _tokens(pool, prompt)
     extra = frozenset(int(t) for t in stop)
     before = await _decodes(pool)
     started = time.perf_counter()
@@ -89,10 +87,7 @@ async def best_of_n(
     if len(lost) == n:
         raise WorkerLostError("every worker holding a candidate died")
     texts = await asyncio.gather(*(_detokenize(pool, r.tokens) for r in recs))
-    candidates = tuple(
-        Continuation(text, tuple(r.tokens), tuple(r.surprisals), tuple(r.entropies), r.stopped)
-        for text, r in zip(texts, recs, strict=True)
-    )
+    candidates = tuple(_continuation(text, r) for text, r in zip(texts, recs, strict=True))
     kept = [i for i in range(n) if i not in lost]
     best = min(kept, key=lambda i: (candidates[i].perplexity, i))
     return BestOfN(
@@ -120,3 +115,613 @@ async def _decodes(pool: ContextPool) -> int:
     """Decodes of all workers (a replaced worker counts from its restart)."""
     stats = await asyncio.gather(*(w.call("stats") for w in pool.workers), return_exceptions=True)
     return sum(s["decode_calls"] for s in stats if isinstance(s, dict))
+
+
+_Top = tuple[list[int], list[float], float, list[bool]]
+
+
+@dataclass
+class _Beam:
+    branch: RemoteBranch
+    rec: _Recorder
+    score: float
+    top: _Top  # its next-token candidates: tokens, logprobs, entropy, stop flags
+    spares: dict[Worker, RemoteBranch] = field(default_factory=dict)
+    """Other branches in the same state (the prompt on each worker)."""
+
+
+async def beam_search(
+    pool: ContextPool,
+    prompt: Prompt,
+    width: int = 4,
+    *,
+    max_tokens: int = 32,
+    length_penalty: float = 0.0,
+    stop: Iterable[int] = (),
+    progress: Progress | None = None,
+) -> BeamSearch:
+    """:func:`lloyal.strategies.beam_search` with the beams spread over
+    the pool's workers: at most ``ceil(width / workers)`` on each.
+
+    Every worker decodes the prompt once (through its prefix cache). A
+    beam chosen more than once forks on its own worker while that worker
+    is under its share; past it, the child is made on the worker with the
+    fewest beams by the parent's state bytes (counted in ``migrations``).
+    Each step is one round trip and one decode per worker for all its
+    beams' commits and next-token candidates, plus one for forks. The
+    choices are the local function's, so on contexts created with
+    ``deterministic=True`` the result equals the local one.
+    ``decode_calls`` counts the decodes of all workers; ``peak_leases``
+    the most branches held at once. Beams whose worker dies are dropped
+    (counted in ``lost``) and the search goes on with the rest; only when
+    none is left is it a :class:`WorkerLostError`.
+
+    >>> import asyncio, ray, lloyal
+    >>> from lloyal.cluster import ContextPool, beam_search
+    >>> async def main():
+    ...     pool = await ContextPool.start(MODEL, workers=2, n_seq_max=4, n_threads=1)
+    ...     try:
+    ...         return await beam_search(pool, "The capital of France is", width=2, max_tokens=1)
+    ...     finally:
+    ...         await pool.aclose()
+    >>> ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # doctest: +ELLIPSIS
+    RayContext(...)
+    >>> result = asyncio.run(main())
+    >>> ray.shutdown()
+    >>> result.text, len(result.beams)
+    (' Paris', 2)
+    """
+    _check_positive(width=width, max_tokens=max_tokens)
+    tokens = await _tokens(pool, prompt)
+    extra = frozenset(int(t) for t in stop)
+    before = await _decodes(pool)
+    started = time.perf_counter()
+    used = pool.workers[: min(width, len(pool.workers))]
+    share = -(-width // len(used))
+
+    def rank(score: float, rec: _Recorder) -> float:
+        n = len(rec.tokens) + rec.stopped
+        return score / math.pow(n, length_penalty) if length_penalty and n else score
+
+    roots = await asyncio.gather(*(pool.branch(tokens, params=GREEDY, worker=w) for w in used))
+    held: set[RemoteBranch] = set(roots)
+    peak = len(held)
+    moved = lost = 0
+    finished: list[tuple[float, _Recorder]] = []
+    final: list[tuple[float, _Recorder]] = []
+    try:
+        first = await roots[0]._top(2 * width)
+        beams = [_Beam(roots[0], _Recorder(), 0.0, first, {r.worker: r for r in roots[1:]})]
+        for step in range(max_tokens):
+            # The local function's choice, step for step.
+            candidates: list[tuple[float, int, int, float, float, bool]] = []
+            for bi, beam in enumerate(beams):
+                toks, logps, ent, stops = beam.top
+                for t, lp, st in zip(toks, logps, stops, strict=True):
+                    candidates.append((beam.score + lp, bi, t, -lp, ent, st or t in extra))
+            candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+            chosen: list[tuple[float, int, int, float, float, bool]] = []
+            for cand in candidates:
+                if len(chosen) == width:
+                    break
+                if cand[5]:
+                    rec = beams[cand[1]].rec.copy()
+                    rec.stopped = True
+                    finished.append((cand[0], rec))
+                else:
+                    chosen.append(cand)
+            finished.sort(key=lambda f: -f[0])
+            del finished[width:]
+            recs = []
+            for score, bi, t, surprisal, ent, _ in chosen:
+                rec = beams[bi].rec.copy()
+                rec.add(t, surprisal, ent)
+                recs.append((score, rec))
+            if progress is not None:
+                progress(step + 1, max_tokens)
+            if (
+                not chosen
+                or step + 1 == max_tokens
+                or (length_penalty == 0.0 and finished and finished[0][0] >= chosen[0][0])
+            ):
+                final = recs
+                break
+            plan = _plan(beams, [c[1] for c in chosen], used, share)
+            # Free what no new beam keeps (forks and copies are made from
+            # kept branches), then make the new branches.
+            kept = {x for how, x in plan if how == "keep"}
+            await asyncio.gather(*(b.prune() for b in held - kept), return_exceptions=True)
+            held &= kept
+            made = await _make(plan)
+            moved += sum(1 for how, _ in plan if how == "copy")
+            pending: list[tuple[RemoteBranch, int, float, _Recorder]] = []
+            for (score, _, t, *_rest), (_, rec), branch in zip(chosen, recs, made, strict=True):
+                if isinstance(branch, WorkerLostError):
+                    lost += 1
+                elif isinstance(branch, BaseException):
+                    raise branch
+                else:
+                    held.add(branch)
+                    pending.append((branch, t, score, rec))
+            peak = max(peak, len(held))
+            new_beams: list[_Beam] = []
+            tops = await asyncio.gather(
+                *(b._advance(t, top=2 * width) for b, t, *_ in pending), return_exceptions=True
+            )
+            for (branch, _, score, rec), outcome in zip(pending, tops, strict=True):
+                if isinstance(outcome, WorkerLostError):
+                    lost += 1
+                    held.discard(branch)
+                    continue
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                new_beams.append(_Beam(branch, rec, score, outcome[1]))
+            if not new_beams:
+                if finished:
+                    break
+                raise WorkerLostError("every worker holding a beam died")
+            beams = new_beams
+    finally:
+        await asyncio.gather(*(b.prune() for b in held), return_exceptions=True)
+    ranked = sorted(((rank(*h), h[1]) for h in finished + final), key=lambda h: -h[0])[:width]
+    texts = await asyncio.gather(*(_detokenize(pool, rec.tokens) for _, rec in ranked))
+    beams_out = tuple(_continuation(t, rec) for t, (_, rec) in zip(texts, ranked, strict=True))
+    return BeamSearch(
+        beams_out[0],
+        beams_out,
+        tuple(score for score, _ in ranked),
+        max(0, await _decodes(pool) - before),
+        peak,
+        time.perf_counter() - started,
+        moved,
+        lost,
+    )
+
+
+def _plan(
+    beams: list[_Beam], parents: list[int], used: list[Worker], share: int
+) -> list[tuple[str, Any]]:
+    """Where each new beam (a child of ``beams[parents[i]]``) goes:
+    ``("keep", branch)`` continues the parent's own branch (its first
+    child) or a spare copy of it; ``("fork", i)`` forks new beam ``i``'s
+    branch, on the same worker, before it moves; ``("copy", (branch,
+    worker))`` copies the parent's branch there by its state bytes. A
+    worker takes children up to its ``share``; the rest go to the worker
+    with the fewest."""
+    count: dict[Worker, int] = dict.fromkeys(used, 0)
+    plan: list[tuple[str, Any]] = [("", None)] * len(parents)
+    there: dict[tuple[int, Worker], int] = {}  # a new beam holding the parent's state
+    for ci, bi in enumerate(parents):
+        if parents.index(bi) == ci:
+            branch = beams[bi].branch
+            plan[ci] = ("keep", branch)
+            count[branch.worker] = count.get(branch.worker, 0) + 1
+            there[(bi, branch.worker)] = ci
+    for ci, bi in enumerate(parents):
+        if plan[ci][0]:
+            continue
+        beam = beams[bi]
+        home = beam.branch.worker
+        if count.get(home, share) < share:
+            target = home
+        else:
+            target = min(used, key=lambda w: (count[w], w.index))
+        count[target] = count.get(target, 0) + 1
+        if target in beam.spares:
+            plan[ci] = ("keep", beam.spares.pop(target))
+            there[(bi, target)] = ci
+        elif (bi, target) in there:
+            plan[ci] = ("fork", there[(bi, target)])
+        else:
+            plan[ci] = ("copy", (beam.branch, target))
+            there[(bi, target)] = ci
+    return plan
+
+
+async def _make(plan: list[tuple[str, Any]]) -> list[RemoteBranch | BaseException]:
+    """The branches of a :func:`_plan`: copies (one export per parent),
+    then forks (one round trip per branch forked). A failure stands in
+    the place of each branch it cost."""
+    out: list[RemoteBranch | BaseException | None] = [
+        x if how == "keep" else None for how, x in plan
+    ]
+    copies: dict[RemoteBranch, list[int]] = {}
+    forks: dict[int, list[int]] = {}
+    for ci, (how, x) in enumerate(plan):
+        if how == "copy":
+            copies.setdefault(x[0], []).append(ci)
+        elif how == "fork":
+            forks.setdefault(x, []).append(ci)
+
+    async def copy(source: RemoteBranch, cis: list[int]) -> None:
+        made: list[Any]
+        try:
+            made = await source._copies([plan[ci][1][1] for ci in cis], [None] * len(cis))
+        except Exception as e:
+            made = [e] * len(cis)
+        for ci, b in zip(cis, made, strict=True):
+            out[ci] = b
+
+    async def fork(source: int, cis: list[int]) -> None:
+        parent = out[source]
+        try:
+            if isinstance(parent, BaseException):
+                raise parent
+            assert parent is not None
+            made: list[Any] = await parent.fork_many([None] * len(cis))
+        except Exception as e:
+            made = [e] * len(cis)
+        for ci, b in zip(cis, made, strict=True):
+            out[ci] = b
+
+    await asyncio.gather(*(copy(s, cis) for s, cis in copies.items()))
+    await asyncio.gather(*(fork(s, cis) for s, cis in forks.items()))
+    assert all(b is not None for b in out)
+    return out  # type: ignore[return-value]
+
+
+def _continuation(text: str, rec: _Recorder) -> Continuation:
+    return Continuation(
+        text, tuple(rec.tokens), tuple(rec.surprisals), tuple(rec.entropies), rec.stopped
+    )
+
+
+async def _tokens(pool: ContextPool, prompt: Prompt) -> list[int]:
+    """The prompt's tokens (text tokenized by a worker)."""
+    tokens: list[int] = (
+        await pool.workers[0].call("tokenize", prompt)
+        if isinstance(prompt, str)
+        else [int(t) for t in prompt]
+    )
+    if not tokens:
+        raise ValueError("the prompt is empty")
+    return tokens
+
+
+@dataclass(eq=False)
+class _Node:
+    """A token of the search tree; ``branch`` is held by leaves only (the
+    root holds one per worker in ``spares``)."""
+
+    token: int
+    log_prob: float
+    surprisal: float
+    entropy: float
+    parent: _Node | None = None
+    children: list[_Node] = field(default_factory=list)
+    branch: RemoteBranch | None = None
+    top: _Top | None = None
+    terminal: bool = False
+    visits: int = 0
+    value_sum: float = 0.0
+    pending: int = 0  # iterations running below this node (virtual visits)
+    busy: bool = False  # being expanded
+    dead: bool = False  # its worker died
+    spares: dict[Worker, RemoteBranch] = field(default_factory=dict)
+
+    def path(self) -> list[_Node]:
+        out: list[_Node] = []
+        node: _Node | None = self
+        while node is not None and node.token >= 0:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+    def open(self) -> bool:
+        """Whether a selection may end at or pass through this node."""
+        if self.dead or self.busy:
+            return False
+        return not self.children or self.terminal or any(c.open() for c in self.children)
+
+
+async def mcts(
+    pool: ContextPool,
+    prompt: Prompt,
+    score: Score,
+    *,
+    iterations: int = 8,
+    width: int = 2,
+    rollout_tokens: int = 16,
+    exploration: float = 1.0,
+    params: SamplingParams | None = None,
+    seed: int = 0,
+    stop: Iterable[int] = (),
+    parallel: int = 1,
+    progress: Progress | None = None,
+) -> MCTS:
+    """:func:`lloyal.strategies.mcts` over the pool's workers.
+
+    Every worker decodes the prompt once (through its prefix cache); the
+    first level of the tree is dealt round robin over the workers, and
+    each subtree stays on its worker (its forks share KV there). Rollouts
+    are forks of the expanded node, sampled in lockstep: one round trip
+    and one decode per step for each worker's rollouts.
+
+    ``parallel`` iterations run at once (tree parallelism with virtual
+    visits): a running iteration counts as a visit for the others'
+    choices, and a node being expanded is not chosen again until it is
+    done, so concurrent iterations tend to go down different subtrees, on
+    different workers. With ``parallel=1`` the search is the local
+    function's, step for step: on contexts created with
+    ``deterministic=True`` it finds the same tree and result (the tree's
+    log-probabilities come from the workers' native top-k, equal to the
+    local ones to rounding). Larger values depend on timing.
+
+    A node whose worker dies is dropped with its subtree (``lost`` counts
+    them) and is not chosen again; the search goes on with the rest of the
+    tree, and only when nothing was scored is it a
+    :class:`WorkerLostError`.
+    """
+    _check_positive(
+        iterations=iterations, width=width, rollout_tokens=rollout_tokens, parallel=parallel
+    )
+    params = params or SamplingParams(temperature=0.8)
+    tokens = await _tokens(pool, prompt)
+    extra = frozenset(int(t) for t in stop)
+    before = await _decodes(pool)
+    started = time.perf_counter()
+    used = pool.workers[: min(width, len(pool.workers))]
+    roots = await asyncio.gather(*(pool.branch(tokens, params=params, worker=w) for w in used))
+    root = _Node(-1, 0.0, 0.0, 0.0, branch=roots[0], spares={r.worker: r for r in roots[1:]})
+    best: tuple[float, Continuation] | None = None
+    state = {"started": 0, "done": 0, "seeds": 0, "rollouts": 0, "lost": 0}
+    changed = asyncio.Event()  # an iteration finished: selections may change
+
+    async def evaluate(text: str) -> float:
+        value = score(text)
+        if inspect.isawaitable(value):
+            value = await value
+        return float(value)
+
+    async def record(node: _Node, rec: _Recorder) -> None:
+        nonlocal best
+        out = _continuation(await _detokenize(pool, rec.tokens), rec)
+        value = await evaluate(out.text)
+        walk: _Node | None = node
+        while walk is not None:
+            walk.visits += 1
+            walk.value_sum += value
+            walk = walk.parent
+        if best is None or value > best[0]:
+            best = (value, out)
+
+    def select() -> _Node | None:
+        node = root
+        if not node.open():
+            return None
+        while node.children and not node.terminal:
+            kids = [c for c in node.children if c.open()]
+            total = sum(math.exp(c.log_prob - node.log_prob) for c in node.children)
+            sqrt_n = math.sqrt(node.visits + node.pending + 1)
+
+            def puct(
+                c: _Node, parent: _Node = node, total: float = total, sqrt_n: float = sqrt_n
+            ) -> float:
+                q = c.value_sum / c.visits if c.visits else 0.0
+                prior = math.exp(c.log_prob - parent.log_prob) / total
+                return q + exploration * prior * sqrt_n / (1 + c.visits + c.pending)
+
+            node = max(kids, key=puct)
+        return node
+
+    def recorder(node: _Node) -> _Recorder:
+        rec = _Recorder()
+        for n in node.path():
+            if not n.terminal:
+                rec.add(n.token, n.surprisal, n.entropy)
+        rec.stopped = node.terminal
+        return rec
+
+    async def expand(leaf: _Node) -> None:
+        """Give ``leaf`` its ``width`` most likely children; each non-stop
+        child gets a branch, committed onto its token (with its top-k). A
+        child whose worker dies is marked dead."""
+        assert leaf.branch is not None
+        if leaf.top is None:
+            leaf.top = await leaf.branch._top(width)
+        toks, logps, ent, stops = leaf.top
+        kids = [
+            _Node(t, leaf.log_prob + lp, -lp, ent, parent=leaf, terminal=st or t in extra)
+            for t, lp, st in zip(toks[:width], logps[:width], stops[:width], strict=True)
+        ]
+        live = [k for k in kids if not k.terminal]
+        # The root deals its children round robin over its copies, one per
+        # worker; any other node keeps them on its own worker. The first
+        # child on a worker takes the copy over, the others fork it.
+        sources = [leaf.branch, *leaf.spares.values()]
+        groups: dict[RemoteBranch, list[_Node]] = {}
+        for j, kid in enumerate(live):
+            groups.setdefault(sources[j % len(sources)], []).append(kid)
+        grouped = list(groups.items())
+        forked = await asyncio.gather(
+            *(src.fork_many([None] * (len(g) - 1)) for src, g in grouped if len(g) > 1),
+            return_exceptions=True,
+        )
+        made = iter(forked)
+        for source, group in grouped:
+            forks = next(made) if len(group) > 1 else []
+            if isinstance(forks, WorkerLostError):
+                for kid in group:
+                    kid.dead = True
+                continue
+            if isinstance(forks, BaseException):
+                raise forks
+            group[0].branch = source
+            for kid, fork in zip(group[1:], forks, strict=True):
+                kid.branch = fork
+        for source in sources:
+            if not any(k.branch is source for k in live):
+                await source.prune()
+        leaf.branch, leaf.spares, leaf.children = None, {}, kids
+        moving = [k for k in live if k.branch is not None]
+        tops = await asyncio.gather(
+            *(k.branch._advance(k.token, top=width) for k in moving),  # type: ignore[union-attr]
+            return_exceptions=True,
+        )
+        for kid, outcome in zip(moving, tops, strict=True):
+            if isinstance(outcome, WorkerLostError):
+                kid.dead = True
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                kid.top = outcome[1]
+
+    async def rollout(kids: list[_Node], base: int) -> list[_Recorder]:
+        """Sample a continuation of each kid, in lockstep; kid ``j``'s fork
+        is seeded ``seed + base + j`` (as locally)."""
+        recs = [recorder(k) for k in kids]
+        forks: list[RemoteBranch | None] = [None] * len(kids)
+
+        def lost(j: int, outcome: object) -> bool:
+            if isinstance(outcome, WorkerLostError):
+                kids[j].dead = True
+                return True
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return False
+
+        try:
+            todo = [j for j, k in enumerate(kids) if k.branch is not None and not k.dead]
+            made = await asyncio.gather(
+                *(kids[j].branch.fork(seed=seed + base + j) for j in todo),  # type: ignore[union-attr]
+                return_exceptions=True,
+            )
+            for j, fork in zip(todo, made, strict=True):
+                if not lost(j, fork):
+                    forks[j] = fork  # type: ignore[assignment]
+            live = [j for j, f in enumerate(forks) if f is not None]
+            produced = await asyncio.gather(
+                *(forks[j].produce() for j in live),  # type: ignore[union-attr]
+                return_exceptions=True,
+            )
+            for step in range(rollout_tokens):
+                going = []
+                for j, p in zip(live, produced, strict=True):
+                    if lost(j, p):
+                        continue
+                    assert isinstance(p, Produced)
+                    if p.is_stop or p.token in extra:
+                        recs[j].stopped = True
+                        continue
+                    f = forks[j]
+                    assert f is not None
+                    recs[j].add(p.token, f.last_surprisal, f.last_entropy)
+                    going.append(j)
+                live = going
+                if not live or step + 1 == rollout_tokens:
+                    break
+                produced = await asyncio.gather(
+                    *(forks[j].step(recs[j].tokens[-1]) for j in live),  # type: ignore[union-attr]
+                    return_exceptions=True,
+                )
+        finally:
+            await asyncio.gather(
+                *(f.prune() for f in forks if f is not None), return_exceptions=True
+            )
+        return recs
+
+    async def iteration(leaf: _Node) -> None:
+        if leaf.terminal or (leaf.branch is None and leaf is not root):
+            await record(leaf, recorder(leaf))
+            return
+        await expand(leaf)
+        kids = leaf.children
+        base = state["seeds"]
+        state["seeds"] += len(kids)
+        recs = await rollout(kids, base)
+        for kid, rec in zip(kids, recs, strict=True):
+            if kid.dead:  # its worker died: nothing to score
+                state["lost"] += 1
+                continue
+            await record(kid, rec)
+            state["rollouts"] += 1
+
+    async def runner() -> None:
+        while state["started"] < iterations:
+            leaf = select()
+            if leaf is None:
+                if state["started"] - state["done"] == 0:
+                    return  # nothing open and nothing running: the tree is spent
+                changed.clear()
+                await changed.wait()
+                continue
+            state["started"] += 1
+            path: list[_Node] = []
+            walk: _Node | None = leaf
+            while walk is not None:
+                path.append(walk)
+                walk = walk.parent
+            for n in path:
+                n.pending += 1
+            leaf.busy = True
+            try:
+                await iteration(leaf)
+            except WorkerLostError:  # the leaf's own worker died under it
+                leaf.dead = True
+                state["lost"] += 1
+            finally:
+                leaf.busy = False
+                for n in path:
+                    n.pending -= 1
+                state["done"] += 1
+                changed.set()
+                if progress is not None:
+                    progress(state["done"], iterations)
+
+    try:
+        await asyncio.gather(*(runner() for _ in range(parallel)))
+    finally:
+        held: list[RemoteBranch] = []
+        stack = [root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children)
+            held += [b for b in (n.branch, *n.spares.values()) if b is not None]
+        await asyncio.gather(*(b.prune() for b in held), return_exceptions=True)
+    if best is None:
+        raise WorkerLostError("every iteration was lost with its worker")
+    ids = sorted({n.token for n in _walk(root) if n.token >= 0})
+    texts = dict(zip(ids, await _token_texts(pool, ids), strict=True))
+    return MCTS(
+        best[1],
+        best[0],
+        tuple(_freeze(c, texts) for c in root.children),
+        state["done"],
+        state["rollouts"],
+        max(0, await _decodes(pool) - before),
+        time.perf_counter() - started,
+        state["lost"],
+    )
+
+
+def _walk(root: _Node) -> list[_Node]:
+    out, stack = [], [root]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(n.children)
+    return out
+
+
+def _freeze(node: _Node, texts: dict[int, str]) -> TreeNode:
+    return TreeNode(
+        node.token,
+        texts[node.token],
+        node.log_prob,
+        node.surprisal,
+        node.entropy,
+        tuple(_freeze(c, texts) for c in node.children),
+        node.visits,
+        node.value_sum / node.visits if node.visits else 0.0,
+    )
+
+
+async def _token_texts(pool: ContextPool, tokens: list[int]) -> list[str]:
+    """Texts of ``tokens`` from any live worker."""
+    for w in pool.workers:
+        try:
+            texts: list[str] = await w.call("token_texts", tokens)
+            return texts
+        except WorkerLostError:
+            continue
+    raise WorkerLostError("no worker is left to detokenize")

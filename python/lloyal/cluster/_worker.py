@@ -7,13 +7,14 @@ commits). Plain data crosses the wire: token ids, bytes, dicts.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 from typing import Any
 
 from lloyal.branch import Branch, BranchStore
 from lloyal.context import Context, create_context
-from lloyal.errors import LloyalError
+from lloyal.errors import KVCacheFullError, LloyalError
 from lloyal.prefix_cache import PrefixCache
 from lloyal.sampling import SamplingParams
 
@@ -22,6 +23,12 @@ __all__ = ["ContextWorker"]
 
 def _info(b: Branch) -> dict[str, Any]:
     return {"position": b.position, "perplexity": b.perplexity}
+
+
+def _message(e: LloyalError) -> str:
+    """An error as it crosses the wire; the client raises it again as
+    the same lloyal type."""
+    return f"{type(e).__name__}: {e}"
 
 
 class ContextWorker:
@@ -59,8 +66,15 @@ class ContextWorker:
         return await self._ctx.detokenize(tokens)
 
     def load(self) -> dict[str, int]:
-        """What placement looks at: branches held and leases free."""
-        return {"branches": len(self._branches), "free": self._store.available}
+        """What placement looks at: branches held, leases free (counting
+        the prefix cache's entries, which give theirs back on demand) and
+        KV cells no branch holds."""
+        assert self._ctx is not None
+        return {
+            "branches": len(self._branches),
+            "free": self._store.available + len(self._cache),
+            "cells_free": self._ctx.n_ctx - self._store.cells_held,
+        }
 
     def match(self, tokens: list[int]) -> int:
         """Tokens of ``tokens`` the prefix cache holds already."""
@@ -79,11 +93,17 @@ class ContextWorker:
             b.reseed_sampler(seed)
         return self._keep(b), _info(b), self._ctx.stats.tokens_decoded - before
 
-    async def fork(self, bid: int, seeds: list[int | None]) -> list[tuple[int, dict[str, Any]]]:
+    async def fork(
+        self, bid: int, seeds: list[int | None]
+    ) -> list[tuple[int, dict[str, Any]] | None]:
+        """Children of ``bid``, each reseeded if given a seed; ``None`` for
+        each one no lease was left for (the client makes those elsewhere)."""
         parent = self._branches[bid]
-        out = []
+        out: list[tuple[int, dict[str, Any]] | None] = []
         for seed in seeds:
-            await self._cache.make_room(1)
+            if not await self._cache.make_room(1):
+                out.append(None)
+                continue
             child = await parent.fork(root=True)
             if seed is not None:
                 child.reseed_sampler(seed)
@@ -91,26 +111,25 @@ class ContextWorker:
         return out
 
     async def step(
-        self, commits: list[tuple[int, int]], produce: list[int]
-    ) -> tuple[list[str | dict[str, Any]], list[tuple[int, str, bool, float, float] | str]]:
-        """Commit ``commits`` in one decode, then produce for ``produce``.
-        Per item: the branch's new info (or an error message); a produced
-        token as (token, text, is_stop, surprisal, entropy) (or an error)."""
-        done: list[str | dict[str, Any]] = []
-        live = [(bid, t) for bid, t in commits if bid in self._branches]
-        if live:
-            try:
-                await self._store.commit([(self._branches[b], t) for b, t in live])
-            except LloyalError as e:
-                return [f"{type(e).__name__}: {e}"] * len(commits), []
-        for bid, _ in commits:
+        self,
+        prunes: list[int],
+        commits: list[tuple[int, int]],
+        produces: list[int],
+        tops: list[tuple[int, int]],
+    ) -> tuple[list[Any], list[Any], list[Any]]:
+        """Prune ``prunes``; commit ``commits`` in one decode; produce for
+        ``produces``; the top-k of ``tops``. Per commit: the branch's new
+        info; per produce: (token, text, is_stop, surprisal, entropy); per
+        top: (tokens, logprobs, entropy, stops). An error is a message in
+        its place; a branch whose commit failed is not sampled after it."""
+        await self.prune(prunes)
+        failed = await self._commit(commits)
+        done = [failed.get(bid) or _info(self._branches[bid]) for bid, _ in commits]
+        made: list[Any] = []
+        for bid in produces:
             b = self._branches.get(bid)
-            done.append(_info(b) if b is not None else f"no branch {bid} here")
-        made: list[tuple[int, str, bool, float, float] | str] = []
-        for bid in produce:
-            b = self._branches.get(bid)
-            if b is None:
-                made.append(f"no branch {bid} here")
+            if b is None or bid in failed:
+                made.append(failed.get(bid, f"LloyalError: no branch {bid} here"))
                 continue
             try:
                 p = await b.produce()
@@ -118,8 +137,47 @@ class ContextWorker:
                     (p.token, p.text, p.is_stop, b.model_surprisal(p.token), b.model_entropy())
                 )
             except LloyalError as e:
-                made.append(f"{type(e).__name__}: {e}")
-        return done, made
+                made.append(_message(e))
+        top: list[Any] = []
+        for bid, k in tops:
+            b = self._branches.get(bid)
+            if b is None or bid in failed:
+                top.append(failed.get(bid, f"LloyalError: no branch {bid} here"))
+                continue
+            tokens, logprobs = b.top_logprobs(k)
+            ids = tokens.tolist()
+            assert self._ctx is not None
+            stops = [self._ctx.is_stop_token(t) for t in ids]
+            top.append((ids, logprobs.tolist(), b.model_entropy(), stops))
+        return done, made, top
+
+    async def _commit(self, commits: list[tuple[int, int]]) -> dict[int, str]:
+        """Commit in one decode; the error message of each that failed.
+        When the KV cache cannot take them all, the prefix cache is dropped
+        and the ones that fit land (the rest fail with KVCacheFullError)."""
+        failed = {bid: f"LloyalError: no branch {bid} here" for bid, _ in commits}
+        live = [(bid, t) for bid, t in commits if bid in self._branches]
+        for bid, _ in live:
+            del failed[bid]
+        if not live:
+            return failed
+        try:
+            await self._store.commit([(self._branches[b], t) for b, t in live])
+            return failed
+        except KVCacheFullError:
+            await self._cache.clear()
+        except LloyalError as e:
+            return failed | {bid: _message(e) for bid, _ in live}
+        # Separate commits in one go: the native worker batches what fits.
+        outcomes = await asyncio.gather(
+            *(self._branches[b].commit(t) for b, t in live), return_exceptions=True
+        )
+        for (bid, _), outcome in zip(live, outcomes, strict=True):
+            if isinstance(outcome, LloyalError):
+                failed[bid] = _message(outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
+        return failed
 
     async def prune(self, bids: list[int]) -> None:
         for bid in bids:
@@ -133,13 +191,21 @@ class ContextWorker:
         return await b.save(), b.sampler_state(), b.sampler_params
 
     async def adopt(
-        self, state: bytes, sampler: bytes, params: SamplingParams
+        self, state: bytes, sampler: bytes, params: SamplingParams, seed: int | None = None
     ) -> tuple[int, dict[str, Any]]:
+        """A branch from :meth:`export`'s bytes (reseeded if given a seed)."""
         assert self._ctx is not None
         await self._cache.make_room(1)
         b = await Branch.restore(self._ctx, state, params=params)
         b.set_sampler_state(sampler)
+        if seed is not None:
+            b.reseed_sampler(seed)
         return self._keep(b), _info(b)
+
+    def token_texts(self, tokens: list[int]) -> list[str]:
+        """Each token's text (for trees of tokens)."""
+        assert self._ctx is not None
+        return [self._ctx.token_to_text(t) for t in tokens]
 
     def stats(self) -> dict[str, int]:
         assert self._ctx is not None

@@ -31,7 +31,10 @@ class BeamSearch(_Output):
     search scores: summed log-probability, including the stop token for a
     finished hypothesis (which its ``Continuation`` leaves out), divided by
     ``len ** length_penalty``. ``output`` is ``beams[0]``.
-    ``peak_leases`` is the most KV leases held at once."""
+    ``peak_leases`` is the most KV leases held at once.
+    :func:`lloyal.cluster.beam_search` also says how many beams moved
+    between workers by their state bytes (``migrations``) and how many
+    were dropped with a worker that died (``lost``)."""
 
     output: Continuation
     beams: tuple[Continuation, ...]
@@ -39,6 +42,8 @@ class BeamSearch(_Output):
     decode_calls: int
     peak_leases: int
     seconds: float
+    migrations: int = 0
+    lost: int = 0
 
 
 @dataclass

@@ -33,7 +33,9 @@ from lloyal.strategies._tree import TreeNode, _expand, _Node
 class MCTS(_Output):
     """What :func:`mcts` returns: the best-scoring rollout as ``output``
     (with its ``score``), the searched tree (``roots``: the first tokens
-    considered, with visit counts and mean values) and the cost."""
+    considered, with visit counts and mean values) and the cost.
+    :func:`lloyal.cluster.mcts` also counts the iterations abandoned
+    because a worker died (``lost``)."""
 
     output: Continuation
     score: float
@@ -42,6 +44,7 @@ class MCTS(_Output):
     rollouts: int
     decode_calls: int
     seconds: float
+    lost: int = 0
 
 
 async def mcts(
