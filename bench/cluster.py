@@ -4,7 +4,9 @@ Every configuration runs the same work: N branches forked from one prompt,
 greedy, each step one token per branch (produce, then commit), for
 ``--steps`` steps; aggregate tokens per second, with the ratio to the local
 run from the same process. Also printed: the round trip of one trivial
-call to an actor (the Ray hop) and of one ``step`` carrying N commits.
+call to an actor (the Ray hop) and of one ``step`` carrying N commits;
+and the search strategies (beam search, MCTS sequential and with two
+iterations at once) locally and on pools of 1 and 2 actors, in seconds.
 
     python bench/cluster.py                   # SmolLM2, N = 1, 8
     python bench/cluster.py --n 8,16 --steps 64
@@ -29,6 +31,7 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lloyal
+from lloyal import cluster, strategies
 from lloyal.cluster import ContextPool, RemoteBranch
 from lloyal.models import model_path
 
@@ -99,6 +102,46 @@ async def hop(model: Path, n: int) -> tuple[float, float]:
         await pool.aclose()
 
 
+SEARCHES = ("beam_search w=4", "mcts", "mcts parallel=2")
+
+
+def _score(text: str) -> float:
+    return -abs(len(text) - 40)
+
+
+async def searches_local(model: Path, threads: int) -> list[float]:
+    """Seconds of each search locally (the same arguments as on the pool)."""
+    out = []
+    async with await lloyal.create_context(model, n_seq_max=32, n_threads=threads) as ctx:
+        t0 = time.perf_counter()
+        await strategies.beam_search(ctx, PROMPT, width=4, max_tokens=24)
+        out.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await strategies.mcts(ctx, PROMPT, _score, iterations=8, width=2, rollout_tokens=12)
+        out.append(time.perf_counter() - t0)
+    out.append(float("nan"))  # no local parallel MCTS
+    return out
+
+
+async def searches_pooled(model: Path, actors: int, threads: int) -> list[float]:
+    options = {"n_seq_max": 32, "n_threads": max(1, threads // actors)}
+    pool = await ContextPool.start(model, workers=actors, **options)
+    try:
+        out = []
+        t0 = time.perf_counter()
+        await cluster.beam_search(pool, PROMPT, width=4, max_tokens=24)
+        out.append(time.perf_counter() - t0)
+        for parallel in (1, 2):
+            t0 = time.perf_counter()
+            await cluster.mcts(
+                pool, PROMPT, _score, iterations=8, width=2, rollout_tokens=12, parallel=parallel
+            )
+            out.append(time.perf_counter() - t0)
+        return out
+    finally:
+        await pool.aclose()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -118,6 +161,11 @@ def main() -> None:
             f"N={n}: local {here:.1f}, 1 actor {one:.1f}, 2 actors {two:.1f} tok/s", file=sys.stderr
         )
     trivial, step = asyncio.run(hop(model, 8))
+    searched = [
+        asyncio.run(searches_local(model, args.threads)),
+        asyncio.run(searches_pooled(model, 1, args.threads)),
+        asyncio.run(searches_pooled(model, 2, args.threads)),
+    ]
     ray.shutdown()
     print(f"\nmodel: {model.name}; {args.steps} greedy steps; {args.threads} threads in all")
     print("\n| N | local tok/s | 1 actor | ratio | 2 actors | ratio |")
@@ -128,6 +176,16 @@ def main() -> None:
         )
     print(f"\nround trip: trivial call {trivial * 1e3:.2f} ms; ", end="")
     print(f"a step of 8 commits, their decode included, {step * 1e3:.2f} ms")
+    print("\n| search | local s | 1 actor s | ratio | 2 actors s | ratio |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    here, one, two = searched
+    for i, name in enumerate(SEARCHES):
+        base = here[i] if here[i] == here[i] else here[i - 1]  # parallel: vs sequential local
+        print(
+            f"| {name} | {here[i]:.2f} | {one[i]:.2f} | {base / one[i]:.2f}x "
+            f"| {two[i]:.2f} | {base / two[i]:.2f}x |"
+        )
+    print("(ratio: local seconds over pool seconds; above 1 is faster than local)")
 
 
 if __name__ == "__main__":

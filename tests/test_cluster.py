@@ -120,17 +120,24 @@ def test_remote_best_of_n_equals_the_local_one(pool: ContextPool, local: dict[st
 
 
 def test_remote_beam_search_equals_the_local_one(pool: ContextPool, local: dict[str, Any]) -> None:
-    before = pool.migrations
-    remote = asyncio.run(beam_search(pool, "Once upon a time", width=3, max_tokens=8))
     want = local["beam_search"]
-    assert [list(c.tokens) for c in remote.beams] == want["beams"]
-    assert list(remote.scores) == want["scores"]  # the same bits
-    assert remote.text == want["text"]
-    # Three beams over two workers: some children were made on the other
-    # worker by their parent's state bytes, and the count says so.
-    assert remote.migrations == pool.migrations - before > 0
-    assert remote.lost == 0
-    assert remote.peak_leases <= 2 * 3
+    for spread in (True, False):
+        before = pool.migrations
+        remote = asyncio.run(
+            beam_search(pool, "Once upon a time", width=3, max_tokens=8, spread=spread)
+        )
+        assert [list(c.tokens) for c in remote.beams] == want["beams"]
+        assert list(remote.scores) == want["scores"]  # the same bits
+        assert remote.text == want["text"]
+        assert remote.migrations == pool.migrations - before
+        assert remote.lost == 0
+        assert remote.peak_leases <= 2 * 3
+        if spread:
+            # Three beams over two workers: some children were made on the
+            # other worker from their parent's state bytes.
+            assert remote.migrations > 0
+        else:
+            assert remote.migrations == 0
 
 
 def _tree(n: TreeNode) -> list[Any]:

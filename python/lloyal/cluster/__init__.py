@@ -6,8 +6,11 @@ new branch on the worker that has cached the longest prefix of its prompt
 (else the least loaded) and returns a :class:`RemoteBranch` with the local
 decoding surface. Calls from many tasks in one tick go to a worker as one
 round trip and one decode. :meth:`RemoteBranch.migrate` moves a branch by
-its state bytes; a worker that dies fails its branches with
-:class:`lloyal.WorkerLostError` and is replaced. See ``docs/cluster.md``.
+its state bytes, and a branch moves by itself when its worker runs out of
+KV leases or cells; a worker that dies fails its branches with
+:class:`lloyal.WorkerLostError` and is replaced. :func:`best_of_n`,
+:func:`beam_search` and :func:`mcts` spread a search over the pool and go
+on with what survives a dead worker. See ``docs/cluster.md``.
 """
 
 from __future__ import annotations

@@ -138,6 +138,7 @@ async def beam_search(
     max_tokens: int = 32,
     length_penalty: float = 0.0,
     stop: Iterable[int] = (),
+    spread: bool = True,
     progress: Progress | None = None,
 ) -> BeamSearch:
     """:func:`lloyal.strategies.beam_search` with the beams spread over
@@ -155,6 +156,12 @@ async def beam_search(
     the most branches held at once. Beams whose worker dies are dropped
     (counted in ``lost``) and the search goes on with the rest; only when
     none is left is it a :class:`WorkerLostError`.
+
+    Spreading pays when a step's decode costs much more than moving a
+    beam's KV cells (large models, wide beams, fast links). ``spread=False``
+    runs the whole search on one worker (placed by prefix and load, as
+    :meth:`ContextPool.place`), with no moves: the way to run many beam
+    searches at once over a pool, one per worker.
 
     >>> import asyncio, ray, lloyal
     >>> from lloyal.cluster import ContextPool, beam_search
@@ -176,7 +183,7 @@ async def beam_search(
     extra = frozenset(int(t) for t in stop)
     before = await _decodes(pool)
     started = time.perf_counter()
-    used = pool.workers[: min(width, len(pool.workers))]
+    used = pool.workers[: min(width, len(pool.workers))] if spread else [await pool.place(tokens)]
     share = -(-width // len(used))
 
     def rank(score: float, rec: _Recorder) -> float:
@@ -302,7 +309,7 @@ def _plan(
             continue
         beam = beams[bi]
         home = beam.branch.worker
-        if count.get(home, share) < share:
+        if count.get(home, 0) < share:
             target = home
         else:
             target = min(used, key=lambda w: (count[w], w.index))
@@ -451,6 +458,22 @@ async def mcts(
     them) and is not chosen again; the search goes on with the rest of the
     tree, and only when nothing was scored is it a
     :class:`WorkerLostError`.
+
+    >>> import asyncio, ray
+    >>> from lloyal.cluster import ContextPool, mcts
+    >>> async def main():
+    ...     pool = await ContextPool.start(MODEL, workers=2, n_seq_max=8, n_threads=1)
+    ...     try:
+    ...         return await mcts(pool, "My favourite colour is", lambda text: -len(text),
+    ...                           iterations=4, width=2, rollout_tokens=3, parallel=2)
+    ...     finally:
+    ...         await pool.aclose()
+    >>> ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # doctest: +ELLIPSIS
+    RayContext(...)
+    >>> result = asyncio.run(main())
+    >>> ray.shutdown()
+    >>> result.iterations, result.score == -len(result.text), result.lost
+    (4, True, 0)
     """
     _check_positive(
         iterations=iterations, width=width, rollout_tokens=rollout_tokens, parallel=parallel
