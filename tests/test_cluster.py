@@ -311,6 +311,8 @@ def test_bad_input_raises_the_local_exception_and_harms_nothing(pool: ContextPoo
         assert good is None
         assert other.position == len(tokens) + 1
         assert len(await _generate(b, 2)) == 2  # the branch is intact
+        with pytest.raises(ValueError, match="free KV leases"):
+            await mcts(pool, tokens, len, iterations=100)
         await other.prune()
         await b.prune()
 

@@ -313,7 +313,7 @@ class RemoteBranch:
         if missing:
             try:
                 targets = await self.worker.pool._spread(len(missing), avoid=self.worker)
-                spilled = await self._copies(targets, [seeds[i] for i in missing])
+                spilled = await self._copies(targets, [seeds[i] for i in missing], elsewhere=True)
             except BaseException:
                 await asyncio.gather(*(b.prune() for b in out if b is not None))
                 raise
@@ -322,15 +322,40 @@ class RemoteBranch:
         return [b for b in out if b is not None]
 
     async def _copies(
-        self, workers: Sequence[Worker], seeds: Sequence[int | None]
+        self, workers: Sequence[Worker], seeds: Sequence[int | None], *, elsewhere: bool = False
     ) -> list[RemoteBranch]:
         """Copies of this branch on ``workers`` by its state bytes (one
-        export, one adopt per copy)."""
+        export, one adopt per copy). With ``elsewhere``, a copy whose worker
+        has no lease left (others may have taken it since the choice) is
+        made on another that has one. All copies are made, or none."""
         state, sampler, params = await self.worker.call("export", self._bid)
+        pool = self.worker.pool
+
+        async def adopt(w: Worker, seed: int | None) -> RemoteBranch:
+            tried = {w}
+            while True:
+                try:
+                    bid, info = await w.call("adopt", state, sampler, params, seed)
+                    return RemoteBranch(w, bid, info)
+                except NoLeaseError:
+                    if not elsewhere:
+                        raise
+                    loads = await pool._loads()
+                    free = [(ld["free"], -x.index) for x, ld in loads if x not in tried]
+                    if not free or max(free)[0] < 1:
+                        raise
+                    w = pool.workers[-max(free)[1]]
+                    tried.add(w)
+
         pairs = zip(workers, seeds, strict=True)
-        made = await asyncio.gather(*(w.call("adopt", state, sampler, params, s) for w, s in pairs))
-        self.worker.pool.migrations += len(made)
-        return [RemoteBranch(w, bid, info) for w, (bid, info) in zip(workers, made, strict=True)]
+        made = await asyncio.gather(*(adopt(w, s) for w, s in pairs), return_exceptions=True)
+        copies = [m for m in made if isinstance(m, RemoteBranch)]
+        pool.migrations += len(copies)
+        for m in made:
+            if isinstance(m, BaseException):
+                await asyncio.gather(*(c.prune() for c in copies), return_exceptions=True)
+                raise m
+        return copies
 
     async def prune(self) -> None:
         """Free this branch's lease (queued with the worker's next step)."""

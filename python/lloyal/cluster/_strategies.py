@@ -15,6 +15,7 @@ from lloyal.cluster._pool import ContextPool, RemoteBranch, Worker
 from lloyal.errors import WorkerLostError
 from lloyal.sampling import GREEDY, SamplingParams
 from lloyal.strategies import MCTS, BeamSearch, BestOfN, Continuation, TreeNode
+from lloyal.strategies._beam_search import _choose_beams, _ranked, _search_ends
 from lloyal.strategies._common import Progress, Prompt, Score, _check_positive, _Recorder
 
 __all__ = ["beam_search", "best_of_n", "mcts"]
@@ -41,10 +42,7 @@ async def best_of_n(
     candidate is lost is it a :class:`WorkerLostError`."""
     _check_positive(n=n, max_tokens=max_tokens)
     params = params or SamplingParams(temperature=0.8)
-    tokens = await _tokens(pool, prompt)
-    extra = frozenset(int(t) for t in stop)
-    before = await _decodes(pool)
-    started = time.perf_counter()
+    tokens, extra, before, started = await _begin(pool, prompt, stop)
     used = pool.workers[: min(n, len(pool.workers))]
     roots = await asyncio.gather(*(pool.branch(tokens, params=params, worker=w) for w in used))
     branches: list[RemoteBranch] = [None] * n  # type: ignore[list-item]
@@ -163,6 +161,8 @@ async def beam_search(
     :meth:`ContextPool.place`), with no moves: the way to run many beam
     searches at once over a pool, one per worker.
 
+    Needs ``width + 1`` free KV leases between the workers.
+
     >>> import asyncio, ray, lloyal
     >>> from lloyal.cluster import ContextPool, beam_search
     >>> async def main():
@@ -179,16 +179,15 @@ async def beam_search(
     (' Paris', 2)
     """
     _check_positive(width=width, max_tokens=max_tokens)
-    tokens = await _tokens(pool, prompt)
-    extra = frozenset(int(t) for t in stop)
-    before = await _decodes(pool)
-    started = time.perf_counter()
+    await _need_leases(pool, width + 1, f"beam_search(width={width})")
+    tokens, extra, before, started = await _begin(pool, prompt, stop)
     used = pool.workers[: min(width, len(pool.workers))] if spread else [await pool.place(tokens)]
     share = -(-width // len(used))
 
-    def rank(score: float, rec: _Recorder) -> float:
-        n = len(rec.tokens) + rec.stopped
-        return score / math.pow(n, length_penalty) if length_penalty and n else score
+    stop_ids = set(extra)  # the model's stop tokens, as the workers flag them
+
+    def is_stop(t: int) -> bool:
+        return t in stop_ids
 
     roots = await asyncio.gather(*(pool.branch(tokens, params=GREEDY, worker=w) for w in used))
     held: set[RemoteBranch] = set(roots)
@@ -201,36 +200,15 @@ async def beam_search(
         beams = [_Beam(roots[0], _Recorder(), 0.0, first, {r.worker: r for r in roots[1:]})]
         for step in range(max_tokens):
             # The local function's choice, step for step.
-            candidates: list[tuple[float, int, int, float, float, bool]] = []
-            for bi, beam in enumerate(beams):
+            options = []
+            for beam in beams:
                 toks, logps, ent, stops = beam.top
-                for t, lp, st in zip(toks, logps, stops, strict=True):
-                    candidates.append((beam.score + lp, bi, t, -lp, ent, st or t in extra))
-            candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
-            chosen: list[tuple[float, int, int, float, float, bool]] = []
-            for cand in candidates:
-                if len(chosen) == width:
-                    break
-                if cand[5]:
-                    rec = beams[cand[1]].rec.copy()
-                    rec.stopped = True
-                    finished.append((cand[0], rec))
-                else:
-                    chosen.append(cand)
-            finished.sort(key=lambda f: -f[0])
-            del finished[width:]
-            recs = []
-            for score, bi, t, surprisal, ent, _ in chosen:
-                rec = beams[bi].rec.copy()
-                rec.add(t, surprisal, ent)
-                recs.append((score, rec))
+                stop_ids.update(t for t, st in zip(toks, stops, strict=True) if st)
+                options.append((beam.score, beam.rec, toks, logps, ent))
+            chosen, recs = _choose_beams(options, width, is_stop, finished)
             if progress is not None:
                 progress(step + 1, max_tokens)
-            if (
-                not chosen
-                or step + 1 == max_tokens
-                or (length_penalty == 0.0 and finished and finished[0][0] >= chosen[0][0])
-            ):
+            if _search_ends(chosen, finished, step, max_tokens, length_penalty):
                 final = recs
                 break
             plan = _plan(beams, [c[1] for c in chosen], used, share)
@@ -242,7 +220,7 @@ async def beam_search(
             made = await _make(plan)
             moved += sum(1 for how, _ in plan if how == "copy")
             pending: list[tuple[RemoteBranch, int, float, _Recorder]] = []
-            for (score, _, t, *_rest), (_, rec), branch in zip(chosen, recs, made, strict=True):
+            for (score, _, t, *_), (_, rec), branch in zip(chosen, recs, made, strict=True):
                 if isinstance(branch, WorkerLostError):
                     lost += 1
                 elif isinstance(branch, BaseException):
@@ -270,7 +248,7 @@ async def beam_search(
             beams = new_beams
     finally:
         await asyncio.gather(*(b.prune() for b in held), return_exceptions=True)
-    ranked = sorted(((rank(*h), h[1]) for h in finished + final), key=lambda h: -h[0])[:width]
+    ranked = _ranked(finished + final, width, length_penalty)
     texts = await asyncio.gather(*(_detokenize(pool, rec.tokens) for _, rec in ranked))
     beams_out = tuple(_continuation(t, rec) for t, (_, rec) in zip(texts, ranked, strict=True))
     return BeamSearch(
@@ -343,7 +321,8 @@ async def _make(plan: list[tuple[str, Any]]) -> list[RemoteBranch | BaseExceptio
     async def copy(source: RemoteBranch, cis: list[int]) -> None:
         made: list[Any]
         try:
-            made = await source._copies([plan[ci][1][1] for ci in cis], [None] * len(cis))
+            targets = [plan[ci][1][1] for ci in cis]
+            made = await source._copies(targets, [None] * len(cis), elsewhere=True)
         except Exception as e:
             made = [e] * len(cis)
         for ci, b in zip(cis, made, strict=True):
@@ -371,6 +350,27 @@ def _continuation(text: str, rec: _Recorder) -> Continuation:
     return Continuation(
         text, tuple(rec.tokens), tuple(rec.surprisals), tuple(rec.entropies), rec.stopped
     )
+
+
+async def _need_leases(pool: ContextPool, n: int, what: str) -> None:
+    """ValueError unless the workers have ``n`` free leases between them
+    (a branch spills over to another worker when its own runs out)."""
+    loads = await pool._loads()
+    free = sum(load["free"] for _, load in loads)
+    if free < n:
+        raise ValueError(
+            f"{what} needs {n} free KV leases but the pool's {len(loads)} live workers have "
+            f"{free}: start the pool with more workers or a larger n_seq_max"
+        )
+
+
+async def _begin(
+    pool: ContextPool, prompt: Prompt, stop: Iterable[int]
+) -> tuple[list[int], frozenset[int], int, float]:
+    """What every search starts from: the prompt's tokens, the extra stop
+    tokens, the workers' decode count and the clock."""
+    tokens = await _tokens(pool, prompt)
+    return tokens, frozenset(int(t) for t in stop), await _decodes(pool), time.perf_counter()
 
 
 async def _tokens(pool: ContextPool, prompt: Prompt) -> list[int]:
@@ -454,6 +454,10 @@ async def mcts(
     log-probabilities come from the workers' native top-k, equal to the
     local ones to rounding). Larger values depend on timing.
 
+    Needs ``iterations * (width - 1) + width + 1 + (parallel - 1) * width``
+    free KV leases between the workers (a fork its worker has no lease for
+    is made on another); fewer is a ``ValueError`` before anything runs.
+
     A node whose worker dies is dropped with its subtree (``lost`` counts
     them) and is not chosen again; the search goes on with the rest of the
     tree, and only when nothing was scored is it a
@@ -479,10 +483,9 @@ async def mcts(
         iterations=iterations, width=width, rollout_tokens=rollout_tokens, parallel=parallel
     )
     params = params or SamplingParams(temperature=0.8)
-    tokens = await _tokens(pool, prompt)
-    extra = frozenset(int(t) for t in stop)
-    before = await _decodes(pool)
-    started = time.perf_counter()
+    need = iterations * (width - 1) + width + 1 + (parallel - 1) * width
+    await _need_leases(pool, need, f"mcts(iterations={iterations}, parallel={parallel})")
+    tokens, extra, before, started = await _begin(pool, prompt, stop)
     used = pool.workers[: min(width, len(pool.workers))]
     roots = await asyncio.gather(*(pool.branch(tokens, params=params, worker=w) for w in used))
     root = _Node(-1, 0.0, 0.0, 0.0, branch=roots[0], spares={r.worker: r for r in roots[1:]})
@@ -561,17 +564,21 @@ async def mcts(
             return_exceptions=True,
         )
         made = iter(forked)
-        for source, group in grouped:
+        failure: BaseException | None = None
+        for source, group in grouped:  # every fork made is held before any error is raised
             forks = next(made) if len(group) > 1 else []
-            if isinstance(forks, WorkerLostError):
-                for kid in group:
-                    kid.dead = True
-                continue
             if isinstance(forks, BaseException):
-                raise forks
+                for kid in group:
+                    kid.dead = isinstance(forks, WorkerLostError)
+                if not isinstance(forks, WorkerLostError):
+                    failure = failure or forks
+                continue
             group[0].branch = source
             for kid, fork in zip(group[1:], forks, strict=True):
                 kid.branch = fork
+        if failure is not None:
+            leaf.children = kids  # so that the final prune finds their branches
+            raise failure
         for source in sources:
             if not any(k.branch is source for k in live):
                 await source.prune()
@@ -610,8 +617,10 @@ async def mcts(
                 return_exceptions=True,
             )
             for j, fork in zip(todo, made, strict=True):
-                if not lost(j, fork):
-                    forks[j] = fork  # type: ignore[assignment]
+                if isinstance(fork, RemoteBranch):  # held before any error is raised
+                    forks[j] = fork
+            for j, fork in zip(todo, made, strict=True):
+                lost(j, fork)
             live = [j for j, f in enumerate(forks) if f is not None]
             produced = await asyncio.gather(
                 *(forks[j].produce() for j in live),  # type: ignore[union-attr]

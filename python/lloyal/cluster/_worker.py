@@ -14,7 +14,7 @@ from typing import Any
 
 from lloyal.branch import Branch, BranchStore
 from lloyal.context import Context, create_context
-from lloyal.errors import KVCacheFullError, LloyalError
+from lloyal.errors import KVCacheFullError, LloyalError, NoLeaseError
 from lloyal.prefix_cache import PrefixCache
 from lloyal.sampling import SamplingParams
 
@@ -101,10 +101,14 @@ class ContextWorker:
         parent = self._branches[bid]
         out: list[tuple[int, dict[str, Any]] | None] = []
         for seed in seeds:
-            if not await self._cache.make_room(1):
+            try:
+                # (make_room can say yes and a concurrent call take the
+                # lease before the fork: the fork's refusal is the answer.)
+                await self._cache.make_room(1)
+                child = await parent.fork(root=True)
+            except NoLeaseError:
                 out.append(None)
                 continue
-            child = await parent.fork(root=True)
             if seed is not None:
                 child.reseed_sampler(seed)
             out.append((self._keep(child), _info(child)))

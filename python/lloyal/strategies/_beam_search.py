@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from lloyal.branch import Branch, BranchStore
@@ -98,10 +98,6 @@ async def beam_search(
     _need_leases(store, ctx, width, f"beam_search(width={width})")
     calls, started = ctx.stats.decode_calls, time.perf_counter()
 
-    def rank(score: float, rec: _Recorder) -> float:
-        n = len(rec.tokens) + rec.stopped
-        return score / math.pow(n, length_penalty) if length_penalty and n else score
-
     finished: list[tuple[float, _Recorder]] = []
     root = Branch.create(ctx, params=GREEDY)
     held = {root}  # branches whose lease we hold: live beams and dead ancestors
@@ -122,38 +118,16 @@ async def beam_search(
         await root.prefill(tokens)
         beams = [_Beam(root, _Recorder())]
         for step in range(max_tokens):
-            candidates: list[tuple[float, int, int, float, float]] = []
-            for bi, beam in enumerate(beams):
+            options = []
+            for beam in beams:
                 # Native: the best 2w tokens and the entropy, no row copied.
                 top, logp = beam.branch.top_logprobs(2 * width)
                 ent = beam.branch.model_entropy()
-                for t, lp in zip(top.tolist(), logp.tolist(), strict=True):
-                    candidates.append((beam.score + lp, bi, t, -lp, ent))
-            candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
-            chosen: list[tuple[float, int, int, float, float]] = []
-            for cand in candidates:
-                if len(chosen) == width:
-                    break
-                if is_stop(cand[2]):
-                    rec = beams[cand[1]].rec.copy()
-                    rec.stopped = True
-                    finished.append((cand[0], rec))
-                else:
-                    chosen.append(cand)
-            finished.sort(key=lambda f: -f[0])
-            del finished[width:]
-            recs = []
-            for score, bi, t, surprisal, ent in chosen:
-                rec = beams[bi].rec.copy()
-                rec.add(t, surprisal, ent)
-                recs.append((score, rec))
+                options.append((beam.score, beam.rec, top.tolist(), logp.tolist(), ent))
+            chosen, recs = _choose_beams(options, width, is_stop, finished)
             if progress is not None:
                 progress(step + 1, max_tokens)
-            if (
-                not chosen
-                or step + 1 == max_tokens
-                or (length_penalty == 0.0 and finished and finished[0][0] >= chosen[0][0])
-            ):
+            if _search_ends(chosen, finished, step, max_tokens, length_penalty):
                 final = recs
                 break
             # Free the beams nobody chose first, then fork the ones chosen
@@ -178,7 +152,7 @@ async def beam_search(
             beams = new_beams
     finally:
         await _prune_all(root)
-    ranked = sorted(((rank(*h), h[1]) for h in finished + final), key=lambda h: -h[0])[:width]
+    ranked = _ranked(finished + final, width, length_penalty)
     beams_out = tuple([await rec.finish(ctx) for _, rec in ranked])
     return BeamSearch(
         beams_out[0],
@@ -188,3 +162,74 @@ async def beam_search(
         peak,
         time.perf_counter() - started,
     )
+
+
+_Candidate = tuple[float, int, int, float, float]
+"""A possible next beam: (score, parent beam index, token, surprisal, entropy)."""
+
+_Hypothesis = tuple[float, _Recorder]
+
+
+def _choose_beams(
+    options: Sequence[tuple[float, _Recorder, Sequence[int], Sequence[float], float]],
+    width: int,
+    is_stop: Callable[[int], bool],
+    finished: list[_Hypothesis],
+) -> tuple[list[_Candidate], list[_Hypothesis]]:
+    """One step of beam search, wherever the beams live. ``options`` has,
+    per beam, its score and record, its top next tokens with their
+    log-probabilities, and the entropy they come from. Candidates are
+    ranked by summed log-probability (ties: beam, then token); one that
+    stops finishes its hypothesis into ``finished`` (which keeps the best
+    ``width``); the best ``width`` others are chosen. Returns them and
+    their records (the parent's plus the token)."""
+    candidates: list[_Candidate] = []
+    for bi, (score, _, tokens, logprobs, ent) in enumerate(options):
+        for t, lp in zip(tokens, logprobs, strict=True):
+            candidates.append((score + lp, bi, t, -lp, ent))
+    candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+    chosen: list[_Candidate] = []
+    for cand in candidates:
+        if len(chosen) == width:
+            break
+        if is_stop(cand[2]):
+            rec = options[cand[1]][1].copy()
+            rec.stopped = True
+            finished.append((cand[0], rec))
+        else:
+            chosen.append(cand)
+    finished.sort(key=lambda f: -f[0])
+    del finished[width:]
+    recs = []
+    for score, bi, t, surprisal, ent in chosen:
+        rec = options[bi][1].copy()
+        rec.add(t, surprisal, ent)
+        recs.append((score, rec))
+    return chosen, recs
+
+
+def _search_ends(
+    chosen: list[_Candidate],
+    finished: list[_Hypothesis],
+    step: int,
+    max_tokens: int,
+    length_penalty: float,
+) -> bool:
+    """Whether the search stops after this step: nothing left to extend,
+    the token limit, or (no length penalty) no live beam can beat the best
+    finished hypothesis."""
+    return (
+        not chosen
+        or step + 1 == max_tokens
+        or (length_penalty == 0.0 and bool(finished) and finished[0][0] >= chosen[0][0])
+    )
+
+
+def _ranked(hypotheses: list[_Hypothesis], width: int, length_penalty: float) -> list[_Hypothesis]:
+    """The best ``width`` hypotheses by ``log_prob / len ** length_penalty``."""
+
+    def rank(score: float, rec: _Recorder) -> float:
+        n = len(rec.tokens) + rec.stopped
+        return score / math.pow(n, length_penalty) if length_penalty and n else score
+
+    return sorted(((rank(*h), h[1]) for h in hypotheses), key=lambda h: -h[0])[:width]
