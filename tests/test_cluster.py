@@ -228,6 +228,27 @@ def test_a_fork_its_worker_has_no_lease_for_is_made_on_another(pool: ContextPool
     asyncio.run(run())
 
 
+def test_a_cancelled_fork_leaves_no_branch_behind(pool: ContextPool) -> None:
+    """The actor makes the children anyway; the client prunes them as soon
+    as its answer comes back to nobody."""
+
+    async def run() -> None:
+        w = pool.workers[0]
+        tokens = await w.call("tokenize", "The capital of France is")
+        root = await pool.branch(tokens, params=lloyal.GREEDY, worker=w)
+        held = (await w.load())["branches"]
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(root.fork_many([None] * 3), timeout=0.0001)
+        for _ in range(1000):
+            await asyncio.sleep(0.01)
+            if (await w.load())["branches"] == held:
+                break
+        assert (await w.load())["branches"] == held
+        await root.prune()
+
+    asyncio.run(run())
+
+
 def test_prefix_placement_sends_a_shared_prompt_to_the_same_worker(pool: ContextPool) -> None:
     async def run() -> None:
         w = pool.workers[0]

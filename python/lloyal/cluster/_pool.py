@@ -25,19 +25,35 @@ __all__ = ["ContextPool", "RemoteBranch", "Worker"]
 _LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
+_Item = tuple[tuple[Any, ...], int, "asyncio.Future[Any]"]
+"""A queued call: its arguments, the worker generation it was made for,
+and the future its result goes to."""
+
+
 @dataclass
 class _Pending:
-    prunes: list[tuple[int, asyncio.Future[Any]]] = field(default_factory=list)
-    commits: list[tuple[int, int, asyncio.Future[dict[str, Any]]]] = field(default_factory=list)
-    produces: list[tuple[int, asyncio.Future[Any]]] = field(default_factory=list)
-    tops: list[tuple[int, int, asyncio.Future[Any]]] = field(default_factory=list)
+    prunes: list[_Item] = field(default_factory=list)
+    commits: list[_Item] = field(default_factory=list)
+    produces: list[_Item] = field(default_factory=list)
+    tops: list[_Item] = field(default_factory=list)
+
+    def queues(self) -> list[list[_Item]]:
+        return [self.prunes, self.commits, self.produces, self.tops]
 
     def futures(self) -> list[asyncio.Future[Any]]:
-        queues: list[list[Any]] = [self.prunes, self.commits, self.produces, self.tops]
-        return [item[-1] for queue in queues for item in queue]
+        return [f for queue in self.queues() for _, _, f in queue]
 
     def empty(self) -> bool:
-        return not (self.prunes or self.commits or self.produces or self.tops)
+        return not any(self.queues())
+
+    def drop_stale(self, generation: int) -> list[asyncio.Future[Any]]:
+        """Take out the calls made for an actor that has died since (the
+        replacement does not know their branches); their futures."""
+        stale = []
+        for queue in self.queues():
+            stale += [f for _, g, f in queue if g != generation]
+            queue[:] = [item for item in queue if item[1] == generation]
+        return stale
 
 
 class Worker:
@@ -58,9 +74,15 @@ class Worker:
         self.generation = 0
         self._pending = _Pending()
         self._flush: asyncio.Task[None] | None = None
+        self._starting: asyncio.Future[None] | None = None
         self.round_trips = 0
 
     async def start(self) -> None:
+        """Start the actor and its context; calls made meanwhile wait."""
+        self._starting = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._starting)
+
+    async def _start(self) -> None:
         actor = ray.remote(ContextWorker).options(num_cpus=0, max_concurrency=1000)
         self.handle = actor.remote(
             self.pool.model_path, self.pool.options, self.pool.cache_branches
@@ -73,6 +95,12 @@ class Worker:
     async def call(self, method: str, *args: Any) -> Any:
         """``method`` on the actor; a dead actor is a WorkerLostError (and
         the pool starts a replacement)."""
+        starting = self._starting
+        if starting is not None:
+            if not starting.done():
+                await asyncio.wait([starting])  # a replacement is on its way
+            if starting.cancelled() or starting.exception() is not None:
+                raise WorkerLostError(f"worker {self.index} could not be started again")
         generation = self.generation
         try:
             self.round_trips += 1
@@ -87,6 +115,25 @@ class Worker:
                 raise e.cause from None
             raise
 
+    async def make(self, method: str, *args: Any) -> Any:
+        """A call that creates branches (``create``, ``fork``, ``adopt``).
+        The actor goes on with it when the caller is cancelled, so then
+        what it made is pruned as soon as it returns."""
+        task = asyncio.ensure_future(self.call(method, *args))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._orphaned(method, t))
+            raise
+
+    def _orphaned(self, method: str, task: asyncio.Future[Any]) -> None:
+        if task.cancelled() or task.exception() is not None:
+            return
+        made = task.result()
+        bids = [m[0] for m in made if m is not None] if method == "fork" else [made[0]]
+        for bid in bids:
+            self.prune(bid).add_done_callback(_quiet)
+
     def _schedule(self) -> None:
         if self._flush is None or self._flush.done():
             self._flush = asyncio.get_running_loop().create_task(self._send())
@@ -98,13 +145,18 @@ class Worker:
         await asyncio.sleep(0)  # let every task of this tick queue its call
         while not self._pending.empty():
             batch, self._pending = self._pending, _Pending()
+            for f in batch.drop_stale(self.generation):
+                if not f.done():
+                    f.set_exception(WorkerLostError(f"worker {self.index} was lost"))
+            if batch.empty():
+                continue
             try:
                 done, made, top = await self.call(
                     "step",
-                    [bid for bid, _ in batch.prunes],
-                    [(bid, tok) for bid, tok, _ in batch.commits],
-                    [bid for bid, _ in batch.produces],
-                    [(bid, k) for bid, k, _ in batch.tops],
+                    [args[0] for args, _, _ in batch.prunes],
+                    [args for args, _, _ in batch.commits],
+                    [args[0] for args, _, _ in batch.produces],
+                    [args for args, _, _ in batch.tops],
                 )
             except BaseException as e:
                 error = e if isinstance(e, Exception) else WorkerLostError(str(e))
@@ -118,18 +170,19 @@ class Worker:
                     self._pending = _Pending()
                     raise
                 continue
-            for _, f in batch.prunes:
+            for _, _, f in batch.prunes:
                 _settle(f, None)
-            for (*_, f), result in zip(batch.commits, done, strict=True):
-                _settle(f, result)
-            for (_, f), result in zip(batch.produces, made, strict=True):
-                _settle(f, result)
-            for (*_, f), result in zip(batch.tops, top, strict=True):
-                _settle(f, result)
+            for results, queue in (
+                (done, batch.commits),
+                (made, batch.produces),
+                (top, batch.tops),
+            ):
+                for (_, _, f), result in zip(queue, results, strict=True):
+                    _settle(f, result)
 
-    def _queue(self, queue: list[Any], *item: Any) -> asyncio.Future[Any]:
+    def _queue(self, queue: list[_Item], *args: Any) -> asyncio.Future[Any]:
         f: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        queue.append((*item, f))
+        queue.append((args, self.generation, f))
         self._schedule()
         return f
 
@@ -164,12 +217,23 @@ def _settle(f: asyncio.Future[Any], result: Any) -> None:
         f.set_result(result)
 
 
-def _error(message: str) -> LloyalError:
-    """The worker's "KVCacheFullError: ..." as that lloyal exception."""
+def _quiet(f: asyncio.Future[Any]) -> None:
+    """Retrieve a future's outcome nobody waits for (no warning)."""
+    if not f.cancelled():
+        f.exception()
+
+
+def _error(message: str) -> Exception:
+    """The worker's "KVCacheFullError: ..." as that lloyal exception (or
+    the builtin ValueError, TypeError, IndexError it names)."""
     name, _, rest = message.partition(": ")
     kind = getattr(errors, name, None)
     if isinstance(kind, type) and issubclass(kind, LloyalError):
         return kind(rest)
+    if name in ("ValueError", "TypeError", "IndexError"):
+        return {"ValueError": ValueError, "TypeError": TypeError, "IndexError": IndexError}[name](
+            rest
+        )
     return LloyalError(message)
 
 
@@ -291,7 +355,10 @@ class RemoteBranch:
         target, load = max(others, key=lambda wl: wl[1]["cells_free"])
         if load["cells_free"] <= self.position or load["free"] < 1:
             return False
-        await self.migrate(target)
+        try:
+            await self.migrate(target)
+        except NoLeaseError:  # taken since: the commit's own error stands
+            return False
         return True
 
     async def fork(self, *, seed: int | None = None, worker: Worker | None = None) -> RemoteBranch:
@@ -307,7 +374,7 @@ class RemoteBranch:
         seed. Those the worker has no lease for are made on the workers
         with the most free leases (:class:`NoLeaseError` if none has one)."""
         self._check()
-        made = await self.worker.call("fork", self._bid, list(seeds))
+        made = await self.worker.make("fork", self._bid, list(seeds))
         out = [None if m is None else RemoteBranch(self.worker, m[0], m[1]) for m in made]
         missing = [i for i, m in enumerate(out) if m is None]
         if missing:
@@ -335,7 +402,7 @@ class RemoteBranch:
             tried = {w}
             while True:
                 try:
-                    bid, info = await w.call("adopt", state, sampler, params, seed)
+                    bid, info = await w.make("adopt", state, sampler, params, seed)
                     return RemoteBranch(w, bid, info)
                 except NoLeaseError:
                     if not elsewhere:
@@ -373,13 +440,16 @@ class RemoteBranch:
         if worker is self.worker:
             return
         (copy,) = await self._copies([worker], [None])
-        await self.worker.prune(self._bid)
+        old, old_bid, old_generation = self.worker, self._bid, self._generation
         self.worker, self._bid, self._generation, self._info = (
             copy.worker,
             copy._bid,
             copy._generation,
             copy._info,
         )
+        if old_generation == old.generation:
+            with contextlib.suppress(LloyalError):  # (a dead worker frees it anyway)
+                await old.prune(old_bid)
 
     async def __aiter__(self) -> AsyncIterator[Token]:
         """Produce and commit until a stop token (texts are per token). Two
@@ -439,22 +509,25 @@ class ContextPool:
     async def _replace(self, worker: Worker, generation: int) -> None:
         """Start a new actor for a dead one (once per death)."""
         if worker.generation != generation:
-            return
+            return  # another caller replaced it (calls wait for the start)
         worker.generation += 1  # branches of the old actor now fail fast
         self.replaced += 1
         with contextlib.suppress(Exception):
             ray.kill(worker.handle)
-        await worker.start()
+        # A failed start stays in worker._starting: calls then raise
+        # WorkerLostError (as the caller here does already).
+        with contextlib.suppress(Exception):
+            await worker.start()
 
     async def _loads(self) -> list[tuple[Worker, dict[str, int]]]:
         """Each live worker's :meth:`Worker.load` (dead ones are left out)."""
         loads = await asyncio.gather(*(w.load() for w in self.workers), return_exceptions=True)
         out = []
         for w, load in zip(self.workers, loads, strict=True):
-            if isinstance(load, BaseException):
-                if not isinstance(load, Exception):
-                    raise load
+            if isinstance(load, WorkerLostError):
                 continue
+            if isinstance(load, BaseException):
+                raise load
             out.append((w, load))
         return out
 
@@ -496,7 +569,7 @@ class ContextPool:
         """A branch holding ``tokens`` on ``worker`` or the placed one
         (:meth:`place`); only what that worker has not cached is decoded."""
         target = worker if worker is not None else await self.place(tokens)
-        bid, info, decoded = await target.call("create", [int(t) for t in tokens], params, seed)
+        bid, info, decoded = await target.make("create", [int(t) for t in tokens], params, seed)
         return RemoteBranch(target, bid, info, decoded)
 
     async def aclose(self) -> None:

@@ -44,7 +44,7 @@ async def best_of_n(
     params = params or SamplingParams(temperature=0.8)
     tokens, extra, before, started = await _begin(pool, prompt, stop)
     used = pool.workers[: min(n, len(pool.workers))]
-    roots = await asyncio.gather(*(pool.branch(tokens, params=params, worker=w) for w in used))
+    roots = await _roots(pool, tokens, params, used)
     branches: list[RemoteBranch] = [None] * n  # type: ignore[list-item]
     try:
         for w, root in enumerate(roots):
@@ -189,7 +189,7 @@ async def beam_search(
     def is_stop(t: int) -> bool:
         return t in stop_ids
 
-    roots = await asyncio.gather(*(pool.branch(tokens, params=GREEDY, worker=w) for w in used))
+    roots = await _roots(pool, tokens, GREEDY, used)
     held: set[RemoteBranch] = set(roots)
     peak = len(held)
     moved = lost = 0
@@ -219,6 +219,7 @@ async def beam_search(
             held &= kept
             made = await _make(plan)
             moved += sum(1 for how, _ in plan if how == "copy")
+            held.update(b for b in made if isinstance(b, RemoteBranch))  # before any raise
             pending: list[tuple[RemoteBranch, int, float, _Recorder]] = []
             for (score, _, t, *_), (_, rec), branch in zip(chosen, recs, made, strict=True):
                 if isinstance(branch, WorkerLostError):
@@ -226,7 +227,6 @@ async def beam_search(
                 elif isinstance(branch, BaseException):
                     raise branch
                 else:
-                    held.add(branch)
                     pending.append((branch, t, score, rec))
             peak = max(peak, len(held))
             new_beams: list[_Beam] = []
@@ -350,6 +350,22 @@ def _continuation(text: str, rec: _Recorder) -> Continuation:
     return Continuation(
         text, tuple(rec.tokens), tuple(rec.surprisals), tuple(rec.entropies), rec.stopped
     )
+
+
+async def _roots(
+    pool: ContextPool, tokens: list[int], params: SamplingParams, workers: list[Worker]
+) -> list[RemoteBranch]:
+    """The prompt on each of ``workers`` (through their prefix caches):
+    all of them, or none (what was made is pruned again)."""
+    made = await asyncio.gather(
+        *(pool.branch(tokens, params=params, worker=w) for w in workers), return_exceptions=True
+    )
+    roots = [b for b in made if isinstance(b, RemoteBranch)]
+    for outcome in made:
+        if isinstance(outcome, BaseException):
+            await asyncio.gather(*(b.prune() for b in roots), return_exceptions=True)
+            raise outcome
+    return roots
 
 
 async def _need_leases(pool: ContextPool, n: int, what: str) -> None:
@@ -487,7 +503,7 @@ async def mcts(
     await _need_leases(pool, need, f"mcts(iterations={iterations}, parallel={parallel})")
     tokens, extra, before, started = await _begin(pool, prompt, stop)
     used = pool.workers[: min(width, len(pool.workers))]
-    roots = await asyncio.gather(*(pool.branch(tokens, params=params, worker=w) for w in used))
+    roots = await _roots(pool, tokens, params, used)
     root = _Node(-1, 0.0, 0.0, 0.0, branch=roots[0], spares={r.worker: r for r in roots[1:]})
     best: tuple[float, Continuation] | None = None
     state = {"started": 0, "done": 0, "seeds": 0, "rollouts": 0, "lost": 0}
@@ -579,10 +595,9 @@ async def mcts(
         if failure is not None:
             leaf.children = kids  # so that the final prune finds their branches
             raise failure
-        for source in sources:
-            if not any(k.branch is source for k in live):
-                await source.prune()
-        leaf.branch, leaf.spares, leaf.children = None, {}, kids
+        leaf.branch, leaf.spares, leaf.children = None, {}, kids  # the kids hold them now
+        unused = [src for src in sources if not any(k.branch is src for k in live)]
+        await asyncio.gather(*(src.prune() for src in unused), return_exceptions=True)
         moving = [k for k in live if k.branch is not None]
         tops = await asyncio.gather(
             *(k.branch._advance(k.token, top=width) for k in moving),  # type: ignore[union-attr]
@@ -700,9 +715,15 @@ async def mcts(
                 if progress is not None:
                     progress(state["done"], iterations)
 
+    runners = [asyncio.ensure_future(runner()) for _ in range(parallel)]
     try:
-        await asyncio.gather(*(runner() for _ in range(parallel)))
+        await asyncio.gather(*runners)
     finally:
+        # One runner's error (or a cancellation) stops the others before
+        # the tree is swept, so that nothing they make afterwards leaks.
+        for task in runners:
+            task.cancel()
+        await asyncio.gather(*runners, return_exceptions=True)
         held: list[RemoteBranch] = []
         stack = [root]
         while stack:

@@ -25,7 +25,7 @@ def _info(b: Branch) -> dict[str, Any]:
     return {"position": b.position, "perplexity": b.perplexity}
 
 
-def _message(e: LloyalError) -> str:
+def _message(e: Exception) -> str:
     """An error as it crosses the wire; the client raises it again as
     the same lloyal type."""
     return f"{type(e).__name__}: {e}"
@@ -100,18 +100,23 @@ class ContextWorker:
         each one no lease was left for (the client makes those elsewhere)."""
         parent = self._branches[bid]
         out: list[tuple[int, dict[str, Any]] | None] = []
-        for seed in seeds:
-            try:
-                # (make_room can say yes and a concurrent call take the
-                # lease before the fork: the fork's refusal is the answer.)
-                await self._cache.make_room(1)
-                child = await parent.fork(root=True)
-            except NoLeaseError:
-                out.append(None)
-                continue
-            if seed is not None:
-                child.reseed_sampler(seed)
-            out.append((self._keep(child), _info(child)))
+        try:
+            for seed in seeds:
+                try:
+                    # (make_room can say yes and a concurrent call take the
+                    # lease before the fork: the fork's refusal is the answer.)
+                    await self._cache.make_room(1)
+                    child = await parent.fork(root=True)
+                except NoLeaseError:
+                    out.append(None)
+                    continue
+                made = self._keep(child)
+                out.append((made, _info(child)))
+                if seed is not None:
+                    child.reseed_sampler(seed)
+        except BaseException:
+            await self.prune([m[0] for m in out if m is not None])  # all or none
+            raise
         return out
 
     async def step(
@@ -140,7 +145,7 @@ class ContextWorker:
                 made.append(
                     (p.token, p.text, p.is_stop, b.model_surprisal(p.token), b.model_entropy())
                 )
-            except LloyalError as e:
+            except Exception as e:  # this branch's answer; the step goes on
                 made.append(_message(e))
         top: list[Any] = []
         for bid, k in tops:
@@ -148,11 +153,14 @@ class ContextWorker:
             if b is None or bid in failed:
                 top.append(failed.get(bid, f"LloyalError: no branch {bid} here"))
                 continue
-            tokens, logprobs = b.top_logprobs(k)
-            ids = tokens.tolist()
-            assert self._ctx is not None
-            stops = [self._ctx.is_stop_token(t) for t in ids]
-            top.append((ids, logprobs.tolist(), b.model_entropy(), stops))
+            try:
+                tokens, logprobs = b.top_logprobs(k)
+                ids = tokens.tolist()
+                assert self._ctx is not None
+                stops = [self._ctx.is_stop_token(t) for t in ids]
+                top.append((ids, logprobs.tolist(), b.model_entropy(), stops))
+            except Exception as e:
+                top.append(_message(e))
         return done, made, top
 
     async def _commit(self, commits: list[tuple[int, int]]) -> dict[int, str]:
@@ -201,9 +209,13 @@ class ContextWorker:
         assert self._ctx is not None
         await self._cache.make_room(1)
         b = await Branch.restore(self._ctx, state, params=params)
-        b.set_sampler_state(sampler)
-        if seed is not None:
-            b.reseed_sampler(seed)
+        try:
+            b.set_sampler_state(sampler)
+            if seed is not None:
+                b.reseed_sampler(seed)
+        except BaseException:
+            await b.prune()
+            raise
         return self._keep(b), _info(b)
 
     def token_texts(self, tokens: list[int]) -> list[str]:
