@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -236,14 +237,18 @@ def test_a_cancelled_fork_leaves_no_branch_behind(pool: ContextPool) -> None:
         w = pool.workers[0]
         tokens = await w.call("tokenize", "The capital of France is")
         root = await pool.branch(tokens, params=lloyal.GREEDY, worker=w)
-        held = (await w.load())["branches"]
+        before = await w.load()
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(root.fork_many([None] * 3), timeout=0.0001)
-        for _ in range(1000):
-            await asyncio.sleep(0.01)
-            if (await w.load())["branches"] == held:
+        deadline = time.monotonic() + 120  # (a starved machine is slow, not wrong)
+        for _ in range(100_000):
+            load = await w.load()
+            done = load["made"] == before["made"] + 3 and load["branches"] == before["branches"]
+            if done or time.monotonic() > deadline:
                 break
-        assert (await w.load())["branches"] == held
+            await asyncio.sleep(0.01)
+        assert load["made"] == before["made"] + 3  # the actor made them
+        assert load["branches"] == before["branches"]  # and they were pruned
         await root.prune()
 
     asyncio.run(run())

@@ -41,6 +41,7 @@ class ContextWorker:
         self._ctx: Context | None = None
         self._branches: dict[int, Branch] = {}
         self._ids = itertools.count(1)
+        self._made = 0  # branches made so far
 
     async def start(self) -> dict[str, Any]:
         self._ctx = await create_context(self._model_path, **self._options)
@@ -54,6 +55,7 @@ class ContextWorker:
 
     def _keep(self, b: Branch) -> int:
         bid = next(self._ids)
+        self._made = bid
         self._branches[bid] = b
         return bid
 
@@ -66,12 +68,13 @@ class ContextWorker:
         return await self._ctx.detokenize(tokens)
 
     def load(self) -> dict[str, int]:
-        """What placement looks at: branches held, leases free (counting
-        the prefix cache's entries, which give theirs back on demand) and
-        KV cells no branch holds."""
+        """What placement looks at: branches held (and made so far), leases
+        free (counting the prefix cache's entries, which give theirs back on
+        demand) and KV cells no branch holds."""
         assert self._ctx is not None
         return {
             "branches": len(self._branches),
+            "made": self._made,
             "free": self._store.available + len(self._cache),
             "cells_free": self._ctx.n_ctx - self._store.cells_held,
         }
