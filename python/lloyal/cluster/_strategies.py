@@ -100,13 +100,19 @@ async def best_of_n(
 
 async def _detokenize(pool: ContextPool, tokens: list[int]) -> str:
     """Text of ``tokens`` from any live worker."""
+    text: str = await _any_worker(pool, "detokenize", tokens)
+    return text
+
+
+async def _any_worker(pool: ContextPool, method: str, *args: Any) -> Any:
+    """``method`` on the first worker that is alive (every worker has the
+    same model: tokenizer calls give the same answer anywhere)."""
     for w in pool.workers:
         try:
-            text: str = await w.call("detokenize", tokens)
-            return text
+            return await w.call(method, *args)
         except WorkerLostError:
             continue
-    raise WorkerLostError("no worker is left to detokenize")
+    raise WorkerLostError(f"no worker is left to {method}")
 
 
 async def _decodes(pool: ContextPool) -> int:
@@ -392,7 +398,7 @@ async def _begin(
 async def _tokens(pool: ContextPool, prompt: Prompt) -> list[int]:
     """The prompt's tokens (text tokenized by a worker)."""
     tokens: list[int] = (
-        await pool.workers[0].call("tokenize", prompt)
+        await _any_worker(pool, "tokenize", prompt)
         if isinstance(prompt, str)
         else [int(t) for t in prompt]
     )
@@ -724,12 +730,7 @@ async def mcts(
         for task in runners:
             task.cancel()
         await asyncio.gather(*runners, return_exceptions=True)
-        held: list[RemoteBranch] = []
-        stack = [root]
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children)
-            held += [b for b in (n.branch, *n.spares.values()) if b is not None]
+        held = [b for n in _walk(root) for b in (n.branch, *n.spares.values()) if b is not None]
         await asyncio.gather(*(b.prune() for b in held), return_exceptions=True)
     if best is None:
         raise WorkerLostError("every iteration was lost with its worker")
@@ -771,10 +772,5 @@ def _freeze(node: _Node, texts: dict[int, str]) -> TreeNode:
 
 async def _token_texts(pool: ContextPool, tokens: list[int]) -> list[str]:
     """Texts of ``tokens`` from any live worker."""
-    for w in pool.workers:
-        try:
-            texts: list[str] = await w.call("token_texts", tokens)
-            return texts
-        except WorkerLostError:
-            continue
-    raise WorkerLostError("no worker is left to detokenize")
+    texts: list[str] = await _any_worker(pool, "token_texts", tokens)
+    return texts
