@@ -222,3 +222,142 @@ async def test_a_full_cache_fails_only_the_commits_that_do_not_fit(smollm2: Path
         assert all(isinstance(e, lloyal.KVCacheFullError) for e in failed)
         after = [b.position for b in branches]
         assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 0, 1, 1]
+
+
+def _whole_state(b: lloyal.Branch) -> tuple[object, ...]:
+    """Everything a failed batch must leave as it was, bit for bit."""
+    return (
+        b.position,
+        b.logits.tobytes(),
+        b.sampler_state(),
+        b.perplexity,
+        b.sampling_perplexity,
+    )
+
+
+async def test_an_explicit_commit_that_overflows_restores_every_branch(model: Path) -> None:
+    """Seven forks commit in lockstep until the cache is full: the failing
+    ``store.commit`` is all or nothing (no branch advanced, every logits
+    bit, sampler stream and perplexity as before), and the context goes on."""
+    async with await lloyal.create_context(model, n_ctx=256, n_seq_max=8) as ctx:
+        store = lloyal.BranchStore(ctx)
+        root = lloyal.Branch.create(ctx, params=lloyal.SamplingParams(seed=5, temperature=0.8))
+        await root.prefill(await ctx.tokenize("Once upon a time"))
+        kids = [await root.fork() for _ in range(7)]
+        for i, k in enumerate(kids):
+            k.reseed_sampler(i)
+        for _ in range(ctx.n_ctx):  # the cache is full long before
+            items = [(k, (await k.produce()).token) for k in kids]
+            before = [_whole_state(k) for k in kids]
+            try:
+                await store.commit(items)
+            except lloyal.KVCacheFullError:
+                break
+        else:
+            pytest.fail("the cache never filled")
+        assert [_whole_state(k) for k in kids] == before
+        # One branch fewer fits: the others commit the same tokens now.
+        await kids[-1].prune()
+        await kids[-2].prune()
+        await store.commit(items[:5])
+        assert [k.position for k in kids[:5]] == [before[0][0] + 1] * 5
+
+
+async def test_an_explicit_prefill_that_overflows_restores_every_branch(model: Path) -> None:
+    """A ``store.prefill`` spanning several decodes (n_batch=16) whose last
+    decode does not fit: every branch is as before, bits included."""
+    async with await lloyal.create_context(model, n_ctx=256, n_batch=16, n_seq_max=5) as ctx:
+        store = lloyal.BranchStore(ctx)
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        await root.prefill((await ctx.tokenize("word " * 200))[:200])
+        kids = [await root.fork() for _ in range(4)]
+        await store.commit([(k, 100 + i) for i, k in enumerate(kids)])
+        more = (await ctx.tokenize(" again" * 20, add_special=False))[:15]
+        before = [_whole_state(k) for k in kids]
+        with pytest.raises(lloyal.KVCacheFullError):
+            await store.prefill([(k, more) for k in kids])  # 60 cells, 52 free
+        assert [_whole_state(k) for k in kids] == before
+        await store.prefill([(k, more) for k in kids[:3]])
+        assert [k.position for k in kids] == [216, 216, 216, 201]
+
+
+async def test_merged_groups_of_two_tasks_do_not_fail_each_other(smollm2: Path) -> None:
+    """One task's ``store.commit`` of five branches and another task's single
+    commit go in one step; only four cells are free. The merged decode
+    fails, the groups are retried apart: the single commit lands, the
+    five-branch batch fails whole (none of its branches moved)."""
+    async with await lloyal.create_context(smollm2, n_ctx=256, n_seq_max=8) as ctx:
+        store = lloyal.BranchStore(ctx)
+        root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await root.prefill([100 + i % 50 for i in range(20)])
+        filler = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await filler.prefill([200 + i % 50 for i in range(ctx.n_ctx - 20 - 4)])  # 4 cells free
+        single, *five = [await root.fork() for _ in range(6)]
+        outcome: dict[str, object] = {}
+
+        async def commit_one() -> None:
+            await single.commit(7)
+            outcome["single"] = "ok"
+
+        async def commit_five() -> None:
+            try:
+                await store.commit([(b, 8) for b in five])
+            except lloyal.KVCacheFullError as e:
+                outcome["five"] = e
+
+        before = ctx.stats.decode_calls
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(commit_five)
+            tg.start_soon(commit_one)
+        # Merged (fails), then each group alone: the single fits, the five do not.
+        assert ctx.stats.decode_calls - before == 3
+        assert outcome["single"] == "ok"
+        assert isinstance(outcome["five"], lloyal.KVCacheFullError)
+        assert single.position == 21
+        assert [b.position for b in five] == [20] * 5
+
+
+async def test_a_long_prompt_joins_running_streams_in_chunks(model: Path) -> None:
+    """A 1,000-token prompt prefilled while 31 streams generate is decoded in
+    chunks of at most n_batch tokens that share decodes with the streams'
+    commits, and ends as the same prompt prefilled alone would (the same
+    logits up to the route noise of tests/conftest.py). How long a stream
+    can wait is counted exactly in the engine's own test (tests/aio.rs:
+    commits wait behind at most one round)."""
+    n_batch = 64
+    async with await lloyal.create_context(
+        model, n_ctx=4096, n_batch=n_batch, n_seq_max=34
+    ) as ctx:
+        root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize("Count: one, two, three"))
+        streams = [await root.fork() for _ in range(31)]
+        prompt = (await ctx.tokenize("the cat sat on the mat " * 200))[:1000]
+        late = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        prefilled = anyio.Event()
+        made = [0] * len(streams)
+
+        async def stream(i: int, b: lloyal.Branch) -> None:
+            while not prefilled.is_set():
+                await b.commit((await b.produce()).token)
+                made[i] += 1
+
+        async def prefill() -> None:
+            await anyio.lowlevel.checkpoint()
+            await late.prefill(prompt)
+            prefilled.set()
+
+        calls, tokens = ctx.stats.decode_calls, ctx.stats.tokens_decoded
+        async with anyio.create_task_group() as tg:
+            for i, b in enumerate(streams):
+                tg.start_soon(stream, i, b)
+            tg.start_soon(prefill)
+        decodes = ctx.stats.decode_calls - calls
+        decoded = ctx.stats.tokens_decoded - tokens
+        assert late.position == 1000
+        assert decoded == 1000 + sum(made)
+        assert decodes >= -(-decoded // n_batch)  # no decode held more than n_batch
+        alone = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await alone.prefill(prompt)
+        assert np.abs(late.logits - alone.logits).max() <= ROUTE_NOISE
+        if top1_margin(alone.logits) > 2 * ROUTE_NOISE:
+            assert int(np.argmax(late.logits)) == int(np.argmax(alone.logits))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -14,7 +13,7 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from lloyal import _check, _lloyal
+from lloyal import _check, _lloyal, _step
 from lloyal._bridge import call_native
 from lloyal.context import Base, Context, Logits, _logits_arg, _token_id, _token_list
 from lloyal.errors import BranchDisposedError
@@ -38,28 +37,6 @@ class Token:
 
     token: int
     text: str
-
-
-def _hold_for_this_tick(ctx: Context) -> _lloyal.Hold | None:
-    """Hold ``ctx``'s worker for the rest of this event-loop tick, unless
-    this thread's loop holds it already. Commits submitted meanwhile (by
-    every task runnable in this tick) wait on the worker, which takes them
-    together when the hold is released and merges them into one
-    ``llama_decode``. Returns the hold to release after one checkpoint, or
-    ``None``. Per thread, so per event loop: two loops in two threads each
-    hold for their own tick."""
-    local: threading.local | None = ctx.__dict__.get("_tick_hold")
-    if local is None:
-        local = ctx.__dict__.setdefault("_tick_hold", threading.local())
-    if getattr(local, "held", False):
-        return None
-    local.held = True
-    return ctx._native.hold()
-
-
-def _end_tick_hold(ctx: Context, hold: _lloyal.Hold) -> None:
-    ctx.__dict__["_tick_hold"].held = False
-    hold.release()
 
 
 def _registry(ctx: Context) -> weakref.WeakValueDictionary[int, Branch]:
@@ -223,13 +200,11 @@ class Branch:
         """
         all_rows = _logits_mode(logits)
         ids = _token_list(tokens)
-        native = self._ctx._native
+        ctx = self._ctx
+        ctx._check_open()
         handle = self._handle
-        errors = await call_native(
-            lambda done: native.branch_prefill([(handle, ids)], done, all_rows)
-        )
-        _raise_first(errors)
-        return _take_rows(native, handle) if all_rows else None
+        _raise_first(await _step.submit(ctx, [(handle, ids)], all_rows))
+        return _take_rows(ctx._native, handle) if all_rows else None
 
     async def truncate(self, position: int, logits: npt.ArrayLike | None = None) -> None:
         """Drop this branch's KV from ``position`` on, so it continues from
@@ -340,20 +315,7 @@ class Branch:
         t = _token_id(token)
         ctx = self._ctx
         ctx._check_open()
-        native = ctx._native
-        items = [(self._handle, t)]
-        # The first commit of a tick holds the worker until every task
-        # runnable in this tick has queued its commit (one checkpoint); the
-        # worker merges them into one decode.
-        hold = _hold_for_this_tick(ctx)
-        try:
-            done = call_native(lambda d: native.branch_commit(items, d))
-            if hold is not None:
-                await anyio.lowlevel.checkpoint()
-        finally:
-            if hold is not None:
-                _end_tick_hold(ctx, hold)
-        _raise_first(await done)
+        _raise_first(await _step.submit(ctx, [(self._handle, t)]))
 
     def accept(self, token: int) -> None:
         """Record ``token`` as chosen (penalties, perplexities) without
@@ -739,13 +701,11 @@ class BranchStore:
         (more only past ``n_batch`` branches). Items that fail alone (a
         pruned branch) do not stop the others; the first such error is
         raised after the rest are committed."""
-        pairs = [
+        pairs: list[_step.Item] = [
             (self._handle(b, f"items[{i}][0]"), _token_id(t))
             for i, (b, t) in enumerate(self._pairs(items, "token"))
         ]
-        native = self._ctx._native
-        errors = await call_native(lambda done: native.branch_commit(pairs, done))
-        _raise_first(errors)
+        _raise_first(await _step.submit(self._ctx, pairs))
 
     @overload
     async def prefill(
@@ -766,13 +726,12 @@ class BranchStore:
         ``logits="all"`` returns each item's per-position logits (see
         :meth:`Branch.prefill`), in item order."""
         all_rows = _logits_mode(logits)
-        pairs = [
+        pairs: list[_step.Item] = [
             (self._handle(b, f"items[{i}][0]"), _token_list(t))
             for i, (b, t) in enumerate(self._pairs(items, "tokens"))
         ]
+        _raise_first(await _step.submit(self._ctx, pairs, all_rows))
         native = self._ctx._native
-        errors = await call_native(lambda done: native.branch_prefill(pairs, done, all_rows))
-        _raise_first(errors)
         return [_take_rows(native, h) for h, _ in pairs] if all_rows else None
 
     async def prefill_tree(

@@ -9,8 +9,9 @@ metadata, not cells), cuts it back to the shared part and prefills only
 the rest.
 
 Entries hold KV leases and cells; the least recently used go first when
-``max_branches`` or ``max_cells`` would be exceeded, or when a lease is
-needed and none is free.
+``max_branches`` or ``max_cells`` would be exceeded, when a lease is
+needed and none is free, or when a prompt's prefill finds the KV cache
+full (:meth:`PrefixCache.evict_one` gives cells back on demand too).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import anyio
 
 from lloyal.branch import Branch, BranchStore
 from lloyal.context import _token_list
-from lloyal.errors import NoLeaseError, StateError
+from lloyal.errors import KVCacheFullError, NoLeaseError, StateError
 from lloyal.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -258,7 +259,7 @@ class PrefixCache:
                 out.set_sampler_params(p)
             if source is not None and 0 < reuse < len(source.tokens):
                 await out.truncate(reuse)
-            await out.prefill(ids[reuse:])
+            await self._prefill(out, ids[reuse:])
         except BaseException:
             await out.prune()
             raise
@@ -267,6 +268,25 @@ class PrefixCache:
         async with self._lock:
             await self._remember(ids, out)
         return out
+
+    async def _prefill(self, branch: Branch, tokens: Sequence[int]) -> None:
+        """Prefill ``tokens`` into ``branch``; when the KV cache is full,
+        entries give back their cells, least recently used first, until it
+        fits (the failed prefill changed nothing)."""
+        while True:
+            try:
+                await branch.prefill(tokens)
+                return
+            except KVCacheFullError:
+                if not await self.evict_one():
+                    raise
+
+    async def evict_one(self) -> bool:
+        """Prune the least recently used entry (to disk first, with
+        ``disk_dir``): its cells and lease come back unless a live branch
+        shares them. ``False`` when there is none."""
+        async with self._lock:
+            return await self._evict_one()
 
     async def _with_lease(
         self, make: Callable[[], Awaitable[Branch]], keep: _Entry | None = None

@@ -13,8 +13,8 @@
 
 use tokio::sync::oneshot;
 
-use crate::branch::{ItemResults, TreeOutcome};
-use crate::engine::{Context, Reply};
+use crate::branch::TreeOutcome;
+use crate::engine::{Context, ItemResults, Reply, StepInput};
 use crate::error::{Error, Result};
 use crate::BranchId;
 use crate::SamplingParams;
@@ -88,6 +88,15 @@ impl Aio<'_> {
     pub async fn commit_each(self, items: Vec<(BranchId, i32)>) -> Result<ItemResults> {
         let (reply, answer) = channel();
         self.0.branch_commit(items, reply);
+        answer.await
+    }
+
+    /// [`Context::branch_step`] with one group: commits and prefills of
+    /// several branches, all or nothing on a full KV cache; one result per
+    /// item (an item that fails alone, a pruned branch say, fails alone).
+    pub async fn step(self, items: Vec<(BranchId, StepInput)>) -> Result<ItemResults> {
+        let (reply, answer) = channel();
+        self.0.branch_step(vec![(items, false, reply)]);
         answer.await
     }
 

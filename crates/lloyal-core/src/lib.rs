@@ -98,9 +98,10 @@ pub mod fuzzing {
 pub use backend::{
     backend, backend_info, supports_gpu_offload, BackendInfo, Device, LLAMA_CPP_2_VERSION,
 };
-pub use branch::{BranchId, BranchState, Branches, ItemResults, LogitsView, TreeOutcome};
+pub use branch::{BranchId, BranchState, Branches, LogitsView, TreeOutcome};
 pub use engine::{
-    after_job, join_workers, Context, Embeddings, Hold, Reply, Stats, WORKER_THREAD_NAME,
+    after_job, join_workers, Context, Embeddings, Hold, ItemResults, Reply, Stats, StepInput,
+    WORKER_THREAD_NAME,
 };
 pub use error::{Error, Result};
 pub use grammar::{json_schema_to_grammar, Grammar, GrammarSpec};

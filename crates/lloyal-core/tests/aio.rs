@@ -3,22 +3,20 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lloyal_core::{BranchId, Context, ContextParams, Error, SamplingParams};
+use lloyal_core::{BranchId, Context, ContextParams, Error, Reply, SamplingParams, StepInput};
 
 fn open(n_seq_max: u32) -> Arc<Context> {
+    open_with(ContextParams {
+        n_ctx: 512,
+        n_seq_max,
+        ..ContextParams::default()
+    })
+}
+
+fn open_with(params: ContextParams) -> Arc<Context> {
     let path = std::env::var("LLOYAL_TEST_MODEL")
         .expect("set LLOYAL_TEST_MODEL to a GGUF file (make test-rust does this)");
-    Arc::new(
-        Context::open_blocking(
-            path,
-            ContextParams {
-                n_ctx: 512,
-                n_seq_max,
-                ..ContextParams::default()
-            },
-        )
-        .expect("the test model loads"),
-    )
+    Arc::new(Context::open_blocking(path, params).expect("the test model loads"))
 }
 
 /// A root with a prompt and `n` forks of it.
@@ -160,5 +158,84 @@ async fn a_slow_sampler_runs_on_its_own_thread_and_keeps_its_stream() {
         .commit(vec![(kids[0], via_thread[5])])
         .await
         .unwrap();
+    ctx.aio().close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commits_and_a_prompt_in_one_step_are_one_decode() {
+    let ctx = open(4);
+    let kids = forks(&ctx, 2).await;
+    let fresh = ctx.branch_create(SamplingParams::greedy()).unwrap();
+    let before = ctx.stats();
+    let results = ctx
+        .aio()
+        .step(vec![
+            (kids[0], StepInput::Commit(100)),
+            (fresh, StepInput::Prefill(vec![1, 2, 3, 4, 5])),
+            (kids[1], StepInput::Commit(101)),
+        ])
+        .await
+        .unwrap();
+    assert!(results.iter().all(Result::is_ok));
+    let after = ctx.stats();
+    assert_eq!(after.decode_calls - before.decode_calls, 1);
+    assert_eq!(after.tokens_decoded - before.tokens_decoded, 7);
+    assert_eq!(ctx.read_branch(fresh, |b| b.position).unwrap(), 5);
+    assert_eq!(ctx.read_branch(kids[1], |b| b.position).unwrap(), 5);
+    ctx.aio().close().await.unwrap();
+}
+
+/// A 1,000-token prompt and 31 streams committing in a loop: the prompt
+/// goes in chunks, so a commit waits behind at most the round in flight
+/// when it was submitted, and its own round holds at most `n_batch`
+/// tokens. Counted exactly: the tokens decoded between the submission and
+/// the reply (read on the worker thread as it answers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_long_prompt_delays_commits_by_at_most_one_round() {
+    let n_batch = 64u64;
+    let ctx = open_with(ContextParams {
+        n_ctx: 4096,
+        n_batch: n_batch as u32,
+        n_seq_max: 33,
+        ..ContextParams::default()
+    });
+    let streams = forks(&ctx, 31).await;
+    let late = ctx.branch_create(SamplingParams::greedy()).unwrap();
+    let prompt: Vec<i32> = (0..1000).map(|i| 100 + i % 500).collect();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for (i, &b) in streams.iter().enumerate() {
+        let (ctx, done) = (Arc::clone(&ctx), Arc::clone(&done));
+        tasks.push(tokio::spawn(async move {
+            let mut gaps = Vec::new();
+            let mut token = 200 + i as i32;
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let stats = Arc::clone(&ctx);
+                let reply = Reply::new(move |r| {
+                    let _ = tx.send((r, stats.stats().tokens_decoded));
+                });
+                let submitted = ctx.stats().tokens_decoded;
+                ctx.branch_commit(vec![(b, token)], reply);
+                let (result, answered) = rx.await.unwrap();
+                assert!(result.unwrap().iter().all(Result::is_ok));
+                gaps.push(answered - submitted);
+                token = ctx.branch_produce(b).unwrap();
+            }
+            gaps
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let calls = ctx.stats().decode_calls;
+    ctx.aio().prefill(vec![(late, prompt)], false).await.unwrap();
+    let prompt_decodes = ctx.stats().decode_calls - calls;
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut worst = 0;
+    for task in tasks {
+        worst = worst.max(task.await.unwrap().into_iter().max().unwrap_or(0));
+    }
+    assert_eq!(ctx.read_branch(late, |b| b.position).unwrap(), 1000);
+    assert!(worst <= 2 * n_batch, "a commit waited behind {worst} tokens");
+    assert!(prompt_decodes >= 1000 / n_batch);
     ctx.aio().close().await.unwrap();
 }

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use lloyal_core::{Base, BranchId, Reply};
-use lloyal_core::{ItemResults, TreeOutcome};
+use lloyal_core::{ItemResults, StepInput, TreeOutcome};
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
@@ -22,6 +22,22 @@ fn produced(py: Python<'_>, (token, piece, stop): (i32, Vec<u8>, bool)) -> PyRes
         .into_pyobject(py)?
         .into_any()
         .unbind())
+}
+
+/// An item of `branch_step`: a token to commit or tokens to prefill.
+#[derive(FromPyObject)]
+enum PyStepInput {
+    Commit(i32),
+    Prefill(Vec<i32>),
+}
+
+impl From<PyStepInput> for StepInput {
+    fn from(input: PyStepInput) -> Self {
+        match input {
+            PyStepInput::Commit(t) => StepInput::Commit(t),
+            PyStepInput::Prefill(t) => StepInput::Prefill(t),
+        }
+    }
 }
 
 pub(crate) fn id(bits: u64) -> BranchId {
@@ -124,6 +140,24 @@ impl PyContext {
     ) {
         self.inner
             .branch_clear_and_reseed(id(branch), sinks, tail, py_reply(done, none));
+    }
+
+    /// One step of several groups (``lloyal_core::Context::branch_step``):
+    /// each group is ``(items, all_rows, done)``, an item ``(branch,
+    /// token)`` to commit or ``(branch, [tokens])`` to prefill; each
+    /// ``done`` gets its group's per-item errors.
+    fn branch_step(&self, groups: Vec<(Vec<(u64, PyStepInput)>, bool, Py<PyAny>)>) {
+        let groups = groups
+            .into_iter()
+            .map(|(items, all_rows, done)| {
+                let items = items
+                    .into_iter()
+                    .map(|(b, input)| (id(b), input.into()))
+                    .collect();
+                (items, all_rows, py_reply(done, item_errors))
+            })
+            .collect();
+        self.inner.branch_step(groups);
     }
 
     #[pyo3(signature = (items, done, all_rows=false))]

@@ -306,7 +306,7 @@ async def chat_completions(request: Request, state: _State) -> Response:
         }
 
     async def events() -> AsyncGenerator[Event, None]:
-        async with state.engine.admitted(gen.n):
+        async with state.engine.admitted(tokens, gen):
             async for event in state.engine.generate(
                 tokens,
                 gen,
@@ -411,7 +411,7 @@ async def completions(request: Request, state: _State) -> Response:
         }
 
     async def events() -> AsyncGenerator[Event, None]:
-        async with state.engine.admitted(gen.n):
+        async with state.engine.admitted(tokens, gen):
             async for event in state.engine.generate(tokens, gen):
                 record(event)
                 yield event

@@ -5,9 +5,18 @@ cached prefix, with only the rest prefilled) and one branch per choice
 (``n`` choices are forks of one prompt). One step loop drives every choice
 of every request: each produces a token, then all are committed in one
 ``BranchStore.commit``, so a step costs one decode however many requests
-are running; a request's choices join at the next step. Admission counts
-KV leases: a request waits until its ``n`` leases fit, and is refused with
-429 once ``max_queue`` requests wait.
+are running; a request's choices join at the next step. A new request's
+prompt is prefilled from its own task: the engine's step scheduler decodes
+it in chunks that share decodes with the running commits.
+
+Admission counts KV leases and KV cells: a request waits until its ``n``
+leases and its cells -- the prompt plus ``max_tokens`` per choice
+(``DEFAULT_RESERVE`` without ``max_tokens``) -- fit beside what the
+admitted requests reserved, and is refused with 429 (``Retry-After``) once
+``max_queue`` requests wait. Cached prefixes use the cells nobody
+reserved: they are evicted, least recently used first, whenever a prompt or
+a step needs their cells, so pressure never turns into an error for a
+request that fits.
 """
 
 from __future__ import annotations
@@ -28,7 +37,12 @@ from lloyal.prefix_cache import PrefixCache
 from lloyal.server._protocol import ApiError, Generation
 from lloyal.text import TextStream
 
-__all__ = ["Engine", "Event", "Metrics"]
+__all__ = ["DEFAULT_RESERVE", "Engine", "Event", "Metrics"]
+
+DEFAULT_RESERVE = 512
+"""Cells reserved per choice for a request without ``max_tokens``. Such a
+request may generate past it while cells are free; under pressure it ends
+with ``finish_reason: "length"`` once it has."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,7 @@ class Engine:
         self.max_queue = max_queue
         self.metrics = Metrics()
         self._reserved = 0
+        self._reserved_cells = 0
         self._turn = asyncio.Condition()
         self._store = BranchStore(ctx)
         self._active: list[_Choice] = []
@@ -92,16 +107,40 @@ class Engine:
             self._eog = [t for t in range(self.ctx.vocab_size) if self.ctx.is_stop_token(t)]
         return self._eog
 
+    def cells_needed(self, tokens: Sequence[int], gen: Generation) -> int:
+        """The KV cells a request reserves: its prompt, and ``max_tokens``
+        (``DEFAULT_RESERVE`` without it) for each choice, at most the whole
+        cache."""
+        room = self.ctx.n_ctx - len(tokens)
+        per_choice = min(gen.max_tokens or DEFAULT_RESERVE, max(room, 0))
+        return min(len(tokens) + gen.n * per_choice, self.ctx.n_ctx)
+
     @asynccontextmanager
-    async def admitted(self, n: int) -> AsyncIterator[None]:
-        """Hold ``n`` leases' worth of capacity for a request."""
+    async def admitted(self, tokens: Sequence[int], gen: Generation) -> AsyncIterator[None]:
+        """Hold ``gen.n`` leases and the request's cells (see
+        :meth:`cells_needed`) for a request: wait while they do not fit
+        beside the admitted requests', 429 past ``max_queue`` waiting."""
+        n = gen.n
         if n > self.capacity:
             raise ApiError(
                 f"n={n} needs more KV sequences than the server has ({self.capacity})", param="n"
             )
+        if len(tokens) >= self.ctx.n_ctx:
+            raise ApiError(
+                f"the prompt has {len(tokens)} tokens; the context holds {self.ctx.n_ctx}",
+                param="messages",
+            )
+        cells = self.cells_needed(tokens, gen)
         self.metrics.requests += 1
+
+        def fits() -> bool:
+            return (
+                self._reserved + n <= self.capacity
+                and self._reserved_cells + cells <= self.ctx.n_ctx
+            )
+
         async with self._turn:
-            if self._reserved + n > self.capacity:
+            if not fits():
                 if self.metrics.waiting >= self.max_queue:
                     self.metrics.rejected += 1
                     raise ApiError(
@@ -111,16 +150,18 @@ class Engine:
                     )
                 self.metrics.waiting += 1
                 try:
-                    await self._turn.wait_for(lambda: self._reserved + n <= self.capacity)
+                    await self._turn.wait_for(fits)
                 finally:
                     self.metrics.waiting -= 1
             self._reserved += n
+            self._reserved_cells += cells
             self.metrics.active += 1
         try:
             yield
         finally:
             async with self._turn:
                 self._reserved -= n
+                self._reserved_cells -= cells
                 self.metrics.active -= 1
                 self._turn.notify_all()
 
@@ -145,7 +186,11 @@ class Engine:
                 "no KV sequence is free; retry shortly", status=503, kind="server_error"
             ) from None
         except KVCacheFullError:
-            raise ApiError("the prompt does not fit the KV cache", param="messages") from None
+            # Admitted with its cells reserved, so only cells held by
+            # branches being pruned right now are in the way: retryable.
+            raise ApiError(
+                "the KV cache is full for now; retry shortly", status=503, kind="server_error"
+            ) from None
         # Forks continue their parent's random stream: each choice gets its own.
         base = gen.seed if gen.seed is not None else random.getrandbits(32)
         for i, b in enumerate(branches):
@@ -189,13 +234,20 @@ class Engine:
                 batch.append((c, token))
         if not batch:
             return
-        try:
-            await self._store.commit([(c.branch, t) for c, t in batch])
-        except KVCacheFullError:
-            for c, _ in batch:
-                c.end("length")
-                self._active.remove(c)
-            return
+        items = [(c.branch, t) for c, t in batch]
+        while True:
+            try:
+                await self._store.commit(items)
+                break
+            except KVCacheFullError:
+                # Cached prefixes hold the cells nobody reserved: give them
+                # back before ending anything.
+                if self.cache is not None and await self.cache.evict_one():
+                    continue
+                for c, _ in batch:
+                    c.end("length")
+                    self._active.remove(c)
+                return
         for c, _ in batch:
             if not c.committed():
                 self._active.remove(c)

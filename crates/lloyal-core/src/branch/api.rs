@@ -1,14 +1,15 @@
 //! The branch operations a caller starts: cheap ones run under the
 //! `branches` lock on the caller's thread; anything touching the KV cache
-//! becomes a [`BranchJob`] for the worker.
+//! becomes a [`BranchJob`] for the worker, or a step (commits, prefills).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 
-use super::job::{mark_busy, BranchJob, ItemResults};
+use super::job::{mark_busy, BranchJob};
 use super::state::{BranchId, BranchState};
 use super::tree::{check_tree, TreeOutcome};
 use super::view::LogitsView;
+use crate::engine::step::{Group, Input, ItemResults, Step};
 use crate::engine::{Context, Job, Reply, Shared};
 use crate::error::{invalid, Error, Result};
 use crate::grammar::Grammar;
@@ -414,27 +415,36 @@ impl Context {
         self.run_inline(|w| w.prune(id, cascade))
     }
 
-    /// Split a batch into items that can run (marked busy) and per-item
-    /// errors for the rest (stale, busy, repeated, or failing `check`), so
-    /// one bad item never sinks the others. `reply` gets one result per
-    /// original item.
-    pub(super) fn submit_items<T: Send + 'static>(
+    /// Split a caller's batch into items that can run (marked busy) and
+    /// per-item errors for the rest (stale, busy, repeated, or a bad
+    /// input), so one bad item never sinks the others. The group to run,
+    /// whose reply gets one result per original item; `None` when nothing
+    /// can run (`reply` is answered then).
+    fn group(
         &self,
-        items: Vec<(BranchId, T)>,
-        check: impl Fn(&T) -> Result<()>,
+        items: Vec<(BranchId, Input)>,
+        all_rows: bool,
         reply: Reply<ItemResults>,
-        job: impl FnOnce(Vec<(BranchId, T)>, Reply<ItemResults>) -> BranchJob,
-    ) {
+    ) -> Option<Group> {
         if let Err(e) = self.check_open() {
-            return reply.send(Err(e));
+            reply.send(Err(e));
+            return None;
         }
+        let model = self.model();
+        let check = |input: &Input| match input {
+            Input::Commit(token) => model.check_token(*token),
+            Input::Prefill(tokens) if tokens.is_empty() => {
+                Err(invalid("cannot prefill an empty token list"))
+            }
+            Input::Prefill(tokens) => model.check_tokens(tokens),
+        };
         let mut early: Vec<Option<Error>> = Vec::with_capacity(items.len());
         let mut runnable = Vec::with_capacity(items.len());
         {
             let mut branches = lock(&self.shared.branches);
             let mut seen: Vec<BranchId> = Vec::with_capacity(items.len());
-            for (id, payload) in items {
-                let verdict = check(&payload).and_then(|()| {
+            for (id, input) in items {
+                let verdict = check(&input).and_then(|()| {
                     if seen.contains(&id) || branches.get(id)?.busy {
                         return Err(Error::BranchBusy);
                     }
@@ -446,7 +456,7 @@ impl Context {
                         if let Ok(b) = branches.get_mut(id) {
                             b.busy = true;
                         }
-                        runnable.push((id, payload));
+                        runnable.push((id, input));
                         early.push(None);
                     }
                     Err(e) => early.push(Some(e)),
@@ -454,7 +464,8 @@ impl Context {
             }
         }
         if runnable.is_empty() {
-            return reply.send(Ok(early.into_iter().flatten().map(Err).collect()));
+            reply.send(Ok(early.into_iter().flatten().map(Err).collect()));
+            return None;
         }
         let merge: Reply<ItemResults> = Reply::new(move |result: Result<ItemResults>| {
             reply.send(result.map(|ran| {
@@ -468,46 +479,58 @@ impl Context {
                     .collect()
             }))
         });
-        self.submit(Job::task(job(runnable, merge)));
+        Some(Group::new(runnable, all_rows, merge))
     }
 
-    /// Accept one token per branch and decode them all together.
+    /// Decode the groups of one step together (see [`crate::engine`]'s
+    /// `step` module): each group is one caller's batch of commits
+    /// ([`StepInput::Commit`]: accept the token, then decode it) and
+    /// prefills ([`StepInput::Prefill`]), all or nothing on its own; groups
+    /// do not fail each other. `all_rows` keeps every position's logits of
+    /// a group's prefills (see [`Context::branch_take_rows`]). Each group's
+    /// reply gets one result per item. The worker runs the step with the
+    /// steps queued next to it, one decode per round: every commit, then
+    /// prompt tokens up to `n_batch` (a long prompt spans rounds, and
+    /// commits arriving meanwhile join the next one).
+    ///
+    /// [`StepInput::Commit`]: crate::StepInput::Commit
+    /// [`StepInput::Prefill`]: crate::StepInput::Prefill
+    pub fn branch_step(&self, groups: Vec<(Vec<(BranchId, Input)>, bool, Reply<ItemResults>)>) {
+        let groups: Vec<Group> = groups
+            .into_iter()
+            .filter_map(|(items, all_rows, reply)| self.group(items, all_rows, reply))
+            .collect();
+        if !groups.is_empty() {
+            self.submit(Job::Step(Step::new(groups)));
+        }
+    }
+
+    /// Accept one token per branch and decode them all together: a step
+    /// of one group, all or nothing on a full KV cache.
     pub fn branch_commit(&self, items: Vec<(BranchId, i32)>, reply: Reply<ItemResults>) {
-        let model = Arc::clone(self.model());
-        self.submit_items(
-            items,
-            move |&t| model.check_token(t),
-            reply,
-            |items, reply| BranchJob::Commit { items, reply },
-        );
+        let items = items
+            .into_iter()
+            .map(|(id, t)| (id, Input::Commit(t)))
+            .collect();
+        self.branch_step(vec![(items, false, reply)]);
     }
 
     /// Decode a token list into each branch, packed into as few
-    /// `llama_decode` calls as `n_batch` allows. With `all_rows`, every
-    /// position's logits are kept for [`Context::branch_take_rows`] (one
-    /// decode verifies a whole draft), not only the last token's.
+    /// `llama_decode` calls as `n_batch` allows: a step of one group. With
+    /// `all_rows`, every position's logits are kept for
+    /// [`Context::branch_take_rows`] (one decode verifies a whole draft),
+    /// not only the last token's.
     pub fn branch_prefill(
         &self,
         items: Vec<(BranchId, Vec<i32>)>,
         all_rows: bool,
         reply: Reply<ItemResults>,
     ) {
-        let model = Arc::clone(self.model());
-        self.submit_items(
-            items,
-            move |tokens: &Vec<i32>| {
-                if tokens.is_empty() {
-                    return Err(invalid("cannot prefill an empty token list"));
-                }
-                model.check_tokens(tokens)
-            },
-            reply,
-            move |items, reply| BranchJob::Prefill {
-                items,
-                all_rows,
-                reply,
-            },
-        );
+        let items = items
+            .into_iter()
+            .map(|(id, t)| (id, Input::Prefill(t)))
+            .collect();
+        self.branch_step(vec![(items, all_rows, reply)]);
     }
 
     /// Decode a token tree into `root` in one pass (tree attention): token

@@ -1,34 +1,34 @@
-//! Commits and prefills: the tokens of many branches in one decode, and
-//! the undo that leaves every branch as it was when a decode fails.
+//! Steps (see `engine::step`): the tokens of many branches -- commits and
+//! prompt chunks of many callers -- in one decode per round, and the undo
+//! that leaves every branch of a failed group as it was.
 
 use std::sync::Arc;
 
 use llama_cpp_2::token::LlamaToken;
 
-use super::job::ItemResults;
+use super::job::clear_busy;
 use super::scan::{copy_and_scan, log_sum_exps, reuse, BACKGROUND_SUMS_UP_TO};
-use super::state::{BranchId, BranchState};
-use crate::engine::Worker;
+use super::state::BranchId;
+use crate::engine::step::{Group, Input, ItemResults, Progress, Step, Undo, Work};
+use crate::engine::{Reply, Worker};
 use crate::error::{Error, Result};
-use crate::grammar::Grammar;
 use crate::metrics::LogitStats;
-use crate::sampling::Sampler;
 use crate::sync::lock;
 
-/// A branch's new logits after a decode: (branch, positions advanced,
-/// (snapshot, its stats)).
-pub(super) type Fresh = (BranchId, i32, (Arc<[f32]>, LogitStats));
+/// The tokens `from..to` of one work item of one group, decoded this round.
+#[derive(Clone, Copy)]
+struct Part {
+    group: usize,
+    work: usize,
+    from: usize,
+    to: usize,
+}
 
-/// What a commit may have to undo.
-pub(super) struct Undo {
-    id: BranchId,
-    seq: i32,
-    position: i32,
-    sampler: Sampler,
-    perplexity: crate::metrics::PerplexityTracker,
-    sampling_perplexity: crate::metrics::PerplexityTracker,
-    /// Tokens the branch's grammar had consumed before the commit.
-    grammar_consumed: Option<usize>,
+/// What a round's decodes gave one part, kept until all of them succeed.
+#[derive(Default)]
+struct Captured {
+    fresh: Option<(Arc<[f32]>, LogitStats)>,
+    rows: Vec<f32>,
 }
 
 impl Worker<'_> {
@@ -53,20 +53,6 @@ impl Worker<'_> {
                 b.sampling_perplexity = u.sampling_perplexity;
                 if let (Some(count), Some(g)) = (u.grammar_consumed, b.grammar.as_mut()) {
                     let _ = g.rewind(count);
-                }
-            }
-        }
-    }
-
-    /// Store each item's fresh logits and advance its position.
-    pub(super) fn apply(&mut self, fresh: Vec<Fresh>) {
-        let shared = Arc::clone(&self.shared);
-        let mut branches = lock(&shared.branches);
-        for (id, advance, (logits, stats)) in fresh {
-            if let Ok(b) = branches.get_mut(id) {
-                b.position += advance;
-                if let Some(old) = b.replace_logits_with(logits, Some(stats)) {
-                    self.recycle(old);
                 }
             }
         }
@@ -128,182 +114,306 @@ impl Worker<'_> {
         buffers.into_iter().zip(stats).collect()
     }
 
-    /// Decode the current batch; on failure undo everything in `undo`.
-    pub(super) fn decode_or_undo(&mut self, undo: &mut Option<Vec<Undo>>) -> Result<()> {
-        let n = self.batch.n_tokens() as usize;
-        self.llama_decode(n).inspect_err(|_| {
-            if let Some(u) = undo.take() {
-                self.undo(u);
-            }
-        })
-    }
-
-    /// Commit `items` in one decode; when the KV cache cannot take them
-    /// all, every branch is as before and the halves are tried on their
-    /// own, so the commits that fit succeed and only the rest fail (each
-    /// with `KvCacheFull`): commits merged from several callers do not
-    /// fail each other.
-    pub(super) fn commit(&mut self, items: &[(BranchId, i32)]) -> Result<ItemResults> {
-        match self.commit_once(items) {
-            Err(Error::KvCacheFull(_)) if items.len() > 1 => {
-                let (a, b) = items.split_at(items.len() / 2);
-                let mut results = self.commit_split(a)?;
-                results.extend(self.commit_split(b)?);
-                Ok(results)
-            }
-            other => other,
-        }
-    }
-
-    pub(super) fn commit_split(&mut self, items: &[(BranchId, i32)]) -> Result<ItemResults> {
-        match self.commit(items) {
-            Err(e @ Error::KvCacheFull(_)) => Ok(vec![Err(e)]),
-            other => other,
-        }
-    }
-
-    pub(super) fn commit_once(&mut self, items: &[(BranchId, i32)]) -> Result<ItemResults> {
-        // Accept under the lock (the branches are busy: nobody else touches
-        // them), decode without it, then store the results under it again.
-        let mut undo = Vec::with_capacity(items.len());
-        let mut results: ItemResults = Vec::with_capacity(items.len());
-        // (id, seq, pos, token, greedy)
-        let mut live: Vec<(BranchId, i32, i32, i32, bool)> = Vec::new();
-        {
-            let mut branches = lock(&self.shared.branches);
-            for &(id, token) in items {
-                let accepted = branches.get_mut(id).and_then(|b| {
-                    let saved = Undo::of(id, b);
-                    b.accept(token)?;
-                    Ok((saved, b.seq, b.position, b.produces_argmax()))
-                });
-                match accepted {
-                    Ok((saved, seq, pos, greedy)) => {
-                        undo.push(saved);
-                        live.push((id, seq, pos, token, greedy));
-                        results.push(Ok(()));
-                    }
-                    Err(e) => results.push(Err(e)),
-                }
+    /// Run one round of `step`: start the groups that are new (commits are
+    /// accepted here, once), decode every commit waiting and as many prompt
+    /// tokens as fill the batch, then answer the groups that have finished
+    /// and take them out. Returns how many finished.
+    pub(crate) fn step_round(&mut self, step: &mut Step) -> usize {
+        #[cfg(feature = "testing")]
+        self.maybe_panic();
+        for g in &mut step.groups {
+            if g.progress.is_none() {
+                g.progress = Some(self.start_group(g));
             }
         }
-        let mut undo = Some(undo);
-        let mut fresh = Vec::with_capacity(live.len());
-        for chunk in live.chunks(self.n_batch) {
-            self.batch.clear();
-            for &(_, seq, pos, token, _) in chunk {
-                self.batch
-                    .add(LlamaToken(token), pos, &[seq], true)
-                    .map_err(|e| Error::Internal(format!("batch add: {e}")))?;
+        let parts = self.plan(step);
+        if !parts.is_empty() {
+            self.run_parts(step, &parts);
+        }
+        let mut finished = 0;
+        let mut i = 0;
+        while i < step.groups.len() {
+            if step.groups[i].progress.as_ref().is_some_and(Progress::finished) {
+                let group = step.groups.remove(i);
+                self.finish_group(group);
+                finished += 1;
+            } else {
+                i += 1;
             }
-            self.decode_or_undo(&mut undo)?;
-            let rows: Vec<(i32, bool)> = (0..chunk.len() as i32)
-                .zip(chunk.iter().map(|c| c.4))
-                .collect();
-            let logits = self.rows_logits(&rows);
-            fresh.extend(chunk.iter().zip(logits).map(|(c, l)| (c.0, 1, l)));
         }
-        for &(_, seq, ..) in &live {
-            self.refresh_seq(seq);
-        }
-        self.apply(fresh);
-        Ok(results)
+        finished
     }
 
-    pub(super) fn prefill(
+    /// Free the branches of a step whose round panicked (their callers are
+    /// answered by the dropped replies).
+    pub(crate) fn abandon_step(&mut self, ids: Vec<BranchId>) {
+        clear_busy(&mut lock(&self.shared.branches), ids);
+    }
+
+    /// Run `group` to the end on its own, now (for jobs that prefill as
+    /// one of their steps).
+    pub(super) fn run_group(
         &mut self,
-        items: &[(BranchId, Vec<i32>)],
+        items: Vec<(BranchId, Input)>,
         all_rows: bool,
     ) -> Result<ItemResults> {
-        let mut undo = Vec::new();
-        let mut results: ItemResults = Vec::with_capacity(items.len());
-        // (id, seq, start position, tokens, greedy)
-        let mut work: Vec<(BranchId, i32, i32, &[i32], bool)> = Vec::new();
-        {
-            let branches = lock(&self.shared.branches);
-            for (id, tokens) in items {
-                match branches.get(*id) {
-                    Ok(b) => {
-                        undo.push(Undo::of(*id, b));
-                        work.push((*id, b.seq, b.position, tokens, b.produces_argmax()));
-                        results.push(Ok(()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reply = Reply::new(move |result| {
+            let _ = tx.send(result);
+        });
+        let mut step = Step::new(vec![Group::new(items, all_rows, reply)]);
+        while !step.is_empty() {
+            self.step_round(&mut step);
+        }
+        rx.try_recv()
+            .unwrap_or_else(|_| Err(Error::Internal("a step ended unanswered".into())))
+    }
+
+    /// Accept a new group's commits and note where each item starts and
+    /// what to put back if the group fails. An item whose branch is gone or
+    /// refuses its token fails alone, here.
+    fn start_group(&mut self, group: &mut Group) -> Progress {
+        let items = std::mem::take(&mut group.items);
+        let mut progress = Progress {
+            results: Vec::with_capacity(items.len()),
+            work: Vec::with_capacity(items.len()),
+            undo: Vec::with_capacity(items.len()),
+            failed: None,
+        };
+        let mut branches = lock(&self.shared.branches);
+        for (id, input) in items {
+            let started = branches.get_mut(id).and_then(|b| {
+                let saved = Undo::of(id, b);
+                let (tokens, commit) = match input {
+                    Input::Commit(token) => {
+                        b.accept(token)?;
+                        (vec![token], true)
                     }
-                    Err(e) => results.push(Err(e)),
+                    Input::Prefill(tokens) => (tokens, false),
+                };
+                let work = Work {
+                    id,
+                    seq: b.seq,
+                    start: b.position,
+                    tokens,
+                    decoded: 0,
+                    commit,
+                    greedy: b.produces_argmax(),
+                    fresh: None,
+                    rows: Vec::new(),
+                };
+                Ok((saved, work))
+            });
+            match started {
+                Ok((saved, work)) => {
+                    progress.undo.push(saved);
+                    progress.work.push(work);
+                    progress.results.push(Ok(()));
                 }
+                Err(e) => progress.results.push(Err(e)),
             }
         }
-        // Greedy bin packing: fill each batch to n_batch, splitting items
-        // across batches where needed; logits for each item's last token
-        // (every token's with `all_rows`).
-        let mut undo = Some(undo);
-        let mut fresh = Vec::with_capacity(work.len());
-        // (id, advance, row, greedy)
-        let mut rows: Vec<(BranchId, i32, i32, bool)> = Vec::new();
-        // With `all_rows`: each item's rows so far, and (item, batch row)
-        // of the tokens in the current batch.
-        let mut all: Vec<Vec<f32>> = Vec::new();
-        if all_rows {
-            let vocab = self.model.vocab_size() as usize;
-            all = work
-                .iter()
-                .map(|w| Vec::with_capacity(w.3.len() * vocab))
-                .collect();
+        progress
+    }
+
+    /// This round's parts: every commit not decoded yet, then prompt tokens
+    /// in arrival order until the last batch is full (at least one batch of
+    /// `n_batch` tokens when there is no commit).
+    fn plan(&self, step: &Step) -> Vec<Part> {
+        let live = || {
+            step.groups.iter().enumerate().flat_map(|(g, group)| {
+                let progress = group.progress.as_ref().filter(|p| p.failed.is_none());
+                progress
+                    .into_iter()
+                    .flat_map(|p| p.work.iter().enumerate())
+                    .map(move |(w, work)| (g, w, work))
+            })
+        };
+        let mut parts: Vec<Part> = live()
+            .filter(|(_, _, work)| work.commit && work.decoded == 0)
+            .map(|(group, work, _)| Part {
+                group,
+                work,
+                from: 0,
+                to: 1,
+            })
+            .collect();
+        let mut room = self.n_batch - parts.len() % self.n_batch;
+        for (group, w, work) in live() {
+            let left = work.tokens.len() - work.decoded;
+            if work.commit || left == 0 || room == 0 {
+                continue;
+            }
+            let n = left.min(room);
+            room -= n;
+            parts.push(Part {
+                group,
+                work: w,
+                from: work.decoded,
+                to: work.decoded + n,
+            });
         }
-        let mut batch_rows: Vec<(usize, i32)> = Vec::new();
-        let total: usize = work.iter().map(|w| w.3.len()).sum();
+        parts
+    }
+
+    /// Decode `parts`. When they do not fit the KV cache and belong to
+    /// more than one group, the groups are split in halves and each half
+    /// tried on its own, so the groups that fit land; a group that fails
+    /// is marked failed as a whole.
+    fn run_parts(&mut self, step: &mut Step, parts: &[Part]) {
+        let Err(error) = self.decode_parts(step, parts) else {
+            return;
+        };
+        let mut groups: Vec<usize> = Vec::new();
+        for p in parts {
+            if !groups.contains(&p.group) {
+                groups.push(p.group);
+            }
+        }
+        if matches!(error, Error::KvCacheFull(_)) && groups.len() > 1 {
+            let (a, b) = groups.split_at(groups.len() / 2);
+            for half in [a, b] {
+                let some: Vec<Part> = parts
+                    .iter()
+                    .filter(|p| half.contains(&p.group))
+                    .copied()
+                    .collect();
+                self.run_parts(step, &some);
+            }
+            return;
+        }
+        for g in groups {
+            if let Some(p) = step.groups[g].progress.as_mut() {
+                p.failed = Some(error.clone());
+            }
+        }
+    }
+
+    /// Decode `parts` in batches of `n_batch` tokens. Either every batch
+    /// succeeds and each item takes its new logits and rows, or the cells
+    /// of this round are removed again and nothing else changes.
+    fn decode_parts(&mut self, step: &mut Step, parts: &[Part]) -> Result<()> {
+        let mut captured: Vec<Captured> = parts.iter().map(|_| Captured::default()).collect();
+        if let Err(e) = self.decode_batches(step, parts, &mut captured) {
+            for p in parts {
+                let w = work(step, p);
+                let (seq, from) = (w.seq, w.start + p.from as i32);
+                let _ = self.remove_cells(seq, u32::try_from(from).ok(), None);
+                self.refresh_seq(seq);
+            }
+            return Err(e);
+        }
+        for (p, c) in parts.iter().zip(captured) {
+            let w = work_mut(step, p);
+            w.decoded = p.to;
+            if c.fresh.is_some() {
+                w.fresh = c.fresh;
+            }
+            w.rows.extend(c.rows);
+        }
+        Ok(())
+    }
+
+    fn decode_batches(
+        &mut self,
+        step: &Step,
+        parts: &[Part],
+        captured: &mut [Captured],
+    ) -> Result<()> {
+        let total: usize = parts.iter().map(|p| p.to - p.from).sum();
+        // (part, batch row, greedy) of last tokens; (part, batch row) of
+        // every token of an `all_rows` group.
+        let mut last_rows: Vec<(usize, i32, bool)> = Vec::new();
+        let mut all_rows: Vec<(usize, i32)> = Vec::new();
         let mut added = 0usize;
         self.batch.clear();
-        for (item, &(id, seq, start, tokens, greedy)) in work.iter().enumerate() {
-            for (j, &t) in tokens.iter().enumerate() {
-                let last = j + 1 == tokens.len();
+        for (i, p) in parts.iter().enumerate() {
+            let keep_all = step.groups[p.group].all_rows;
+            let w = work(step, p);
+            for j in p.from..p.to {
+                let last = j + 1 == w.tokens.len();
+                let row = self.batch.n_tokens();
                 if last {
-                    rows.push((id, tokens.len() as i32, self.batch.n_tokens(), greedy));
+                    last_rows.push((i, row, w.greedy));
                 }
-                if all_rows {
-                    batch_rows.push((item, self.batch.n_tokens()));
+                if keep_all {
+                    all_rows.push((i, row));
                 }
                 self.batch
-                    .add(LlamaToken(t), start + j as i32, &[seq], last || all_rows)
+                    .add(
+                        LlamaToken(w.tokens[j]),
+                        w.start + j as i32,
+                        &[w.seq],
+                        last || keep_all,
+                    )
                     .map_err(|e| Error::Internal(format!("batch add: {e}")))?;
                 added += 1;
                 if self.batch.n_tokens() as usize == self.n_batch || added == total {
-                    self.decode_or_undo(&mut undo)?;
-                    for (item, row) in batch_rows.drain(..) {
-                        all[item].extend_from_slice(self.ctx.get_logits_ith(row));
+                    self.llama_decode(self.batch.n_tokens() as usize)?;
+                    for (i, row) in all_rows.drain(..) {
+                        captured[i]
+                            .rows
+                            .extend_from_slice(self.ctx.get_logits_ith(row));
                     }
-                    let wanted: Vec<(i32, bool)> = rows.iter().map(|r| (r.2, r.3)).collect();
+                    let wanted: Vec<(i32, bool)> = last_rows.iter().map(|r| (r.1, r.2)).collect();
                     let logits = self.rows_logits(&wanted);
-                    fresh.extend(rows.drain(..).zip(logits).map(|(r, l)| (r.0, r.1, l)));
+                    for ((i, ..), l) in last_rows.drain(..).zip(logits) {
+                        captured[i].fresh = Some(l);
+                    }
                     self.batch.clear();
                 }
             }
         }
-        for &(_, seq, ..) in &work {
-            self.refresh_seq(seq);
+        Ok(())
+    }
+
+    /// Answer a finished group: a failed one is put back as it was; a
+    /// successful one's branches advance and take their new logits.
+    fn finish_group(&mut self, mut group: Group) {
+        let Some(progress) = group.progress.take() else {
+            return group.reply.send(Err(Error::Internal("a step group never ran".into())));
+        };
+        if let Some(error) = progress.failed {
+            self.undo(progress.undo);
+            clear_busy(&mut lock(&self.shared.branches), group.ids);
+            return group.reply.send(Err(error));
         }
-        self.apply(fresh);
-        if all_rows {
-            let mut branches = lock(&self.shared.branches);
-            for (w, item_rows) in work.iter().zip(all) {
-                if let Ok(b) = branches.get_mut(w.0) {
-                    b.rows = Some(item_rows);
+        for w in &progress.work {
+            self.refresh_seq(w.seq);
+        }
+        let shared = Arc::clone(&self.shared);
+        let mut branches = lock(&shared.branches);
+        for w in progress.work {
+            if let Ok(b) = branches.get_mut(w.id) {
+                b.position += w.tokens.len() as i32;
+                if let Some((logits, stats)) = w.fresh {
+                    if let Some(old) = b.replace_logits_with(logits, Some(stats)) {
+                        self.recycle(old);
+                    }
+                }
+                if group.all_rows {
+                    b.rows = Some(w.rows);
                 }
             }
         }
-        Ok(results)
+        clear_busy(&mut branches, group.ids);
+        drop(branches);
+        group.reply.send(Ok(progress.results));
     }
 }
 
-impl Undo {
-    pub(super) fn of(id: BranchId, b: &BranchState) -> Self {
-        Undo {
-            id,
-            seq: b.seq,
-            position: b.position,
-            sampler: b.sampler().clone(),
-            perplexity: b.perplexity.clone(),
-            sampling_perplexity: b.sampling_perplexity.clone(),
-            grammar_consumed: b.grammar().map(Grammar::consumed),
-        }
-    }
+fn work<'s>(step: &'s Step, p: &Part) -> &'s Work {
+    &step.groups[p.group]
+        .progress
+        .as_ref()
+        .expect("a planned group has started")
+        .work[p.work]
+}
+
+fn work_mut<'s>(step: &'s mut Step, p: &Part) -> &'s mut Work {
+    &mut step.groups[p.group]
+        .progress
+        .as_mut()
+        .expect("a planned group has started")
+        .work[p.work]
 }

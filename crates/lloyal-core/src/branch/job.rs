@@ -1,5 +1,6 @@
-//! Branch jobs: what the worker runs for branch operations, how queued
-//! commits merge, and the busy marks that keep a branch to one job at a time.
+//! Branch jobs: what the worker runs for branch operations other than
+//! decoding tokens (commits and prefills are steps: `engine::step`), and the
+//! busy marks that keep a branch to one job at a time.
 
 use super::state::{BranchId, Branches};
 use super::tree::TreeOutcome;
@@ -7,9 +8,6 @@ use crate::engine::{Recover, Reply, Task, Worker};
 use crate::error::{Error, Result};
 use crate::sampling::SamplingParams;
 use crate::sync::lock;
-
-/// One result per item of a batched operation.
-pub type ItemResults = Vec<Result<()>>;
 
 pub(crate) enum BranchJob {
     /// Clear a sequence a new branch leased (it may hold flat-API cells).
@@ -29,22 +27,11 @@ pub(crate) enum BranchJob {
     Drop {
         id: BranchId,
     },
-    Commit {
-        items: Vec<(BranchId, i32)>,
-        reply: Reply<ItemResults>,
-    },
     PrefillTree {
         root: BranchId,
         tokens: Vec<i32>,
         parents: Vec<i32>,
         reply: Reply<TreeOutcome>,
-    },
-    Prefill {
-        items: Vec<(BranchId, Vec<i32>)>,
-        /// Keep every position's logits (see `BranchState::rows`), not
-        /// only the last token's.
-        all_rows: bool,
-        reply: Reply<ItemResults>,
     },
     RetainOnly {
         keep: BranchId,
@@ -81,10 +68,8 @@ impl BranchJob {
             BranchJob::Prune { reply, .. } | BranchJob::RetainOnly { reply, .. } => {
                 reply.send(Err(error))
             }
-            BranchJob::Commit { reply, .. } => reply.send(Err(error)),
             BranchJob::Save { reply, .. } => reply.send(Err(error)),
             BranchJob::Restore { reply, .. } => reply.send(Err(error)),
-            BranchJob::Prefill { reply, .. } => reply.send(Err(error)),
             BranchJob::PrefillTree { reply, .. } => reply.send(Err(error)),
             BranchJob::Reseed { reply, .. } | BranchJob::Truncate { reply, .. } => {
                 reply.send(Err(error))
@@ -93,11 +78,7 @@ impl BranchJob {
     }
 }
 
-/// Branch jobs on the engine's worker. Commits absorb the commits queued
-/// right behind them (by any callers: tasks, threads, event loops): one
-/// commit, so one decode, each caller still getting its own items' results.
-/// (Their branches are distinct: a branch with a commit in flight is busy
-/// and refuses another.)
+/// Branch jobs on the engine's worker.
 impl Task for BranchJob {
     fn run(self: Box<Self>, worker: &mut Worker<'_>) {
         worker.execute_branch(*self);
@@ -113,45 +94,6 @@ impl Task for BranchJob {
             Box::new(move |w: &mut Worker<'_>| clear_busy(&mut lock(&w.shared.branches), busy))
         })
     }
-
-    fn absorb(&mut self, next: Box<dyn Task>) -> std::result::Result<(), Box<dyn Task>> {
-        let both_commits = matches!(self, BranchJob::Commit { .. })
-            && matches!(
-                (*next).as_any().downcast_ref::<BranchJob>(),
-                Some(BranchJob::Commit { .. })
-            );
-        if !both_commits {
-            return Err(next);
-        }
-        let Ok(next) = next.into_any().downcast::<BranchJob>() else {
-            unreachable!("checked above");
-        };
-        let (
-            BranchJob::Commit {
-                items: first,
-                reply: r0,
-            },
-            BranchJob::Commit { items, reply },
-        ) = (self, *next)
-        else {
-            unreachable!("checked above");
-        };
-        let split = first.len();
-        first.extend(items);
-        let r1 = std::mem::replace(r0, Reply::new(|_| {}));
-        *r0 = Reply::new(move |result: Result<ItemResults>| match result {
-            Ok(mut all) => {
-                let rest = all.split_off(split.min(all.len()));
-                r1.send(Ok(all));
-                reply.send(Ok(rest));
-            }
-            Err(e) => {
-                r1.send(Err(e.clone()));
-                reply.send(Err(e));
-            }
-        });
-        Ok(())
-    }
 }
 
 impl BranchJob {
@@ -165,8 +107,6 @@ impl BranchJob {
             | BranchJob::Truncate { id, .. }
             | BranchJob::RetainOnly { keep: id, .. }
             | BranchJob::PrefillTree { root: id, .. } => vec![*id],
-            BranchJob::Commit { items, .. } => items.iter().map(|i| i.0).collect(),
-            BranchJob::Prefill { items, .. } => items.iter().map(|i| i.0).collect(),
             BranchJob::ClearSeq { .. }
             | BranchJob::Prune { .. }
             | BranchJob::Drop { .. }
@@ -189,7 +129,7 @@ pub(super) fn mark_busy(branches: &mut Branches, ids: &[BranchId]) -> Result<()>
     Ok(())
 }
 
-pub(super) fn clear_busy(branches: &mut Branches, ids: impl IntoIterator<Item = BranchId>) {
+pub(crate) fn clear_busy(branches: &mut Branches, ids: impl IntoIterator<Item = BranchId>) {
     for id in ids {
         if let Ok(b) = branches.get_mut(id) {
             b.busy = false;
@@ -258,13 +198,6 @@ impl Worker<'_> {
                 clear_busy(&mut lock(&self.shared.branches), [keep]);
                 reply.send(result);
             }
-            // (A panic here is the worker loop's: see `context::run`.)
-            BranchJob::Commit { items, reply } => {
-                let ids: Vec<BranchId> = items.iter().map(|&(id, _)| id).collect();
-                let result = self.commit(&items);
-                clear_busy(&mut lock(&self.shared.branches), ids);
-                reply.send(result);
-            }
             BranchJob::PrefillTree {
                 root,
                 tokens,
@@ -273,16 +206,6 @@ impl Worker<'_> {
             } => {
                 let result = self.prefill_tree(root, &tokens, &parents);
                 clear_busy(&mut lock(&self.shared.branches), [root]);
-                reply.send(result);
-            }
-            BranchJob::Prefill {
-                items,
-                all_rows,
-                reply,
-            } => {
-                let ids: Vec<BranchId> = items.iter().map(|(id, _)| *id).collect();
-                let result = self.prefill(&items, all_rows);
-                clear_busy(&mut lock(&self.shared.branches), ids);
                 reply.send(result);
             }
         }

@@ -25,7 +25,6 @@ pub(crate) mod state;
 mod tree;
 mod view;
 
-pub use job::ItemResults;
 pub use state::{BranchId, BranchState, Branches};
 pub use tree::TreeOutcome;
 pub use view::LogitsView;

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use super::state::{BranchId, BranchState};
+use crate::engine::step::Input;
 use crate::engine::Worker;
 use crate::error::{invalid, Error, Result};
 use crate::sync::lock;
@@ -155,7 +156,7 @@ impl Worker<'_> {
         };
         let _ = self.remove_cells(seq, None, None);
         self.refresh_seq(seq);
-        match self.prefill(&[(id, tokens)], false)?.pop() {
+        match self.run_group(vec![(id, Input::Prefill(tokens))], false)?.pop() {
             Some(result) => result,
             None => Ok(()),
         }

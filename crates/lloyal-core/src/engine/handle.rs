@@ -83,12 +83,18 @@ impl Context {
     }
 
     pub(crate) fn submit(&self, job: Job) {
+        // A step counts once per group: the worker finishes its groups
+        // one by one (see `run`), and inline work waits for them all.
+        let count = match &job {
+            Job::Step(step) => step.groups.len(),
+            _ => 1,
+        };
         let sender = lock(&self.sender).clone();
         match sender {
             Some(tx) if !self.is_closed() => {
-                self.engine.queued.fetch_add(1, Ordering::SeqCst);
+                self.engine.queued.fetch_add(count, Ordering::SeqCst);
                 if let Err(SendError(job)) = tx.send(job) {
-                    self.engine.queued.fetch_sub(1, Ordering::SeqCst);
+                    self.engine.queued.fetch_sub(count, Ordering::SeqCst);
                     job.fail(Error::ContextClosed);
                 }
             }
@@ -124,11 +130,10 @@ impl Context {
     /// Hold the worker until the returned guard is dropped: what is
     /// queued before the hold runs, jobs submitted meanwhile wait behind
     /// it, in order (nothing runs inline), and the worker takes them all at
-    /// once when the guard drops. Commits from many callers then become one
-    /// decode: Python's `Branch.commit` holds the worker for one event-loop
-    /// tick this way. Tests use it to have work queued at a given moment,
-    /// whatever the speed of the machine. A guard that is never dropped
-    /// stalls the context, `close` included.
+    /// once when the guard drops (steps queued back to back merge, as
+    /// always). A test device: tests use it to have work queued at a given
+    /// moment, whatever the speed of the machine; batching does not use it.
+    /// A guard that is never dropped stalls the context, `close` included.
     pub fn hold(&self) -> Hold {
         let (tx, rx) = crossbeam_channel::bounded(0);
         self.submit(Job::Hold { until: rx });

@@ -2,11 +2,10 @@
 //! branch, KV and embedding work is a [`Task`] that the module doing it
 //! defines, so the engine knows nothing of it beyond this trait.
 
-use std::any::Any;
-
 use crossbeam_channel::{Receiver, Sender};
 
 use super::reply::Reply;
+use super::step::Step;
 use super::worker::Worker;
 use crate::error::Error;
 
@@ -17,6 +16,8 @@ pub(crate) enum Job {
         seq: i32,
         reply: Reply<()>,
     },
+    /// Branch tokens to decode: commits and prefills (see `step`).
+    Step(Step),
     /// Work another module defines (branches, the flat KV API, embeddings).
     Task(Box<dyn Task>),
     Close {
@@ -32,27 +33,9 @@ pub(crate) enum Job {
 /// Cleanup of a task whose `run` panicked.
 pub(crate) type Recover = Box<dyn FnOnce(&mut Worker<'_>) + Send>;
 
-/// A value as `Any`, for [`Task::absorb`] to recognise its own kind
-/// (implemented for every type). On a `Box<dyn Task>` call it through the
-/// box (`(*task).as_any()`): the box itself is `Any` too.
-pub(crate) trait AsAny {
-    fn as_any(&self) -> &dyn Any;
-    fn into_any(self: Box<Self>) -> Box<dyn Any>;
-}
-
-impl<T: Any> AsAny for T {
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-
-    fn into_any(self: Box<Self>) -> Box<dyn Any> {
-        self
-    }
-}
-
 /// A job another module defines. The worker runs it (or fails it, when the
 /// context closes first); its replies answer its callers.
-pub(crate) trait Task: AsAny + Send + 'static {
+pub(crate) trait Task: Send + 'static {
     /// Run on the worker, holding it.
     fn run(self: Box<Self>, worker: &mut Worker<'_>);
 
@@ -64,13 +47,6 @@ pub(crate) trait Task: AsAny + Send + 'static {
     fn recover(&self) -> Option<Recover> {
         None
     }
-
-    /// Take `next`, the job queued right behind this one, into this one so
-    /// both run as one (commits of many callers become one decode), or hand
-    /// it back.
-    fn absorb(&mut self, next: Box<dyn Task>) -> std::result::Result<(), Box<dyn Task>> {
-        Err(next)
-    }
 }
 
 impl Job {
@@ -81,39 +57,16 @@ impl Job {
     pub(crate) fn fail(self, error: Error) {
         match self {
             Job::Decode { reply, .. } | Job::Close { reply } => reply.send(Err(error)),
+            Job::Step(step) => step.fail(error),
             Job::Task(task) => task.fail(error),
             Job::Hold { .. } => {}
         }
     }
 }
 
-/// The jobs to run, in order, each with how many queued jobs it stands
-/// for (`jobs` are counted already): a task absorbs the tasks behind it
-/// that it can (see [`Task::absorb`]).
-pub(crate) fn merge(jobs: impl Iterator<Item = (Job, usize)>) -> Vec<(Job, usize)> {
-    let mut out: Vec<(Job, usize)> = Vec::new();
-    for (job, count) in jobs {
-        let Job::Task(next) = job else {
-            out.push((job, count));
-            continue;
-        };
-        let next = match out.last_mut() {
-            Some((Job::Task(last), n)) => match last.absorb(next) {
-                Ok(()) => {
-                    *n += count;
-                    continue;
-                }
-                Err(next) => next,
-            },
-            _ => next,
-        };
-        out.push((Job::Task(next), count));
-    }
-    out
-}
-
 /// Jobs submitted while a `Hold` lives wait; the worker takes them
 /// together when it drops (see [`Context::hold`](super::Context::hold)).
+/// A test device: batching does not use it.
 pub struct Hold {
     pub(super) _release: Sender<()>,
 }

@@ -4,8 +4,9 @@
 //! context and its batch; everything else sends it jobs over a tokio
 //! channel and gets the result through a [`Reply`]. The worker drains
 //! whatever is pending before it runs, so bursts of requests are handled
-//! together, and a job may absorb the jobs queued behind it (commits of
-//! many callers become one decode). Cheap reads (the last logits,
+//! together: every decode of branch tokens is a `step`, and the steps
+//! queued back to back run as one, in rounds of one decode each (commits
+//! of many callers and chunks of prompts share a decode). Cheap reads (the last logits,
 //! positions, statistics) are mirrored into `Shared` so callers never wait
 //! behind a running decode to read them.
 //!
@@ -18,8 +19,10 @@
 //! Files: `handle` (the `Context` handle: submit, inline, hold, close),
 //! `start` (loading, creating the llama.cpp context, the worker thread),
 //! `worker` (its loop and the decode primitives), `job` (the jobs and the
-//! `Task` trait other modules implement), `reply`, `shared`, `flat` (the
-//! flat API's decode, logits and sampler).
+//! `Task` trait other modules implement), `step` (the one batching
+//! mechanism: groups of commits and prefills, their failure rules; the
+//! rounds themselves run in `branch::decode`), `reply`, `shared`, `flat`
+//! (the flat API's decode, logits and sampler).
 
 mod flat;
 mod handle;
@@ -28,12 +31,14 @@ mod reply;
 mod run;
 mod shared;
 mod start;
+pub(crate) mod step;
 mod worker;
 
 pub use handle::{join_workers, Context, WORKER_THREAD_NAME};
 pub use job::Hold;
 pub use reply::{after_job, Reply};
 pub use shared::{Embeddings, Stats};
+pub use step::{Input as StepInput, ItemResults};
 
 pub(crate) use job::{Job, Recover, Task};
 pub(crate) use shared::Shared;

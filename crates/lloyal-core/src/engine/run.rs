@@ -1,97 +1,119 @@
 //! The worker thread's loop.
 
+use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 
 use crossbeam_channel::RecvTimeoutError;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::job::{merge, Job};
+use super::job::Job;
 use super::reply::{defer_replies, deferred_replies, set_panic_message, Deferred};
+use super::step::Step;
 use super::worker::{Engine, Worker};
 use crate::error::Error;
 use crate::sync::lock;
 
-/// Run jobs in order, each holding the worker, until the context closes.
-/// Each wake-up takes everything queued (one batch), and a job absorbs the
-/// jobs behind it that it can (see `Task::absorb`).
+/// Run jobs in order until the context closes. Each wake-up takes
+/// everything queued. Steps queued back to back merge into the step in
+/// progress, which runs one round (one decode) at a time, so that steps
+/// arriving meanwhile join its next round (see `step`). Any other job
+/// waits until the step before it has finished, and runs on its own:
+/// jobs keep the order they were submitted in.
 pub(super) fn run(engine: &Engine, rx: &mut UnboundedReceiver<Job>) {
-    let mut pending: Vec<(Job, usize)> = Vec::new();
+    let mut queue: VecDeque<Job> = VecDeque::new();
+    let mut step = Step::default();
     // Replies deferred during a job; the buffer is reused from job to job.
     let mut replies: Vec<Deferred> = Vec::new();
-    while let Some(first) = rx.blocking_recv() {
-        pending.push((first, 1));
-        while let Ok(job) = rx.try_recv() {
-            pending.push((job, 1));
+    loop {
+        if queue.is_empty() && step.is_empty() {
+            match rx.blocking_recv() {
+                Some(job) => queue.push_back(job),
+                None => break,
+            }
         }
-        let mut batch = merge(pending.drain(..)).into_iter();
-        while let Some((job, merged)) = batch.next() {
-            let hold = matches!(job, Job::Hold { .. });
-            let mut guard = lock(&engine.worker);
-            if let Some(w) = guard.as_mut() {
-                w.finish_background();
+        while let Ok(job) = rx.try_recv() {
+            queue.push_back(job);
+        }
+        while let Some(Job::Step(_)) = queue.front() {
+            if let Some(Job::Step(next)) = queue.pop_front() {
+                step.extend(next);
             }
-            if let Job::Close { reply } = job {
-                rx.close();
-                for (rest, _) in batch.by_ref() {
-                    rest.fail(Error::ContextClosed);
-                }
-                while let Ok(rest) = rx.try_recv() {
-                    rest.fail(Error::ContextClosed);
-                }
-                // Free every branch's state and the llama.cpp context here,
-                // on the thread that used them, then give the memory back.
-                if let Some(w) = guard.as_ref() {
-                    let states = lock(&w.shared.branches).take_all();
-                    drop(states);
-                }
-                drop(guard.take());
-                drop(guard);
-                crate::sysmem::release_free_memory();
-                reply.send(Ok(()));
-                return;
-            }
-            defer_replies(std::mem::take(&mut replies));
-            match guard.as_mut() {
-                Some(w) if !w.shared.closed.load(Ordering::Acquire) => {
-                    let recover = match &job {
-                        Job::Task(task) => task.recover(),
-                        _ => None,
-                    };
-                    // A job that panics has answered its caller (its reply
-                    // was dropped unsent: see `Reply`); put right what the
-                    // task says (free its branches) and go on with the next
-                    // job on this thread.
-                    if let Err(payload) = catch_unwind(AssertUnwindSafe(|| w.execute(job))) {
-                        let message = match Error::from_panic(payload) {
-                            Error::Internal(m) => m,
-                            other => other.to_string(),
-                        };
-                        set_panic_message(Some(message));
-                        if let Some(recover) = recover {
-                            let _ = catch_unwind(AssertUnwindSafe(|| recover(w)));
+        }
+        if !step.is_empty() {
+            let finished = run_locked(engine, &mut replies, |w| match w {
+                Some(w) => {
+                    let recover = step.ids();
+                    match catch_unwind(AssertUnwindSafe(|| w.step_round(&mut step))) {
+                        Ok(finished) => finished,
+                        Err(payload) => {
+                            set_panic_message(Some(panic_text(payload)));
+                            // The replies of the step's groups are dropped
+                            // unsent (see `Reply`): their callers hear of it.
+                            let groups = std::mem::take(&mut step).groups.len();
+                            let _ = catch_unwind(AssertUnwindSafe(|| w.abandon_step(recover)));
+                            groups
                         }
                     }
                 }
-                _ => job.fail(Error::ContextClosed),
-            }
-            drop(guard);
-            engine.queued.fetch_sub(merged, Ordering::SeqCst);
-            replies = deferred_replies();
-            for reply in replies.drain(..) {
-                reply();
-            }
-            set_panic_message(None);
-            if hold {
-                // What was queued during the hold joins the rest of this
-                // batch, so that it merges with the jobs behind the hold.
-                pending.extend(batch.by_ref());
-                while let Ok(job) = rx.try_recv() {
-                    pending.push((job, 1));
+                None => {
+                    let step = std::mem::take(&mut step);
+                    let groups = step.groups.len();
+                    step.fail(Error::ContextClosed);
+                    groups
                 }
-                batch = merge(pending.drain(..)).into_iter();
-            }
+            });
+            engine.queued.fetch_sub(finished, Ordering::SeqCst);
+            continue;
         }
+        let Some(job) = queue.pop_front() else {
+            continue;
+        };
+        if let Job::Close { reply } = job {
+            rx.close();
+            for rest in queue.drain(..) {
+                rest.fail(Error::ContextClosed);
+            }
+            while let Ok(rest) = rx.try_recv() {
+                rest.fail(Error::ContextClosed);
+            }
+            let mut guard = lock(&engine.worker);
+            if let Some(w) = guard.as_mut() {
+                w.finish_background();
+                // Free every branch's state and the llama.cpp context here,
+                // on the thread that used them, then give the memory back.
+                let states = lock(&w.shared.branches).take_all();
+                drop(states);
+            }
+            drop(guard.take());
+            drop(guard);
+            crate::sysmem::release_free_memory();
+            reply.send(Ok(()));
+            return;
+        }
+        run_locked(engine, &mut replies, |w| match w {
+            Some(w) => {
+                let recover = match &job {
+                    Job::Task(task) => task.recover(),
+                    _ => None,
+                };
+                // A job that panics has answered its caller (its reply was
+                // dropped unsent: see `Reply`); put right what the task says
+                // (free its branches) and go on with the next job.
+                if let Err(payload) = catch_unwind(AssertUnwindSafe(|| w.execute(job))) {
+                    set_panic_message(Some(panic_text(payload)));
+                    if let Some(recover) = recover {
+                        let _ = catch_unwind(AssertUnwindSafe(|| recover(w)));
+                    }
+                }
+                1
+            }
+            None => {
+                job.fail(Error::ContextClosed);
+                1
+            }
+        });
+        engine.queued.fetch_sub(1, Ordering::SeqCst);
     }
     let mut guard = lock(&engine.worker);
     if let Some(w) = guard.as_mut() {
@@ -100,12 +122,42 @@ pub(super) fn run(engine: &Engine, rx: &mut UnboundedReceiver<Job>) {
     drop(guard.take());
 }
 
+/// Run `f` holding the worker (`None` once the context is closed), then
+/// send the replies it deferred. Returns what `f` returns.
+fn run_locked(
+    engine: &Engine,
+    replies: &mut Vec<Deferred>,
+    f: impl FnOnce(Option<&mut Worker<'static>>) -> usize,
+) -> usize {
+    let mut guard = lock(&engine.worker);
+    if let Some(w) = guard.as_mut() {
+        w.finish_background();
+    }
+    defer_replies(std::mem::take(replies));
+    let worker = guard
+        .as_mut()
+        .filter(|w| !w.shared.closed.load(Ordering::Acquire));
+    let result = f(worker);
+    drop(guard);
+    *replies = deferred_replies();
+    for reply in replies.drain(..) {
+        reply();
+    }
+    set_panic_message(None);
+    result
+}
+
+fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
+    match Error::from_panic(payload) {
+        Error::Internal(m) => m,
+        other => other.to_string(),
+    }
+}
+
 impl Worker<'_> {
     fn execute(&mut self, job: Job) {
         #[cfg(feature = "testing")]
-        if self.shared.panic_next.swap(false, Ordering::SeqCst) {
-            panic!("injected by Context::panic_next_job");
-        }
+        self.maybe_panic();
         match job {
             Job::Decode {
                 tokens,
@@ -129,7 +181,15 @@ impl Worker<'_> {
                     }
                 }
             }
-            Job::Close { .. } => unreachable!("handled by run"),
+            Job::Step(_) | Job::Close { .. } => unreachable!("handled by run"),
+        }
+    }
+
+    /// Panic if a test asked for it (`Context::panic_next_job`).
+    #[cfg(feature = "testing")]
+    pub(crate) fn maybe_panic(&self) {
+        if self.shared.panic_next.swap(false, Ordering::SeqCst) {
+            panic!("injected by Context::panic_next_job");
         }
     }
 }

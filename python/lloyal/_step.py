@@ -1,0 +1,76 @@
+"""The one coalescer: what the tasks of one event-loop tick decode goes to
+the worker as one step.
+
+Every decode of branch tokens -- ``Branch.commit``, ``Branch.prefill``,
+``BranchStore.commit``, ``BranchStore.prefill`` -- is a *group*: one
+caller's batch, all or nothing. The first group of a tick (per thread, so
+per event loop) waits one scheduler checkpoint, so that every task that is
+runnable in this tick adds its own group, then sends them all in one native
+call. The worker runs that step together with any other steps queued next
+to it (other threads, other loops, the Rust API): one ``llama_decode`` per
+round, every commit plus prompt tokens up to ``n_batch``, a long prompt
+spread over several rounds. Each group is answered on its own, and groups
+never fail each other (see ``docs/batching.md``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from lloyal._bridge import _in_trio, call_native
+
+if TYPE_CHECKING:
+    from lloyal.context import Context
+
+__all__ = ["submit"]
+
+# An item: (branch handle, token) to commit or (branch handle, [tokens]) to
+# prefill. A group: (items, all_rows, done).
+Item = tuple[int, int | list[int]]
+
+
+def _local(ctx: Context) -> threading.local:
+    local: threading.local | None = ctx.__dict__.get("_step_tick")
+    if local is None:
+        local = ctx.__dict__.setdefault("_step_tick", threading.local())
+    return local
+
+
+async def _checkpoint() -> None:
+    if _in_trio():
+        import trio
+
+        await trio.lowlevel.checkpoint()
+    else:
+        await asyncio.sleep(0)
+
+
+async def submit(
+    ctx: Context, items: Sequence[Item], all_rows: bool = False
+) -> list[BaseException | None]:
+    """Decode ``items`` as one group of this tick's step; the per-item
+    errors (``None`` where an item succeeded). Raises the group's error
+    (``KVCacheFullError``: nothing in the group happened). Once submitted,
+    cancelling the awaiting task does not stop the group: the worker runs
+    it to the end, so each branch is wholly before or wholly after it."""
+    local = _local(ctx)
+    tick: list[tuple[Sequence[Item], bool, Any]] | None = getattr(local, "tick", None)
+    if tick is not None:
+        errors: list[BaseException | None] = await call_native(
+            lambda done: tick.append((items, all_rows, done))
+        )
+        return errors
+    tick = local.tick = []
+    result = call_native(lambda done: tick.append((items, all_rows, done)))
+    try:
+        await _checkpoint()
+    finally:
+        # Sent even when this task is cancelled: the other tasks' groups
+        # are in it, and this one's is submitted already.
+        local.tick = None
+        ctx._native.branch_step(tick)
+    errors = await result
+    return errors
