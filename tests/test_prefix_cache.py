@@ -80,9 +80,11 @@ async def test_concurrent_requests_share_the_cache_and_their_decodes(smollm2: Pa
         assert offsets == [0] * 6
         assert cache.stats.hits == 6
         # Each request decoded its own suffix, nothing of the shared prefix
-        # (the forks of the one entry took turns; none found it busy).
+        # (the forks of the one entry took turns; none found it busy), and
+        # suffixes prefilled in the same tick shared a decode (how many did
+        # depends on when each task got there: at most one decode each).
         assert ctx.stats.tokens_decoded - before.tokens_decoded == sum(map(len, tails))
-        assert ctx.stats.decode_calls - before.decode_calls == 6
+        assert ctx.stats.decode_calls - before.decode_calls <= 6
         await cache.aclose()
         assert lloyal.BranchStore(ctx).available == 12
 

@@ -315,3 +315,79 @@ def test_overload_gets_429_and_concurrent_requests_share_decodes(tmp_path: Path)
         assert len(list(tmp_path.glob("*.state"))) == 1
     finally:
         _stop(proc)
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    """A prompt of ``n`` plain-vocabulary tokens that differs from every
+    other seed's from its first token."""
+    return [1000 + (seed * 37 + j * 11) % 20000 for j in range(n)]
+
+
+def test_sequential_long_prompts_evict_cached_prefixes_by_cells() -> None:
+    """Default flags (8192 cells): fifty different 1,100-token prompts one
+    after another all succeed. Each leaves a prefix-cache entry holding its
+    cells; the next prompts evict them when the cache is full (before, the
+    eighth and every later one got a permanent 400)."""
+    proc, url = _start()
+    try:
+        with httpx.Client(base_url=url, timeout=300) as c:
+            for i in range(50):
+                body = {"prompt": _tokens(i, 1100), "max_tokens": 2, "temperature": 0}
+                r = c.post("/v1/completions", json=body)
+                assert r.status_code == 200, (i, r.text)
+                assert r.json()["usage"]["prompt_tokens"] == 1100
+    finally:
+        _stop(proc)
+
+
+def test_chats_that_each_fit_alone_all_reach_max_tokens() -> None:
+    """Four concurrent requests of 204 + 200 tokens in 1024 cells: each is
+    admitted with its cells reserved (two at a time), so every one reaches
+    max_tokens instead of all ending early with "length" mid-way."""
+    proc, url = _start("--n-ctx", "1024")
+    try:
+
+        async def four() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+                bodies = [
+                    {"prompt": _tokens(i, 204), "max_tokens": 200, "ignore_eos": True}
+                    for i in range(4)
+                ]
+                return list(
+                    await asyncio.gather(*[c.post("/v1/completions", json=b) for b in bodies])
+                )
+
+        for r in asyncio.run(four()):
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 200
+    finally:
+        _stop(proc)
+
+
+def test_a_burst_beyond_the_cells_gets_retryable_refusals() -> None:
+    """Six requests of 300 + 200 tokens in 1024 cells with one allowed to
+    wait: two run, one waits, three get 429 with Retry-After (never 400),
+    and every admitted request completes in full."""
+    proc, url = _start("--n-ctx", "1024", "--max-queue", "1")
+    try:
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+                bodies = [
+                    {"prompt": _tokens(i, 300), "max_tokens": 200, "ignore_eos": True}
+                    for i in range(6)
+                ]
+                return list(
+                    await asyncio.gather(*[c.post("/v1/completions", json=b) for b in bodies])
+                )
+
+        responses = asyncio.run(burst())
+        assert sorted(r.status_code for r in responses) == [200, 200, 200, 429, 429, 429]
+        for r in responses:
+            if r.status_code == 429:
+                assert r.headers["Retry-After"]
+                assert r.json()["error"]["type"] == "rate_limit_exceeded"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 200
+    finally:
+        _stop(proc)

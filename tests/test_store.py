@@ -317,6 +317,7 @@ async def test_merged_groups_of_two_tasks_do_not_fail_each_other(smollm2: Path) 
         assert [b.position for b in five] == [20] * 5
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_long_prompt_joins_running_streams_in_chunks(model: Path) -> None:
     """A 1,000-token prompt prefilled while 31 streams generate is decoded in
     chunks of at most n_batch tokens that share decodes with the streams'
@@ -325,9 +326,7 @@ async def test_a_long_prompt_joins_running_streams_in_chunks(model: Path) -> Non
     can wait is counted exactly in the engine's own test (tests/aio.rs:
     commits wait behind at most one round)."""
     n_batch = 64
-    async with await lloyal.create_context(
-        model, n_ctx=4096, n_batch=n_batch, n_seq_max=34
-    ) as ctx:
+    async with await lloyal.create_context(model, n_ctx=4096, n_batch=n_batch, n_seq_max=34) as ctx:
         root = lloyal.Branch.create(ctx, lloyal.GREEDY)
         await root.prefill(await ctx.tokenize("Count: one, two, three"))
         streams = [await root.fork() for _ in range(31)]
@@ -361,3 +360,30 @@ async def test_a_long_prompt_joins_running_streams_in_chunks(model: Path) -> Non
         assert np.abs(late.logits - alone.logits).max() <= ROUTE_NOISE
         if top1_margin(alone.logits) > 2 * ROUTE_NOISE:
             assert int(np.argmax(late.logits)) == int(np.argmax(alone.logits))
+
+
+async def test_store_produce_chooses_every_token_in_one_call(model: Path) -> None:
+    """``store.produce`` gives what each branch's own ``produce`` would: the
+    same greedy tokens, grammar-constrained tokens for grammar branches
+    (sampled off the loop, in parallel), and a failing branch fails alone."""
+    async with await lloyal.create_context(model, n_ctx=1024, n_seq_max=8) as ctx:
+        store = lloyal.BranchStore(ctx)
+        root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize("The answer, as JSON:"))
+        plain = [await root.fork() for _ in range(2)]
+        constrained = [await root.fork() for _ in range(2)]
+        for b in constrained:
+            b.set_grammar(lark='start: "true" | "false"')
+        gone = await root.fork()
+        await gone.prune()
+        picks = await store.produce([*plain, *constrained, gone], return_exceptions=True)
+        assert isinstance(picks[-1], lloyal.BranchDisposedError)
+        own = [await b.produce() for b in [*plain, *constrained]]
+        assert [p.token for p in picks[:-1]] == [p.token for p in own]  # type: ignore[union-attr]
+        for p in picks[2:4]:
+            assert isinstance(p, lloyal.Produced)
+            assert "true".startswith(p.text) or "false".startswith(p.text)
+        with pytest.raises(lloyal.BranchDisposedError):
+            await store.produce([plain[0], gone])
+        # The branches are free again: they commit what they chose.
+        await store.commit([(b, p.token) for b, p in zip(plain, own[:2], strict=True)])

@@ -19,7 +19,13 @@ from lloyal._lloyal import PerplexityTracker, supports_gpu_offload
 from lloyal._lloyal import __version__ as __version__
 from lloyal.backend import LLAMA_CPP_2_VERSION, BackendInfo, Device, backend_info
 from lloyal.branch import Branch, BranchStore, Produced, Token, TokenTree
-from lloyal.chat_output import CHAT_FORMATS, ChatOutput, ToolCall, parse_chat_output
+from lloyal.chat_output import (
+    CHAT_FORMATS,
+    ChatOutput,
+    ChatOutputStream,
+    ToolCall,
+    parse_chat_output,
+)
 from lloyal.context import (
     BUILTIN_CHAT_TEMPLATES,
     ChatPrompt,
@@ -60,6 +66,7 @@ __all__ = [
     "BranchDisposedError",
     "BranchStore",
     "ChatOutput",
+    "ChatOutputStream",
     "ChatPrompt",
     "ChatTemplateError",
     "Context",

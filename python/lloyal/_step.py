@@ -30,6 +30,7 @@ __all__ = ["submit"]
 # An item: (branch handle, token) to commit or (branch handle, [tokens]) to
 # prefill. A group: (items, all_rows, done).
 Item = tuple[int, int | list[int]]
+Group = tuple[Sequence[Item], bool, Any]
 
 
 def _local(ctx: Context) -> threading.local:
@@ -57,8 +58,9 @@ async def submit(
     cancelling the awaiting task does not stop the group: the worker runs
     it to the end, so each branch is wholly before or wholly after it."""
     local = _local(ctx)
-    tick: list[tuple[Sequence[Item], bool, Any]] | None = getattr(local, "tick", None)
-    if tick is not None:
+    joined: list[Group] | None = getattr(local, "tick", None)
+    if joined is not None:
+        tick = joined
         errors: list[BaseException | None] = await call_native(
             lambda done: tick.append((items, all_rows, done))
         )

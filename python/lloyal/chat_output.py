@@ -36,7 +36,8 @@ reply still being generated; for a reply that ends well formed, what comes
 back only grows as the text does (the content and reasoning are prefixes of
 the final ones, a call shows once its name is complete and its arguments
 grow as their JSON arrives), so a stream can be shown by re-parsing the
-whole text after every token.
+whole text after every token. :class:`ChatOutputStream` gives the same
+results for a stream without re-reading the text that can no longer change.
 
 Choices where conventions differ:
 
@@ -69,7 +70,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["CHAT_FORMATS", "ChatOutput", "ToolCall", "parse_chat_output"]
+__all__ = ["CHAT_FORMATS", "ChatOutput", "ChatOutputStream", "ToolCall", "parse_chat_output"]
 
 CHAT_FORMATS: tuple[str, ...] = (
     "auto",
@@ -187,6 +188,9 @@ _WS = " \t\r\n"
 _CALL_FIRST_KEYS = frozenset({"name", "type", "function", "arguments", "parameters", "id"})
 _GENERIC_KEYS = frozenset({"tool_call", "tool_calls", "response"})
 _NAME = re.compile(r"[\w.\-]+")
+# A name between blanks (``\s`` is what ``str.strip()`` removes, and no
+# name character is a blank).
+_DS_NAME = re.compile(r"\s*([\w.\-]+)\s*")
 
 
 def _skip(text: str, i: int, chars: str = _WS) -> int:
@@ -211,6 +215,36 @@ def _held_from(text: str, pos: int, markers: tuple[str, ...]) -> int:
                 cut = min(cut, n - k)
                 break
     return cut
+
+
+class _Memo:
+    """What one parse has found out about its text, kept for later blocks.
+
+    A block that turns out to be text sends the parse on from just after
+    its marker, so the next markers' blocks start inside text that was
+    already read; these answers keep that from costing a pass over the
+    rest of the text per marker."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self._found: dict[str, tuple[int, int]] = {}  # needle: (searched from, found at)
+        self._closes: dict[int, int] = {}
+
+    def find(self, needle: str, start: int) -> int:
+        """``text.find(needle, start)``."""
+        known = self._found.get(needle)
+        if known is not None:
+            since, at = known
+            if since <= start and (at < 0 or at >= start):
+                return at
+        at = self.text.find(needle, start)
+        self._found[needle] = (start, at)
+        return at
+
+    def close_paren(self, p: int) -> int:
+        """Just past the bracket closing ``text[p]``; -1 if the text ends
+        first, -2 if the brackets do not match."""
+        return _close_paren(self.text, p, self._closes)
 
 
 # --- a JSON scanner that knows where each value lies and stops at the end ----
@@ -511,7 +545,7 @@ def _wait(partial: bool, calls: list[ToolCall], end: int = -1) -> _Block:
     return _Block("ok", calls, end) if calls and end >= 0 else _BROKEN
 
 
-def _hermes_block(text: str, i: int, partial: bool) -> _Block:
+def _hermes_block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:
     j = _skip(text, i + len(_TOOL_CALL))
     if j == len(text):
         return _wait(partial, [])
@@ -562,39 +596,52 @@ _BRACKETS = {"(": ")", "[": "]", "{": "}"}
 _PY_NAMES: Mapping[str, object] = {"true": True, "false": False, "null": None}
 
 
-def _close_paren(text: str, p: int) -> int:
+def _close_paren(text: str, p: int, known: dict[int, int]) -> int:
     """Just past the bracket closing ``text[p]``; -1 if the text ends first,
-    -2 if the brackets do not match."""
+    -2 if the brackets do not match.
+
+    ``known`` gets the answer for every opening bracket met outside quotes
+    on the way (a scan from one of them reads the same characters in the
+    same state, so it ends where this one does or where its bracket closes),
+    and answers for them later without a scan."""
+    if p in known:
+        return known[p]
     n = len(text)
-    stack: list[str] = []
+    opened: list[tuple[str, int]] = []  # (the closing bracket, where it opened)
     k = p
-    while k < n:
+    end = -1
+    while k < n and end == -1:
         c = text[k]
         if c in "\"'":
             quote = c * 3 if text.startswith(c * 3, k) else c
             k += len(quote)
             while True:
                 if k >= n:
-                    return -1
+                    break
                 if text[k] == "\\":
                     k += 2
                 elif text.startswith(quote, k):
                     k += len(quote)
                     break
                 elif text[k] == "\n" and len(quote) == 1:
-                    return -2
+                    end = -2
+                    break
                 else:
                     k += 1
             continue
         if c in _BRACKETS:
-            stack.append(_BRACKETS[c])
+            opened.append((_BRACKETS[c], k))
         elif c in ")]}":
-            if not stack or stack.pop() != c:
-                return -2
-            if not stack:
+            if not opened or opened[-1][0] != c:
+                end = -2
+                break
+            known[opened.pop()[1]] = k + 1
+            if not opened:
                 return k + 1
         k += 1
-    return -1
+    for _, at in opened:
+        known[at] = end
+    return end
 
 
 class _NotLiteral(Exception):
@@ -663,7 +710,7 @@ def _python_call(source: str) -> ToolCall | None:
         return None
 
 
-def _python_calls(text: str, j: int, partial: bool) -> _Block:
+def _python_calls(text: str, j: int, partial: bool, memo: _Memo) -> _Block:
     """Calls in Python syntax from ``text[j]`` on, one per line or ``;``."""
     calls: list[ToolCall] = []
     k = j
@@ -680,7 +727,7 @@ def _python_calls(text: str, j: int, partial: bool) -> _Block:
             return _wait(partial, calls, start)
         if text[p] != "(":
             return _wait(False, calls, start)
-        close = _close_paren(text, p)
+        close = memo.close_paren(p)
         if close == -1:
             return _wait(partial, calls, start)
         call = _python_call(text[start:close]) if close > 0 else None
@@ -690,13 +737,13 @@ def _python_calls(text: str, j: int, partial: bool) -> _Block:
         k = close
 
 
-def _python_tag_block(text: str, i: int, partial: bool) -> _Block:
+def _python_tag_block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:
     j = _skip(text, i + len(_PYTHON_TAG))
     if j == len(text):
         return _wait(partial, [])
     if text[j] in "{[":
         return _json_calls(text, j, partial, require_args=False)
-    return _python_calls(text, j, partial)
+    return _python_calls(text, j, partial, memo)
 
 
 def _fence_close(text: str, block: _Block, partial: bool) -> _Block:
@@ -711,16 +758,16 @@ def _fence_close(text: str, block: _Block, partial: bool) -> _Block:
     return block
 
 
-def _tool_code_block(text: str, i: int, partial: bool) -> _Block:
+def _tool_code_block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:
     k = i + len(_TOOL_CODE)
     if k == len(text):
         return _wait(partial, [])
     if text[k] not in _WS:
         return _BROKEN
-    return _fence_close(text, _python_calls(text, k, partial), partial)
+    return _fence_close(text, _python_calls(text, k, partial, memo), partial)
 
 
-def _json_fence_block(text: str, i: int, partial: bool) -> _Block:
+def _json_fence_block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:
     k = i + len(_JSON_FENCE)
     if k == len(text):
         return _wait(partial, [])
@@ -740,7 +787,7 @@ def _json_fence_block(text: str, i: int, partial: bool) -> _Block:
     return _fence_close(text, _Block("ok", calls, node.end), partial)
 
 
-def _mistral_block(text: str, i: int, partial: bool) -> _Block:
+def _mistral_block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:
     n = len(text)
     k = _skip(text, i + len(_TOOL_CALLS))
     if k == n:
@@ -805,7 +852,7 @@ def _mistral_block(text: str, i: int, partial: bool) -> _Block:
             return _Block("ok", calls, node.end)
 
 
-def _deepseek_block(text: str, i: int, partial: bool) -> _Block:
+def _deepseek_block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:
     n = len(text)
     k = i
     if text.startswith(_DS_CALLS, k):
@@ -817,11 +864,13 @@ def _deepseek_block(text: str, i: int, partial: bool) -> _Block:
                 return _Block("stop", calls)
             return _wait(False, calls, k)
         head_start = k + len(_DS_CALL)
-        sep = text.find(_DS_SEP, head_start)
+        sep = memo.find(_DS_SEP, head_start)
         if sep < 0:
             return _wait(partial, calls, k)
-        head = text[head_start:sep].strip()
-        if not _NAME.fullmatch(head):
+        # Matched in place rather than sliced and stripped: a sep far ahead
+        # must not cost a copy of the text up to it for every marker.
+        head = _DS_NAME.fullmatch(text, head_start, sep)
+        if head is None:
             return _wait(False, calls, k)
         a = sep + len(_DS_SEP)
         j = _skip(text, a)
@@ -829,14 +878,15 @@ def _deepseek_block(text: str, i: int, partial: bool) -> _Block:
             return _wait(partial, calls, k)
         fenced = False
         if text[j] == "{":  # V3.1: name<sep>{...}
-            name = head
+            name = head.group(1)
         else:  # R1/V3: function<sep>name, then a fenced JSON block
-            newline = text.find("\n", a)
+            newline = memo.find("\n", a)
             if newline < 0:
                 return _wait(partial, calls, k)
-            name = text[a:newline].strip()
-            if not _NAME.fullmatch(name):
+            line = _DS_NAME.fullmatch(text, a, newline)
+            if line is None:
                 return _wait(False, calls, k)
+            name = line.group(1)
             j = _skip(text, newline)
             if text.startswith(_FENCE, j):
                 fenced = True
@@ -923,7 +973,7 @@ def _generic(text: str, node: _Node, partial: bool) -> tuple[_Block, str] | None
 
 # --- putting it together -------------------------------------------------------
 
-_BlockParser = Callable[[str, int, bool], _Block]
+_BlockParser = Callable[[str, int, bool, _Memo], _Block]
 
 
 @dataclass(frozen=True)
@@ -975,53 +1025,102 @@ def _split_reasoning(text: str, partial: bool, thinking_started: bool) -> tuple[
     else:
         end = _held_from(text, start, (_THINK_END,)) if partial else len(text)
         reasoning, rest = text[start:end], ""
+    return _trim_reasoning(reasoning), rest
+
+
+def _trim_reasoning(reasoning: str) -> str:
+    """Drop one newline after ``<think>`` and one before ``</think>``."""
     if reasoning.startswith("\n"):
         reasoning = reasoning[1:]
     if reasoning.endswith("\n"):
         reasoning = reasoning[:-1]
-    return reasoning, rest
+    return reasoning
 
 
 def _parse(text: str, spec: _Spec, *, partial: bool, thinking_started: bool) -> ChatOutput:
     reasoning, body = _split_reasoning(text, partial, thinking_started)
-    pieces: list[str] = []
-    calls: list[ToolCall] = []
+    parsed = _parse_body(body, spec, partial, at_start=True)
+    return _output(parsed.pieces, reasoning, parsed.calls)
+
+
+@dataclass
+class _Body:
+    """The reply after its reasoning (or a part of it), parsed: content
+    pieces and calls in order.
+
+    ``settled`` is where the parse can no longer change: the first
+    ``settled`` characters give the first ``settled_pieces`` pieces and
+    ``settled_calls`` calls whatever text is added (to a partial or the
+    final parse), and what follows parses as if it were a reply of its own
+    that does not start the body (no bare JSON call)."""
+
+    pieces: list[str] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
+    settled: int = 0
+    settled_pieces: int = 0
+    settled_calls: int = 0
+
+    def settle(self, at: int) -> None:
+        self.settled = at
+        self.settled_pieces = len(self.pieces)
+        self.settled_calls = len(self.calls)
+
+
+def _parse_body(body: str, spec: _Spec, partial: bool, at_start: bool) -> _Body:
+    """Parse ``body``; ``at_start`` says it starts the reply's body, where a
+    bare JSON call may stand (for the formats that have those)."""
+    out = _Body()
+    memo = _Memo(body)
     pos = 0
-    if spec.generic or spec.llama:
+    settles = True
+    if at_start and (spec.generic or spec.llama):
         s = _skip(body, 0)
+        settles = s < len(body)  # while the body is blank, a bare call may still come
         found = (
             _bare(body, s, partial, spec.generic, spec.llama) if body[s : s + 1] == "{" else None
         )
         if found is not None:
             block, content = found
-            pieces.append(content)
-            calls += block.calls
+            out.pieces.append(content)
+            out.calls += block.calls
             if block.status == "stop":
-                return _output(pieces, reasoning, calls)
+                return out
             pos = block.end
+            out.settle(pos)
     markers = tuple(spec.blocks)
     while True:
-        i, marker = _first_marker(body, pos, markers)
+        i, marker = _first_marker(memo, pos, markers)
         if marker is None:
-            pieces.append(body[pos : _held_from(body, pos, markers) if partial else len(body)])
+            # While streaming, what may be the start of a marker is held back.
+            end = _held_from(body, pos, markers) if partial else len(body)
+            out.pieces.append(body[pos:end])
+            if settles:
+                out.settle(end)
             break
-        pieces.append(body[pos:i])
-        block = spec.blocks[marker](body, i, partial)
+        out.pieces.append(body[pos:i])
+        block = spec.blocks[marker](body, i, partial, memo)
         if block.status == "broken":
-            pieces.append(marker)
+            out.pieces.append(marker)
             pos = i + len(marker)
+            if settles:
+                out.settle(pos)
             continue
-        calls += block.calls
         if block.status == "stop":
+            if settles:
+                out.settle(i)
+            out.calls += block.calls
             break
+        out.calls += block.calls
         pos = max(block.end, i + len(marker))
-    return _output(pieces, reasoning, calls)
+        if settles:
+            out.settle(pos)
+    return out
 
 
-def _first_marker(text: str, pos: int, markers: tuple[str, ...]) -> tuple[int, str | None]:
-    best, found = len(text), None
+def _first_marker(memo: _Memo, pos: int, markers: tuple[str, ...]) -> tuple[int, str | None]:
+    best, found = len(memo.text), None
     for marker in markers:
-        i = text.find(marker, pos, best + len(marker))
+        i = memo.find(marker, pos)
         if 0 <= i < best:
             best, found = i, marker
     return best, found
@@ -1029,3 +1128,157 @@ def _first_marker(text: str, pos: int, markers: tuple[str, ...]) -> tuple[int, s
 
 def _output(pieces: list[str], reasoning: str, calls: list[ToolCall]) -> ChatOutput:
     return ChatOutput("".join(pieces).strip(), reasoning, tuple(calls))
+
+
+# --- streaming ------------------------------------------------------------------
+
+
+class ChatOutputStream:
+    """Parse a reply while it streams, reading each piece about once.
+
+    ``feed(piece)`` adds text and returns what :func:`parse_chat_output`
+    with ``partial=True`` returns for all the text fed so far; ``finish()``
+    returns the final parse (``partial=False``). Both are equal to those
+    calls, not approximations; ``format`` and ``thinking_started`` mean what
+    they mean there, and ``text`` is all the text fed.
+
+    The stream keeps the parse of the reply's settled start: the reasoning
+    once ``</think>`` came, and the content and calls up to the last point
+    that later text cannot change (text before which no marker can start,
+    blocks that ended or turned out to be text). Each piece makes it re-read
+    only the text after that point. In content and reasoning this is the
+    piece and at most a marker's length held back, so the work there is
+    linear in the reply. It is not linear while a block stays open: a call
+    whose arguments are still arriving is re-read from its marker with each
+    piece, and a reply that starts with a JSON object (``generic``, a bare
+    ``llama3`` call, ``auto``) is re-read from its start until that object
+    is complete (the whole reply, for a generic ``{"response": ...}``).
+    Each ``feed`` also builds the returned strings, a copy of the content
+    and reasoning so far.
+
+    >>> stream = ChatOutputStream("hermes")
+    >>> stream.feed("Let me look.\\n<tool_").content
+    'Let me look.'
+    >>> stream.feed('call>\\n{"name": "get_weather", "arguments": {"ci').tool_calls
+    (ToolCall(name='get_weather', arguments='{"ci', id=None),)
+    >>> out = stream.feed('ty": "Paris"}}\\n</tool_call>')
+    >>> out.content, out.tool_calls[0].arguments
+    ('Let me look.', '{"city": "Paris"}')
+    >>> stream.finish() == parse_chat_output(stream.text, format="hermes")
+    True
+    """
+
+    def __init__(self, format: str = "auto", *, thinking_started: bool = False) -> None:
+        spec = _SPECS.get(format) if isinstance(format, str) else None
+        if spec is None:
+            raise ValueError(f"unknown chat format {format!r}; expected one of {CHAT_FORMATS}")
+        self._format = format
+        self._spec = spec
+        self._thinking_started = bool(thinking_started)
+        self._chunks: list[str] = []
+        self._failed = False
+        # Where the reply is: "head" (no character but blanks yet, or the
+        # start of what may be <think>), "think" (in the reasoning) or
+        # "body" (after it, or with no reasoning).
+        self._phase = "think" if self._thinking_started else "head"
+        self._head = ""  # the reply so far, without leading blanks
+        self._thought = ""  # the reasoning so far, before </think> was found
+        self._reasoning = ""  # the reasoning, once </think> closed it
+        self._content = ""  # the settled content pieces, joined
+        self._calls: list[ToolCall] = []  # the settled calls
+        self._tail = ""  # the body after its settled part
+        self._at_start = True  # whether the tail starts the body
+        self._parsed_chars = 0  # characters handed to the parser (tests read it)
+
+    @property
+    def text(self) -> str:
+        """All the text fed so far."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def feed(self, piece: str) -> ChatOutput:
+        """Add ``piece`` to the reply and return the partial parse of all of it."""
+        if not isinstance(piece, str):
+            raise TypeError(f"piece must be a str, got {type(piece).__name__}")
+        if piece:
+            self._chunks.append(piece)
+        if not self._failed:
+            try:
+                return self._feed(piece)
+            except Exception:  # pragma: no cover - a bug here must not break the caller's stream
+                self._failed = True
+        return self._whole(partial=True)  # pragma: no cover
+
+    def finish(self) -> ChatOutput:
+        """The final parse of all the text fed. The stream is left as it was."""
+        if not self._failed:
+            try:
+                return self._finish()
+            except Exception:  # pragma: no cover
+                self._failed = True
+        return self._whole(partial=False)  # pragma: no cover
+
+    def _whole(self, partial: bool) -> ChatOutput:  # pragma: no cover
+        return parse_chat_output(
+            self.text,
+            format=self._format,
+            partial=partial,
+            thinking_started=self._thinking_started,
+        )
+
+    def _feed(self, piece: str) -> ChatOutput:
+        if self._phase == "head":
+            head = (self._head + piece).lstrip(_WS)
+            self._parsed_chars += len(head)
+            if head.startswith(_THINK):
+                self._phase, self._head = "think", ""
+                piece = head[len(_THINK) :]
+            elif not head or _pending(head, 0, _THINK):
+                self._head = head
+                return ChatOutput("")
+            else:
+                self._phase, self._head = "body", ""
+                piece = head
+        if self._phase == "think":
+            seen = len(self._thought)
+            thought = self._thought + piece
+            close = thought.find(_THINK_END, max(0, seen - len(_THINK_END) + 1))
+            self._parsed_chars += len(piece) + len(_THINK_END) - 1
+            if close < 0:
+                self._thought = thought
+                held = _held_from(thought, 0, (_THINK_END,))
+                return ChatOutput("", _trim_reasoning(thought[:held]))
+            self._phase, self._thought = "body", ""
+            self._reasoning = _trim_reasoning(thought[:close])
+            piece = thought[close + len(_THINK_END) :]
+        tail = self._tail + piece
+        if self._at_start:
+            # Blanks that start the body end up stripped off the content,
+            # and a bare JSON call is looked for after them.
+            tail = tail.lstrip(_WS)
+        self._parsed_chars += len(tail)
+        body = _parse_body(tail, self._spec, True, self._at_start)
+        pieces, calls = body.pieces, body.calls
+        if body.settled:
+            self._content += "".join(pieces[: body.settled_pieces])
+            self._calls += calls[: body.settled_calls]
+            pieces, calls = pieces[body.settled_pieces :], calls[body.settled_calls :]
+            tail = tail[body.settled :]
+            self._at_start = False
+        self._tail = tail
+        return ChatOutput(
+            (self._content + "".join(pieces)).strip(), self._reasoning, (*self._calls, *calls)
+        )
+
+    def _finish(self) -> ChatOutput:
+        if self._phase == "head":
+            return _parse(self._head, self._spec, partial=False, thinking_started=False)
+        if self._phase == "think":
+            return ChatOutput("", _trim_reasoning(self._thought))
+        body = _parse_body(self._tail, self._spec, False, self._at_start)
+        return ChatOutput(
+            (self._content + "".join(body.pieces)).strip(),
+            self._reasoning,
+            (*self._calls, *body.calls),
+        )

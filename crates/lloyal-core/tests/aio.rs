@@ -227,7 +227,10 @@ async fn a_long_prompt_delays_commits_by_at_most_one_round() {
     }
     tokio::time::sleep(Duration::from_millis(1)).await;
     let calls = ctx.stats().decode_calls;
-    ctx.aio().prefill(vec![(late, prompt)], false).await.unwrap();
+    ctx.aio()
+        .prefill(vec![(late, prompt)], false)
+        .await
+        .unwrap();
     let prompt_decodes = ctx.stats().decode_calls - calls;
     done.store(true, std::sync::atomic::Ordering::SeqCst);
     let mut worst = 0;
@@ -235,7 +238,10 @@ async fn a_long_prompt_delays_commits_by_at_most_one_round() {
         worst = worst.max(task.await.unwrap().into_iter().max().unwrap_or(0));
     }
     assert_eq!(ctx.read_branch(late, |b| b.position).unwrap(), 1000);
-    assert!(worst <= 2 * n_batch, "a commit waited behind {worst} tokens");
+    assert!(
+        worst <= 2 * n_batch,
+        "a commit waited behind {worst} tokens"
+    );
     assert!(prompt_decodes >= 1000 / n_batch);
     ctx.aio().close().await.unwrap();
 }

@@ -65,6 +65,20 @@ fn state_bytes(py: Python<'_>, data: Vec<u8>) -> PyResult<Py<PyAny>> {
 
 /// `None` when every item succeeded, else one entry per item: `None` or
 /// the exception for that item.
+fn produced_many(
+    py: Python<'_>,
+    results: Vec<lloyal_core::Result<(i32, Vec<u8>, bool)>>,
+) -> PyResult<Py<PyAny>> {
+    let list = PyList::empty(py);
+    for r in results {
+        match r {
+            Ok(p) => list.append(produced(py, p)?)?,
+            Err(e) => list.append(to_pyerr(e).into_value(py))?,
+        }
+    }
+    Ok(list.into_any().unbind())
+}
+
 fn item_errors(py: Python<'_>, results: ItemResults) -> PyResult<Py<PyAny>> {
     if results.iter().all(Result::is_ok) {
         return Ok(py.None());
@@ -237,6 +251,36 @@ impl PyContext {
                         model.token_bytes(token, false)?,
                         model.is_stop_token(token)?,
                     ))
+                }))
+            }),
+        );
+    }
+
+    /// ``branch_produce`` for many branches (``Context::branch_produce_many``):
+    /// ``done`` gets a list with, per branch, ``(token, piece bytes,
+    /// is_stop)`` or the exception it failed with. Slow samplers run
+    /// in parallel off the caller's thread.
+    fn branch_produce_many(&self, branches: Vec<u64>, done: Py<PyAny>) {
+        let model = Arc::clone(self.inner.model());
+        let out: Reply<Vec<lloyal_core::Result<(i32, Vec<u8>, bool)>>> =
+            py_reply(done, produced_many);
+        let ids = branches.into_iter().map(id).collect();
+        self.inner.branch_produce_many(
+            ids,
+            Reply::new(move |result: lloyal_core::Result<Vec<lloyal_core::Result<i32>>>| {
+                out.send(result.map(|tokens| {
+                    tokens
+                        .into_iter()
+                        .map(|r| {
+                            r.and_then(|token| {
+                                Ok((
+                                    token,
+                                    model.token_bytes(token, false)?,
+                                    model.is_stop_token(token)?,
+                                ))
+                            })
+                        })
+                        .collect()
                 }))
             }),
         );

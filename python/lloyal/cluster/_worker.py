@@ -137,39 +137,55 @@ class ContextWorker:
         await self.prune(prunes)
         failed = await self._commit(commits)
         done = [failed.get(bid) or _info(self._branches[bid]) for bid, _ in commits]
-        made: list[Any] = []
-        for bid in produces:
-            b = self._branches.get(bid)
-            if b is None or bid in failed:
-                made.append(failed.get(bid, f"LloyalError: no branch {bid} here"))
+        made: list[Any] = [
+            failed.get(bid, f"LloyalError: no branch {bid} here")
+            if bid in failed or bid not in self._branches
+            else None
+            for bid in produces
+        ]
+        # Every live branch's token in one native call (slow samplers in
+        # parallel); a branch that fails is its own answer, the step goes on.
+        live = [i for i, m in enumerate(made) if m is None]
+        chosen = await self._store.produce(
+            [self._branches[produces[i]] for i in live], return_exceptions=True
+        )
+        for i, p in zip(live, chosen, strict=True):
+            b = self._branches[produces[i]]
+            if isinstance(p, BaseException):
+                made[i] = _message(p)
                 continue
             try:
-                p = await b.produce()
-                made.append(
-                    (p.token, p.text, p.is_stop, b.model_surprisal(p.token), b.model_entropy())
+                made[i] = (
+                    p.token,
+                    p.text,
+                    p.is_stop,
+                    b.model_surprisal(p.token),
+                    b.model_entropy(),
                 )
-            except Exception as e:  # this branch's answer; the step goes on
-                made.append(_message(e))
+            except Exception as e:
+                made[i] = _message(e)
         top: list[Any] = []
         for bid, k in tops:
-            b = self._branches.get(bid)
-            if b is None or bid in failed:
+            held = self._branches.get(bid)
+            if held is None or bid in failed:
                 top.append(failed.get(bid, f"LloyalError: no branch {bid} here"))
                 continue
             try:
-                tokens, logprobs = b.top_logprobs(k)
+                tokens, logprobs = held.top_logprobs(k)
                 ids = tokens.tolist()
                 assert self._ctx is not None
                 stops = [self._ctx.is_stop_token(t) for t in ids]
-                top.append((ids, logprobs.tolist(), b.model_entropy(), stops))
+                top.append((ids, logprobs.tolist(), held.model_entropy(), stops))
             except Exception as e:
                 top.append(_message(e))
         return done, made, top
 
     async def _commit(self, commits: list[tuple[int, int]]) -> dict[int, str]:
         """Commit in one decode; the error message of each that failed.
-        When the KV cache cannot take them all, the prefix cache is dropped
-        and the ones that fit land (the rest fail with KVCacheFullError)."""
+        When the KV cache cannot take them all (the batch is all or
+        nothing), the prefix cache is dropped and the commits are sent again
+        as separate groups of one step: the ones that fit land, the rest
+        fail with KVCacheFullError (see docs/batching.md)."""
         failed = {bid: f"LloyalError: no branch {bid} here" for bid, _ in commits}
         live = [(bid, t) for bid, t in commits if bid in self._branches]
         for bid, _ in live:
@@ -183,7 +199,7 @@ class ContextWorker:
             await self._cache.clear()
         except LloyalError as e:
             return failed | {bid: _message(e) for bid, _ in live}
-        # Separate commits in one go: the native worker batches what fits.
+        # Separate groups in one step: the engine lands the ones that fit.
         outcomes = await asyncio.gather(
             *(self._branches[b].commit(t) for b, t in live), return_exceptions=True
         )

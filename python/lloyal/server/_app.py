@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from lloyal.branch import BranchStore
-from lloyal.chat_output import ChatOutput
+from lloyal.chat_output import ChatOutput, ChatOutputStream
 from lloyal.context import ChatPrompt, Context, create_context
 from lloyal.errors import ChatTemplateError, GrammarError, LloyalError
 from lloyal.server._engine import Engine, Event
@@ -55,6 +55,7 @@ class _State:
     def __init__(self, config: ServerConfig, ctx: Context) -> None:
         self.config = config
         self.ctx = ctx
+        self._token_info: dict[int, tuple[str, list[int]]] = {}
         self.engine = Engine(
             ctx,
             prefix_cache=config.prefix_cache,
@@ -65,6 +66,17 @@ class _State:
         self.name = config.model_name or ctx.model_info.name or "lloyal"
         self._embedder: Context | None = None
         self._embed_lock = asyncio.Lock()
+
+    def token_info(self, token: int) -> tuple[str, list[int]]:
+        """A token's text and bytes for logprobs, asked of the model once
+        per token (a step's logprobs then cost no native call per entry)."""
+        info = self._token_info.get(token)
+        if info is None:
+            info = self._token_info[token] = (
+                self.ctx.token_to_text(token),
+                list(self.ctx.token_bytes(token)),
+            )
+        return info
 
     async def embedder(self) -> Context:
         """A pooling context on the same model, opened on first use."""
@@ -123,15 +135,15 @@ def _sse(obj: object) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-def _logprob_entry(ctx: Context, token: int, logprob: float, top: Any) -> dict[str, Any]:
-    text = ctx.token_to_text(token)
+def _logprob_entry(state: _State, token: int, logprob: float, top: Any) -> dict[str, Any]:
+    text, raw = state.token_info(token)
     return {
         "token": text,
         "logprob": logprob,
-        "bytes": list(ctx.token_bytes(token)),
+        "bytes": raw,
         "top_logprobs": [
-            {"token": ctx.token_to_text(t), "logprob": lp, "bytes": list(ctx.token_bytes(t))}
-            for t, lp in top
+            {"token": t_text, "logprob": lp, "bytes": t_raw}
+            for (t_text, t_raw), lp in ((state.token_info(t), lp) for t, lp in top)
         ],
     }
 
@@ -215,14 +227,16 @@ class _ChatChoice:
 
     def __init__(self, prompt: ChatPrompt) -> None:
         self.prompt = prompt
-        self.text = ""
+        self.text = ""  # a collected reply: the caller appends to it
+        # A streamed reply goes through delta(), which parses only what each
+        # piece can change.
+        self.stream = ChatOutputStream(prompt.chat_format, thinking_started=prompt.thinking_started)
         self.seen = ChatOutput(content="")
         self.logprobs: list[dict[str, Any]] = []
         self.tokens = 0
 
     def delta(self, more: str) -> dict[str, Any]:
-        self.text += more
-        now = self.prompt.parse(self.text, partial=True)
+        now = self.stream.feed(more)
         out: dict[str, Any] = {}
         if now.content.startswith(self.seen.content) and len(now.content) > len(self.seen.content):
             out["content"] = now.content[len(self.seen.content) :]
@@ -251,7 +265,7 @@ class _ChatChoice:
         return out
 
     def final(self, finish: str) -> tuple[dict[str, Any], str]:
-        out = self.prompt.parse(self.text)
+        out = self.stream.finish() if self.stream.text else self.prompt.parse(self.text)
         message: dict[str, Any] = {"role": "assistant", "content": out.content or None}
         if out.reasoning:
             message["reasoning_content"] = out.reasoning
@@ -318,7 +332,7 @@ async def chat_completions(request: Request, state: _State) -> Response:
                     choices[event.index].tokens += 1
                     if event.logprob is not None:
                         choices[event.index].logprobs.append(
-                            _logprob_entry(state.ctx, event.token, event.logprob, event.top)
+                            _logprob_entry(state, event.token, event.logprob, event.top)
                         )
                 yield event
 

@@ -222,12 +222,15 @@ class Engine:
 
     async def _step(self) -> None:
         batch: list[tuple[_Choice, int]] = []
-        for c in list(self._active):
-            try:
-                token = c.decide(await c.branch.produce())
-            except LloyalError as e:  # a grammar that cannot continue, say
-                c.end("error", str(e))
+        active = list(self._active)
+        # Every choice's token in one native call (grammar masks in parallel).
+        produced = await self._store.produce([c.branch for c in active], return_exceptions=True)
+        for c, p in zip(active, produced, strict=True):
+            if isinstance(p, LloyalError):  # a grammar that cannot continue, say
+                c.end("error", str(p))
                 token = None
+            else:
+                token = c.decide(p)
             if token is None:
                 self._active.remove(c)
             else:

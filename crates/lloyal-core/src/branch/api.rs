@@ -206,6 +206,116 @@ impl Context {
         }
     }
 
+    /// [`Context::branch_produce`] for many branches in one call, one
+    /// result per branch in order (a branch that fails -- gone, busy, a
+    /// grammar that cannot continue -- fails alone). Cheap samplers run
+    /// here, under the branches lock; the slow ones
+    /// ([`Context::branch_produce_is_slow`]: grammar masks, whole-vocabulary
+    /// sorts) are detached and sampled outside it, spread over up to
+    /// `available_parallelism` threads, and `reply` is answered from there
+    /// once every token is chosen. Without a slow one, `reply` is answered
+    /// before this returns.
+    pub fn branch_produce_many(&self, ids: Vec<BranchId>, reply: Reply<Vec<Result<i32>>>) {
+        if let Err(e) = self.check_open() {
+            return reply.send(Err(e));
+        }
+        let mut results: Vec<Result<i32>> = Vec::with_capacity(ids.len());
+        let mut slow: Vec<(usize, BranchId, BranchState)> = Vec::new();
+        {
+            let mut branches = lock(&self.shared.branches);
+            for (i, &id) in ids.iter().enumerate() {
+                let result = branches.get_mut(id).and_then(|b| {
+                    if b.busy || ids[..i].contains(&id) {
+                        return Err(Error::BranchBusy);
+                    }
+                    if b.produce_is_slow() {
+                        b.busy = true;
+                        slow.push((i, id, b.detach_for_produce()));
+                        return Ok(-1); // answered by the sampler threads
+                    }
+                    b.produce()
+                });
+                results.push(result);
+            }
+        }
+        if slow.is_empty() {
+            return reply.send(Ok(results));
+        }
+        let shared = Arc::clone(&self.shared);
+        // Reachable here until the thread has taken it, so that a thread
+        // that cannot start still gives the branches back and answers.
+        let slot = Arc::new(Mutex::new(Some((slow, results, reply))));
+        let taken = Arc::clone(&slot);
+        fn finish(
+            shared: &Shared,
+            slow: Vec<(usize, BranchId, BranchState)>,
+            chosen: Vec<Result<i32>>,
+            mut results: Vec<Result<i32>>,
+        ) -> Vec<Result<i32>> {
+            let mut branches = lock(&shared.branches);
+            for ((i, id, detached), token) in slow.into_iter().zip(chosen) {
+                if let Ok(state) = branches.get_mut(id) {
+                    state.reattach(detached);
+                    state.busy = false;
+                }
+                results[i] = token;
+            }
+            results
+        }
+        let spawned = std::thread::Builder::new()
+            .name("lloyal-sampler".into())
+            .spawn(move || {
+                let Some((mut slow, results, reply)) = lock(&taken).take() else {
+                    return;
+                };
+                let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let per = slow.len().div_ceil(threads.min(slow.len()));
+                let mut chosen: Vec<Result<i32>> = Vec::with_capacity(slow.len());
+                std::thread::scope(|scope| {
+                    let handles: Vec<_> = slow
+                        .chunks_mut(per)
+                        .map(|chunk| {
+                            scope.spawn(move || {
+                                chunk
+                                    .iter_mut()
+                                    .map(|(_, _, detached)| {
+                                        catch_unwind(AssertUnwindSafe(|| detached.produce()))
+                                            .unwrap_or_else(|p| Err(Error::from_panic(p)))
+                                    })
+                                    .collect::<Vec<_>>()
+                            })
+                        })
+                        .collect();
+                    for h in handles {
+                        match h.join() {
+                            Ok(tokens) => chosen.extend(tokens),
+                            // (`produce` runs under catch_unwind: this is
+                            // the thread itself failing; its chunk's slots
+                            // are filled below.)
+                            Err(p) => {
+                                let e = Error::from_panic(p);
+                                chosen.extend((0..per).map(|_| Err(e.clone())));
+                            }
+                        }
+                    }
+                });
+                chosen.truncate(slow.len());
+                reply.send(Ok(finish(&shared, slow, chosen, results)));
+            });
+        if let Err(e) = spawned {
+            if let Some((slow, results, reply)) = lock(&slot).take() {
+                let failed = (0..slow.len())
+                    .map(|_| {
+                        Err(Error::Internal(format!(
+                            "could not start a sampler thread: {e}"
+                        )))
+                    })
+                    .collect();
+                reply.send(Ok(finish(&self.shared, slow, failed, results)));
+            }
+        }
+    }
+
     /// Accept a token without decoding it (penalties and metrics).
     /// Replace (or remove) a branch's grammar. Compile it first with
     /// [`crate::Grammar::new`] on this context's model.

@@ -133,7 +133,11 @@ impl Worker<'_> {
         let mut finished = 0;
         let mut i = 0;
         while i < step.groups.len() {
-            if step.groups[i].progress.as_ref().is_some_and(Progress::finished) {
+            if step.groups[i]
+                .progress
+                .as_ref()
+                .is_some_and(Progress::finished)
+            {
                 let group = step.groups.remove(i);
                 self.finish_group(group);
                 finished += 1;
@@ -371,7 +375,9 @@ impl Worker<'_> {
     /// successful one's branches advance and take their new logits.
     fn finish_group(&mut self, mut group: Group) {
         let Some(progress) = group.progress.take() else {
-            return group.reply.send(Err(Error::Internal("a step group never ran".into())));
+            return group
+                .reply
+                .send(Err(Error::Internal("a step group never ran".into())));
         };
         if let Some(error) = progress.failed {
             self.undo(progress.undo);

@@ -156,7 +156,10 @@ impl Worker<'_> {
         };
         let _ = self.remove_cells(seq, None, None);
         self.refresh_seq(seq);
-        match self.run_group(vec![(id, Input::Prefill(tokens))], false)?.pop() {
+        match self
+            .run_group(vec![(id, Input::Prefill(tokens))], false)?
+            .pop()
+        {
             Some(result) => result,
             None => Ok(()),
         }

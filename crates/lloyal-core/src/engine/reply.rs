@@ -30,19 +30,24 @@ impl<T: 'static> Drop for Reply<T> {
             // job's branches, so the caller finds them usable, and knows
             // what the panic said (`run` keeps it in `PANIC`).
             after_job(Box::new(move || {
-                let why = match PANIC.with(|p| p.borrow().clone()) {
-                    Some(message) if panicking => {
-                        format!("the engine panicked while running this request: {message}")
-                    }
-                    _ if panicking => "the engine panicked while running this request".to_owned(),
-                    _ => "the engine dropped this request without an answer".to_owned(),
-                };
-                f(Err(Error::Internal(format!(
-                    "{why} (a bug in lloyal: please report it)"
-                ))));
+                let message = PANIC.with(|p| p.borrow().clone());
+                f(Err(unanswered(panicking, message.as_deref())));
             }));
         }
     }
+}
+
+/// The error a caller gets for a request the engine could not answer: it
+/// panicked (with the panic's message when known) or dropped the request.
+pub(super) fn unanswered(panicked: bool, message: Option<&str>) -> Error {
+    let why = match message {
+        Some(message) if panicked => {
+            format!("the engine panicked while running this request: {message}")
+        }
+        _ if panicked => "the engine panicked while running this request".to_owned(),
+        _ => "the engine dropped this request without an answer".to_owned(),
+    };
+    Error::Internal(format!("{why} (a bug in lloyal: please report it)"))
 }
 
 pub(super) type Deferred = Box<dyn FnOnce() + Send>;

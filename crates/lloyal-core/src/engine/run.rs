@@ -8,7 +8,7 @@ use crossbeam_channel::RecvTimeoutError;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::job::Job;
-use super::reply::{defer_replies, deferred_replies, set_panic_message, Deferred};
+use super::reply::{defer_replies, deferred_replies, set_panic_message, unanswered, Deferred};
 use super::step::Step;
 use super::worker::{Engine, Worker};
 use crate::error::Error;
@@ -41,17 +41,19 @@ pub(super) fn run(engine: &Engine, rx: &mut UnboundedReceiver<Job>) {
             }
         }
         if !step.is_empty() {
-            let finished = run_locked(engine, &mut replies, |w| match w {
+            run_locked(engine, &mut replies, |w| match w {
                 Some(w) => {
                     let recover = step.ids();
                     match catch_unwind(AssertUnwindSafe(|| w.step_round(&mut step))) {
                         Ok(finished) => finished,
                         Err(payload) => {
-                            set_panic_message(Some(panic_text(payload)));
-                            // The replies of the step's groups are dropped
-                            // unsent (see `Reply`): their callers hear of it.
-                            let groups = std::mem::take(&mut step).groups.len();
+                            // Free the step's branches, then tell every
+                            // caller in it what happened.
+                            let message = panic_text(payload);
                             let _ = catch_unwind(AssertUnwindSafe(|| w.abandon_step(recover)));
+                            let step = std::mem::take(&mut step);
+                            let groups = step.groups.len();
+                            step.fail(unanswered(true, Some(&message)));
                             groups
                         }
                     }
@@ -63,7 +65,6 @@ pub(super) fn run(engine: &Engine, rx: &mut UnboundedReceiver<Job>) {
                     groups
                 }
             });
-            engine.queued.fetch_sub(finished, Ordering::SeqCst);
             continue;
         }
         let Some(job) = queue.pop_front() else {
@@ -113,7 +114,6 @@ pub(super) fn run(engine: &Engine, rx: &mut UnboundedReceiver<Job>) {
                 1
             }
         });
-        engine.queued.fetch_sub(1, Ordering::SeqCst);
     }
     let mut guard = lock(&engine.worker);
     if let Some(w) = guard.as_mut() {
@@ -122,13 +122,15 @@ pub(super) fn run(engine: &Engine, rx: &mut UnboundedReceiver<Job>) {
     drop(guard.take());
 }
 
-/// Run `f` holding the worker (`None` once the context is closed), then
-/// send the replies it deferred. Returns what `f` returns.
+/// Run `f` holding the worker (`None` once the context is closed); `f`
+/// returns how many submitted jobs (step groups) it finished. They stop
+/// counting as queued before their replies go out, so that a caller who
+/// hears back finds the worker idle (inline work runs only then).
 fn run_locked(
     engine: &Engine,
     replies: &mut Vec<Deferred>,
     f: impl FnOnce(Option<&mut Worker<'static>>) -> usize,
-) -> usize {
+) {
     let mut guard = lock(&engine.worker);
     if let Some(w) = guard.as_mut() {
         w.finish_background();
@@ -137,14 +139,14 @@ fn run_locked(
     let worker = guard
         .as_mut()
         .filter(|w| !w.shared.closed.load(Ordering::Acquire));
-    let result = f(worker);
+    let finished = f(worker);
     drop(guard);
+    engine.queued.fetch_sub(finished, Ordering::SeqCst);
     *replies = deferred_replies();
     for reply in replies.drain(..) {
         reply();
     }
     set_panic_message(None);
-    result
 }
 
 fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {

@@ -69,7 +69,6 @@ impl Group {
             progress: None,
         }
     }
-
 }
 
 /// A group on its way: its items' results so far, what it decodes, and
@@ -145,7 +144,10 @@ impl Step {
 
     /// Every branch of every group (marked busy by their callers).
     pub(crate) fn ids(&self) -> Vec<BranchId> {
-        self.groups.iter().flat_map(|g| g.ids.iter().copied()).collect()
+        self.groups
+            .iter()
+            .flat_map(|g| g.ids.iter().copied())
+            .collect()
     }
 
     /// Take `other`'s groups after this step's own.
