@@ -100,8 +100,8 @@ pub use backend::{
 };
 pub use branch::{BranchId, BranchState, Branches, LogitsView, TreeOutcome};
 pub use engine::{
-    after_job, join_workers, Context, Embeddings, Hold, ItemResults, Reply, Stats, StepInput,
-    WORKER_THREAD_NAME,
+    after_job, join_workers, Context, Embeddings, Hold, ItemResults, Reply, Stats, StepGroup,
+    StepInput, WORKER_THREAD_NAME,
 };
 pub use error::{Error, Result};
 pub use grammar::{json_schema_to_grammar, Grammar, GrammarSpec};

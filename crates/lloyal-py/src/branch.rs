@@ -24,6 +24,9 @@ fn produced(py: Python<'_>, (token, piece, stop): (i32, Vec<u8>, bool)) -> PyRes
         .unbind())
 }
 
+/// A group of `branch_step`: `(items, all_rows, done)`.
+type PyStepGroup = (Vec<(u64, PyStepInput)>, bool, Py<PyAny>);
+
 /// An item of `branch_step`: a token to commit or tokens to prefill.
 #[derive(FromPyObject)]
 enum PyStepInput {
@@ -65,10 +68,10 @@ fn state_bytes(py: Python<'_>, data: Vec<u8>) -> PyResult<Py<PyAny>> {
 
 /// `None` when every item succeeded, else one entry per item: `None` or
 /// the exception for that item.
-fn produced_many(
-    py: Python<'_>,
-    results: Vec<lloyal_core::Result<(i32, Vec<u8>, bool)>>,
-) -> PyResult<Py<PyAny>> {
+/// A produced token: `(token, piece bytes, is_stop)`.
+type Piece = (i32, Vec<u8>, bool);
+
+fn produced_many(py: Python<'_>, results: Vec<lloyal_core::Result<Piece>>) -> PyResult<Py<PyAny>> {
     let list = PyList::empty(py);
     for r in results {
         match r {
@@ -160,7 +163,7 @@ impl PyContext {
     /// each group is ``(items, all_rows, done)``, an item ``(branch,
     /// token)`` to commit or ``(branch, [tokens])`` to prefill; each
     /// ``done`` gets its group's per-item errors.
-    fn branch_step(&self, groups: Vec<(Vec<(u64, PyStepInput)>, bool, Py<PyAny>)>) {
+    fn branch_step(&self, groups: Vec<PyStepGroup>) {
         let groups = groups
             .into_iter()
             .map(|(items, all_rows, done)| {
@@ -262,27 +265,25 @@ impl PyContext {
     /// in parallel off the caller's thread.
     fn branch_produce_many(&self, branches: Vec<u64>, done: Py<PyAny>) {
         let model = Arc::clone(self.inner.model());
-        let out: Reply<Vec<lloyal_core::Result<(i32, Vec<u8>, bool)>>> =
-            py_reply(done, produced_many);
+        let out: Reply<Vec<lloyal_core::Result<Piece>>> = py_reply(done, produced_many);
         let ids = branches.into_iter().map(id).collect();
         self.inner.branch_produce_many(
             ids,
-            Reply::new(move |result: lloyal_core::Result<Vec<lloyal_core::Result<i32>>>| {
-                out.send(result.map(|tokens| {
-                    tokens
-                        .into_iter()
-                        .map(|r| {
-                            r.and_then(|token| {
-                                Ok((
-                                    token,
-                                    model.token_bytes(token, false)?,
-                                    model.is_stop_token(token)?,
-                                ))
-                            })
-                        })
-                        .collect()
-                }))
-            }),
+            Reply::new(
+                move |result: lloyal_core::Result<Vec<lloyal_core::Result<i32>>>| {
+                    let piece = |token: i32| -> lloyal_core::Result<Piece> {
+                        Ok((
+                            token,
+                            model.token_bytes(token, false)?,
+                            model.is_stop_token(token)?,
+                        ))
+                    };
+                    out.send(
+                        result
+                            .map(|tokens| tokens.into_iter().map(|r| r.and_then(piece)).collect()),
+                    )
+                },
+            ),
         );
     }
 

@@ -38,7 +38,7 @@ pub use handle::{join_workers, Context, WORKER_THREAD_NAME};
 pub use job::Hold;
 pub use reply::{after_job, Reply};
 pub use shared::{Embeddings, Stats};
-pub use step::{Input as StepInput, ItemResults};
+pub use step::{Input as StepInput, ItemResults, StepGroup};
 
 pub(crate) use job::{Job, Recover, Task};
 pub(crate) use shared::Shared;

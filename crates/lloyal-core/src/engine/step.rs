@@ -32,6 +32,11 @@ use crate::sampling::Sampler;
 /// One result per item of a group.
 pub type ItemResults = Vec<Result<()>>;
 
+/// One caller's batch for [`Context::branch_step`](crate::Context::branch_step):
+/// its items, whether to keep every position's logits of its prefills, and
+/// the reply that gets one result per item.
+pub type StepGroup = (Vec<(BranchId, Input)>, bool, Reply<ItemResults>);
+
 /// What an item of a step decodes into its branch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Input {
