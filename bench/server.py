@@ -5,12 +5,15 @@ Each server gets the same model and the same load: C concurrent clients
 (a shared system prompt and a question of its own), every answer exactly
 ``--max-tokens`` tokens long (end-of-generation tokens are banned with
 ``logit_bias``, a field all three servers take, so nobody wins by stopping
-early). Printed per server and concurrency: aggregate completion tokens
-per second, p50 and p99 request latency, and the ratio of lloyal's
-tokens/s to the other server's, all from one run.
+early). Every request streams (SSE). Printed per server and concurrency:
+aggregate completion tokens per second, p50 and p99 request latency, p50
+time to first token, p50 and p99 inter-token latency (the gaps between a
+request's streamed chunks), and the ratio of lloyal's tokens/s to the
+other server's, all from one run.
 
     python bench/server.py                       # SmolLM2, all servers found or built
     python bench/server.py --clients 1,8 --servers lloyal,llama-server
+    python bench/server.py --model gemma3 --clients 1,8,32,64 --servers lloyal,llama-server
 
 Where the other servers come from:
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -60,13 +64,17 @@ class Result:
     tokens: int
     seconds: float
     latencies: list[float]
+    first: list[float]
+    gaps: list[float]
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds
 
-    def pct(self, q: float) -> float:
-        xs = sorted(self.latencies)
+    def pct(self, q: float, xs: list[float] | None = None) -> float:
+        xs = sorted(self.latencies if xs is None else xs)
+        if not xs:
+            return float("nan")
         return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
@@ -203,10 +211,21 @@ def start(
     raise RuntimeError(f"{kind} did not start")
 
 
+@dataclass
+class Load:
+    tokens: int
+    seconds: float
+    latencies: list[float]
+    first: list[float]
+    gaps: list[float]
+
+
 async def load(
     url: str, clients: int, requests: int, max_tokens: int, banned: dict[str, float]
-) -> tuple[int, float, list[float]]:
+) -> Load:
     latencies: list[float] = []
+    first: list[float] = []
+    gaps: list[float] = []
     tokens = 0
 
     async def client(i: int, http: httpx.AsyncClient) -> None:
@@ -222,17 +241,38 @@ async def load(
                 "temperature": 0.7,
                 "seed": i * 1000 + j,
                 "logit_bias": banned,
+                "stream": True,
+                "stream_options": {"include_usage": True},
             }
             t0 = time.perf_counter()
-            r = await http.post(f"{url}/v1/chat/completions", json=body)
-            r.raise_for_status()
+            last: float | None = None
+            used: int | None = None
+            async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        used = chunk["usage"]["completion_tokens"]
+                    choices = chunk.get("choices") or [{}]
+                    if not (choices[0].get("delta") or {}).get("content"):
+                        continue
+                    now = time.perf_counter()
+                    if last is None:
+                        first.append(now - t0)
+                    else:
+                        gaps.append(now - last)
+                    last = now
             latencies.append(time.perf_counter() - t0)
-            tokens += r.json()["usage"]["completion_tokens"]
+            # End-of-generation tokens are banned: every answer is max_tokens
+            # long, whether or not the server reports usage when streaming.
+            tokens += used if used is not None else max_tokens
 
     async with httpx.AsyncClient(timeout=600) as http:
         t0 = time.perf_counter()
         await asyncio.gather(*[client(i, http) for i in range(clients)])
-        return tokens, time.perf_counter() - t0, latencies
+        return Load(tokens, time.perf_counter() - t0, latencies, first, gaps)
 
 
 def main() -> None:
@@ -277,11 +317,14 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}"
             asyncio.run(load(url, 1, 1, 4, banned))  # warm up
             for c in counts:
-                tokens, seconds, lat = asyncio.run(
-                    load(url, c, args.requests, args.max_tokens, banned)
+                got = asyncio.run(load(url, c, args.requests, args.max_tokens, banned))
+                results.append(
+                    Result(kind, c, got.tokens, got.seconds, got.latencies, got.first, got.gaps)
                 )
-                results.append(Result(kind, c, tokens, seconds, lat))
-                print(f"{kind:>16} clients={c:<3} {tokens / seconds:8.1f} tok/s", file=sys.stderr)
+                print(
+                    f"{kind:>16} clients={c:<3} {got.tokens / got.seconds:8.1f} tok/s",
+                    file=sys.stderr,
+                )
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -293,13 +336,17 @@ def main() -> None:
     for kind, label in labels.items():
         if any(r.server == kind for r in results):
             print(f"  {kind}: {label}")
-    print("\n| server | clients | tok/s | p50 s | p99 s | lloyal / this |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        "\n| server | clients | tok/s | p50 s | p99 s | TTFT p50 ms | ITL p50 ms | ITL p99 ms "
+        "| lloyal / this |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         ratio = base.get(r.clients, float("nan")) / r.tok_s
         print(
             f"| {r.server} | {r.clients} | {r.tok_s:.1f} | {r.pct(0.5):.2f} | {r.pct(0.99):.2f} "
-            f"| {ratio:.2f}x |"
+            f"| {1000 * r.pct(0.5, r.first):.0f} | {1000 * r.pct(0.5, r.gaps):.1f} "
+            f"| {1000 * r.pct(0.99, r.gaps):.1f} | {ratio:.2f}x |"
         )
 
 

@@ -387,3 +387,27 @@ async def test_store_produce_chooses_every_token_in_one_call(model: Path) -> Non
             await store.produce([plain[0], gone])
         # The branches are free again: they commit what they chose.
         await store.commit([(b, p.token) for b, p in zip(plain, own[:2], strict=True)])
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_many_commits_over_many_cells_split_below_the_attention_tile(model: Path) -> None:
+    """64 commits of 64 sequences: one decode while few KV cells are in use;
+    two decodes of at most 63 tokens once each sequence holds 100 cells of
+    its own (ggml's CPU flash attention would otherwise take all 64 through
+    its tiled kernel, which attends to every cell in use: see
+    Worker::single_tokens_cap). The branches end the same either way."""
+    async with await lloyal.create_context(model, n_ctx=256 * 65, n_seq_max=65, n_batch=512) as ctx:
+        store = lloyal.BranchStore(ctx)
+        root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize("The history of the printing press"))
+        kids = [await root.fork() for _ in range(64)]
+        before = ctx.stats.decode_calls
+        await store.commit([(k, 100 + i) for i, k in enumerate(kids)])
+        assert ctx.stats.decode_calls - before == 1
+        await store.prefill(
+            [(k, [200 + (i + j) % 300 for j in range(100)]) for i, k in enumerate(kids)]
+        )
+        before = ctx.stats.decode_calls
+        await store.commit([(k, 100 + i) for i, k in enumerate(kids)])
+        assert ctx.stats.decode_calls - before == 2
+        assert {k.position for k in kids} == {root.position + 102}

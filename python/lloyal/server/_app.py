@@ -540,6 +540,7 @@ async def metrics(request: Request, state: _State) -> Response:
         "lloyal_completion_tokens_total": m.completion_tokens,
         "lloyal_decode_calls_total": stats.decode_calls,
         "lloyal_tokens_decoded_total": stats.tokens_decoded,
+        "lloyal_decode_seconds_total": round(stats.decode_seconds, 6),
         "lloyal_kv_leases_free": store.available,
         "lloyal_kv_pressure": store.kv_pressure,
         "lloyal_prefix_cache_entries": cache.entries if cache else 0,
