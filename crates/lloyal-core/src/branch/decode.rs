@@ -405,12 +405,12 @@ impl Worker<'_> {
     /// batch tokens may see: for tokens of 64 different sequences, about
     /// every cell in use, however few each sequence has. Below that size it
     /// skips each cell a token may not see. When that waste outweighs
-    /// reading the weights once more (attention over every cell in use
-    /// costs over half the matmuls, counted in FLOPs: `2 * cells * n_layer
-    /// * n_embd` against `n_params` per token), commits go in decodes of
-    /// `FA_TILE_TOKENS - 1`. On the 2-core development VM, SmolLM2 with 64
-    /// sequences of ~110 cells each: 674 ms per 64-token decode, 2 x 145 ms
-    /// split (bench/server.py at 64 clients). GPU contexts are left alone.
+    /// reading the weights once more -- attention over every cell in use
+    /// costing over half the matmuls, counted in FLOPs per token as
+    /// `2 cells n_layer n_embd` against `n_params` -- commits go in decodes
+    /// of `FA_TILE_TOKENS - 1`. On the 2-core development VM, SmolLM2 with
+    /// 64 sequences of ~110 cells each: 674 ms per 64-token decode, 2 x
+    /// 145 ms split (docs/batching.md). GPU contexts are left alone.
     fn single_tokens_cap(&self, parts: &[Part]) -> Option<usize> {
         let singles = parts.iter().filter(|p| p.to - p.from == 1).count();
         if singles < FA_TILE_TOKENS
