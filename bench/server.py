@@ -9,7 +9,8 @@ early). Every request streams (SSE). Printed per server and concurrency:
 aggregate completion tokens per second, p50 and p99 request latency, p50
 time to first token, p50 and p99 inter-token latency (the gaps between a
 request's streamed chunks), and the ratio of lloyal's tokens/s to the
-other server's, all from one run.
+other server's (the median over rounds in which the servers took turns at
+the same concurrency), all from one run.
 
     python bench/server.py                       # SmolLM2, all servers found or built
     python bench/server.py --clients 1,8 --servers lloyal,llama-server
@@ -199,7 +200,10 @@ def start(
             cmd += ["--chat_format", template]
     if kind == "lloyal" and template:
         cmd += ["--template", template]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Each server's output goes to a log of its own (a server that dies
+    # says why there).
+    log = open(CACHE / f"bench-{kind}.log", "wb")  # noqa: SIM115 - the server's whole life
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -269,7 +273,10 @@ async def load(
             # long, whether or not the server reports usage when streaming.
             tokens += used if used is not None else max_tokens
 
-    async with httpx.AsyncClient(timeout=600) as http:
+    # A fresh connection per request: llama-server may close a streamed
+    # response's connection just as the client reuses it.
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=fresh) as http:
         t0 = time.perf_counter()
         await asyncio.gather(*[client(i, http) for i in range(clients)])
         return Load(tokens, time.perf_counter() - t0, latencies, first, gaps)
@@ -283,6 +290,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--servers", default="lloyal,llama-server,llama-cpp-python")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="turns per server at each concurrency"
+    )
     parser.add_argument(
         "--template",
         help="chat template name for models without one (gemma3: gemma; "
@@ -298,40 +308,72 @@ def main() -> None:
             return {str(t): -100.0 for t in range(ctx.vocab_size) if ctx.is_stop_token(t)}
 
     banned = asyncio.run(end_tokens())
-    results: list[Result] = []
     labels = {
         "lloyal": f"lloyal {lloyal.__version__}",
         "llama-cpp-python": "llama-cpp-python server",
     }
+    # Every server runs for the whole bench; at each concurrency they take
+    # turns, ROUNDS times, in alternating order, so that the swings of a
+    # shared machine hit all of them alike. The ratio is the median over
+    # rounds of lloyal's tok/s over the other's in the same round.
+    servers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+    template = args.template or ("gemma" if "gemma" in model.name.lower() else None)
     for kind in args.servers.split(","):
         try:
             if kind == "llama-server":
                 labels[kind] = llama_server()[1]
             port = _free_port()
-            template = args.template or ("gemma" if "gemma" in model.name.lower() else None)
-            proc = start(kind, model, port, slots, args.threads, template)
+            servers[kind] = (
+                start(kind, model, port, slots, args.threads, template),
+                f"http://127.0.0.1:{port}",
+            )
         except (subprocess.CalledProcessError, RuntimeError, StopIteration, OSError) as e:
             print(f"{kind}: not run ({e})", file=sys.stderr)
-            continue
-        try:
-            url = f"http://127.0.0.1:{port}"
+    runs: dict[tuple[str, int], list[Load]] = {}
+    try:
+        for _, url in servers.values():
             asyncio.run(load(url, 1, 1, 4, banned))  # warm up
-            for c in counts:
-                got = asyncio.run(load(url, c, args.requests, args.max_tokens, banned))
-                results.append(
-                    Result(kind, c, got.tokens, got.seconds, got.latencies, got.first, got.gaps)
-                )
-                print(
-                    f"{kind:>16} clients={c:<3} {got.tokens / got.seconds:8.1f} tok/s",
-                    file=sys.stderr,
-                )
-        finally:
+        for c in counts:
+            for r in range(args.rounds):
+                kinds = list(servers) if r % 2 == 0 else list(reversed(servers))
+                for kind in kinds:
+                    got = asyncio.run(
+                        load(servers[kind][1], c, args.requests, args.max_tokens, banned)
+                    )
+                    runs.setdefault((kind, c), []).append(got)
+                    print(
+                        f"{kind:>16} clients={c:<3} round {r} "
+                        f"{got.tokens / got.seconds:8.1f} tok/s",
+                        file=sys.stderr,
+                    )
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=30)
-    base = {r.clients: r.tok_s for r in results if r.server == "lloyal"}
+    results: list[Result] = []
+    ratios: dict[tuple[str, int], float] = {}
+    for (kind, c), loads in runs.items():
+        results.append(
+            Result(
+                kind,
+                c,
+                sum(x.tokens for x in loads),
+                sum(x.seconds for x in loads),
+                [t for x in loads for t in x.latencies],
+                [t for x in loads for t in x.first],
+                [t for x in loads for t in x.gaps],
+            )
+        )
+        mine = runs.get(("lloyal", c), [])
+        paired = sorted(
+            (a.tokens / a.seconds) / (b.tokens / b.seconds)
+            for a, b in zip(mine, loads, strict=False)
+        )
+        ratios[kind, c] = paired[len(paired) // 2] if paired else float("nan")
     print(
         f"\nmodel: {model.name}; {args.requests} requests per client, "
-        f"{args.max_tokens} tokens each; {args.threads} threads"
+        f"{args.max_tokens} tokens each; {args.threads} threads; {args.rounds} rounds, "
+        "servers taking turns (tok/s: all rounds; ratio: median of the rounds' ratios)"
     )
     for kind, label in labels.items():
         if any(r.server == kind for r in results):
@@ -341,8 +383,9 @@ def main() -> None:
         "| lloyal / this |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in results:
-        ratio = base.get(r.clients, float("nan")) / r.tok_s
+    order = list(servers)
+    for r in sorted(results, key=lambda r: (order.index(r.server), r.clients)):
+        ratio = ratios[r.server, r.clients]
         print(
             f"| {r.server} | {r.clients} | {r.tok_s:.1f} | {r.pct(0.5):.2f} | {r.pct(0.99):.2f} "
             f"| {1000 * r.pct(0.5, r.first):.0f} | {1000 * r.pct(0.5, r.gaps):.1f} "

@@ -265,8 +265,7 @@ class PrefixCache:
             raise
         self._saved += reuse
         self._prefilled += len(ids) - reuse
-        async with self._lock:
-            await self._remember(ids, out)
+        await self._remember(ids, out)
         return out
 
     async def _prefill(self, branch: Branch, tokens: Sequence[int]) -> None:
@@ -300,30 +299,42 @@ class PrefixCache:
                     raise
 
     async def _remember(self, ids: tuple[int, ...], branch: Branch) -> None:
-        """Keep a fork of ``branch`` as the entry for ``ids``."""
-        known = self._by_tokens.get(ids)
-        if known is not None:
-            known.used = next(self._clock)
-            return
-        while len(self._entries) >= self._max_branches or (
-            self._store.available == 0 and self._entries
-        ):
-            await self._evict_one()
+        """Keep a fork of ``branch`` as the entry for ``ids``. The fork runs
+        outside the lock (under load it waits for the engine's round in
+        progress, and requests queued behind the lock would wait with it);
+        the tree is only touched under it."""
+        async with self._lock:
+            known = self._by_tokens.get(ids)
+            if known is not None:
+                known.used = next(self._clock)
+                return
+            while len(self._entries) >= self._max_branches or (
+                self._store.available == 0 and self._entries
+            ):
+                await self._evict_one()
         try:
             kept = await branch.fork(root=True)
         except NoLeaseError:
             return  # every lease is the callers': serve without caching
-        node = self._insert(ids)
-        entry = _Entry(ids, kept, node, next(self._clock))
-        node.entry = entry
-        self._entries.append(entry)
-        self._by_tokens[ids] = entry
-        while (
-            self._max_cells is not None
-            and self._store.cells_held > self._max_cells
-            and await self._evict_one(entry)
-        ):
-            pass
+        async with self._lock:
+            known = self._by_tokens.get(ids)
+            if known is not None:  # another request cached it meanwhile
+                known.used = next(self._clock)
+                await kept.prune()
+                return
+            while len(self._entries) >= self._max_branches:
+                await self._evict_one()
+            node = self._insert(ids)
+            entry = _Entry(ids, kept, node, next(self._clock))
+            node.entry = entry
+            self._entries.append(entry)
+            self._by_tokens[ids] = entry
+            while (
+                self._max_cells is not None
+                and self._store.cells_held > self._max_cells
+                and await self._evict_one(entry)
+            ):
+                pass
 
     async def _evict_one(self, keep: _Entry | None = None) -> bool:
         """Prune the least recently used entry other than ``keep`` (to disk
