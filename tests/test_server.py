@@ -323,6 +323,21 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [1000 + (seed * 37 + j * 11) % 20000 for j in range(n)]
 
 
+def _at_once(url: str, n: int, *, prompt: int, max_tokens: int) -> list[httpx.Response]:
+    """``n`` completions of ``prompt`` tokens sent together, each asking for
+    exactly ``max_tokens`` (end of generation ignored)."""
+
+    async def send() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+            bodies = [
+                {"prompt": _tokens(i, prompt), "max_tokens": max_tokens, "ignore_eos": True}
+                for i in range(n)
+            ]
+            return list(await asyncio.gather(*[c.post("/v1/completions", json=b) for b in bodies]))
+
+    return asyncio.run(send())
+
+
 def test_sequential_long_prompts_evict_cached_prefixes_by_cells() -> None:
     """Default flags (8192 cells): fifty different 1,100-token prompts one
     after another all succeed. Each leaves a prefix-cache entry holding its
@@ -346,18 +361,7 @@ def test_chats_that_each_fit_alone_all_reach_max_tokens() -> None:
     max_tokens instead of all ending early with "length" mid-way."""
     proc, url = _start("--n-ctx", "1024")
     try:
-
-        async def four() -> list[httpx.Response]:
-            async with httpx.AsyncClient(base_url=url, timeout=300) as c:
-                bodies = [
-                    {"prompt": _tokens(i, 204), "max_tokens": 200, "ignore_eos": True}
-                    for i in range(4)
-                ]
-                return list(
-                    await asyncio.gather(*[c.post("/v1/completions", json=b) for b in bodies])
-                )
-
-        for r in asyncio.run(four()):
+        for r in _at_once(url, 4, prompt=204, max_tokens=200):
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 200
     finally:
@@ -370,18 +374,7 @@ def test_a_burst_beyond_the_cells_gets_retryable_refusals() -> None:
     and every admitted request completes in full."""
     proc, url = _start("--n-ctx", "1024", "--max-queue", "1")
     try:
-
-        async def burst() -> list[httpx.Response]:
-            async with httpx.AsyncClient(base_url=url, timeout=300) as c:
-                bodies = [
-                    {"prompt": _tokens(i, 300), "max_tokens": 200, "ignore_eos": True}
-                    for i in range(6)
-                ]
-                return list(
-                    await asyncio.gather(*[c.post("/v1/completions", json=b) for b in bodies])
-                )
-
-        responses = asyncio.run(burst())
+        responses = _at_once(url, 6, prompt=300, max_tokens=200)
         assert sorted(r.status_code for r in responses) == [200, 200, 200, 429, 429, 429]
         for r in responses:
             if r.status_code == 429:
