@@ -338,6 +338,10 @@ def _at_once(url: str, n: int, *, prompt: int, max_tokens: int) -> list[httpx.Re
     return asyncio.run(send())
 
 
+# A hang guard, not a speed limit: 55,000 prompt tokens (plus the failed
+# prefill that finds the cache full, before an entry is evicted) take a few
+# minutes on a busy 2-core machine.
+@pytest.mark.timeout(1200)
 def test_sequential_long_prompts_evict_cached_prefixes_by_cells() -> None:
     """Default flags (8192 cells): fifty different 1,100-token prompts one
     after another all succeed. Each leaves a prefix-cache entry holding its
