@@ -238,10 +238,12 @@ async def test_fork_and_prune_run_at_once_when_the_worker_is_idle(
         assert lloyal.BranchStore(ctx).available == 2
 
 
-async def test_fork_and_prune_queue_behind_a_running_decode(smollm2: Path) -> None:
-    """While the worker decodes, fork and prune are submitted as jobs and
-    run after it, in order; a fork of the branch being decoded is refused."""
-    async with await lloyal.create_context(smollm2, n_ctx=1024, n_seq_max=4) as ctx:
+async def test_fork_and_prune_run_between_the_rounds_of_a_running_step(smollm2: Path) -> None:
+    """While the worker decodes a long prompt (several rounds of n_batch
+    tokens), a fork and a prune of other branches are submitted as jobs and
+    run between its rounds, without waiting for it to end; a fork of the
+    branch being decoded is refused."""
+    async with await lloyal.create_context(smollm2, n_ctx=1024, n_seq_max=4, n_batch=64) as ctx:
         a = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
         b = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
         await a.prefill(await ctx.tokenize(PROMPT))
@@ -256,8 +258,9 @@ async def test_fork_and_prune_queue_behind_a_running_decode(smollm2: Path) -> No
         async def fork_during() -> None:
             with pytest.raises(lloyal.BranchBusyError):
                 await b.fork()
-            child = await a.fork()  # queued: runs once the prefill is done
-            assert ctx.stats.decode_calls > before
+            child = await a.fork()  # queued, but ahead of the prefill's rounds
+            assert ctx.stats.decode_calls == before
+            assert "b" not in outcome
             outcome["child"] = child.position
             await child.prune()
             outcome["pruned"] = child.disposed
@@ -275,6 +278,7 @@ async def test_fork_and_prune_queue_behind_a_running_decode(smollm2: Path) -> No
         finally:
             hold.release()
         assert outcome == {"b": len(long_prompt), "child": a.position, "pruned": True}
+        assert ctx.stats.decode_calls - before == -(-len(long_prompt) // 64)
         assert lloyal.BranchStore(ctx).available == 2
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, overload
@@ -258,7 +260,9 @@ class Branch:
         self._ctx._check_open()
         await call_native(lambda done: native.branch_clear_and_reseed(self._handle, s, t, done))
 
-    async def fork(self, *, clone_logits: bool = True, root: bool = False) -> Branch:
+    async def fork(
+        self, *, clone_logits: bool = True, root: bool = False, at: int | None = None
+    ) -> Branch:
         """A child sharing this branch's KV prefix, with a clone of its
         sampler (the random stream continues), logits, metrics and logit
         bias (not its steer). Raises :class:`NoLeaseError` when no lease is free.
@@ -271,19 +275,63 @@ class Branch:
         branch's children), so either may be pruned first: what a cache
         that hands out forks of its entries needs.
 
+        ``at`` forks only the first ``at`` positions (``0 <= at <=
+        position``; ``ValueError`` otherwise): a fork and a :meth:`truncate`
+        in one operation that copies only the cells kept. Below this
+        branch's position the child has no logits (prefill it next); its
+        sampler, metrics and grammar are cloned as they are, not rewound.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
+        ...         root = lloyal.Branch.create(ctx)
+        ...         await root.prefill(await ctx.tokenize("One two three four"))
+        ...         child = await root.fork(at=2)
+        ...         return child.position, root.position
+        >>> asyncio.run(main())
+        (2, 5)
+
         When the context's worker is idle the fork runs at once on this
         thread (it only copies KV metadata), without a round trip through
-        the event loop; otherwise it queues behind the work in flight."""
+        the event loop; otherwise it queues behind the work in flight, and
+        runs between the rounds of any step decoding other branches. A fork
+        only reads this branch: several forks of it may be in flight at
+        once (other operations on it raise :class:`BranchBusyError`
+        meanwhile)."""
+        return await self._start_fork(clone_logits=clone_logits, root=root, at=at)
+
+    def _start_fork(
+        self, *, clone_logits: bool = True, root: bool = False, at: int | None = None
+    ) -> Awaitable[Branch]:
+        """:meth:`fork`, submitted now (so that it is queued ahead of
+        anything submitted after this returns); await the result."""
         native = self._ctx._native
-        handle = native.branch_fork_now(self._handle)
-        if handle is None:
-            handle = await call_native(lambda done: native.branch_fork(self._handle, done))
-        child = Branch(self._ctx, handle, parent=None if root else self)
-        if root:
-            native.branch_detach(handle)
-        if not clone_logits:
-            native.branch_clear_logits(handle)
-        return child
+        parent = self._handle
+        handle = native.branch_fork_now(parent, at)
+        pending = (
+            None if handle is not None else call_native(lambda done: native.branch_fork(parent, at, done))
+        )
+
+        async def child() -> Branch:
+            if pending is None:
+                h = handle
+            elif isinstance(pending, asyncio.Future):
+                try:
+                    h = await asyncio.shield(pending)
+                except asyncio.CancelledError:
+                    # The child is made all the same: free it when it is.
+                    pending.add_done_callback(functools.partial(_drop_made, native))
+                    raise
+            else:
+                h = await pending
+            branch = Branch(self._ctx, h, parent=None if root else self)
+            if root:
+                native.branch_detach(h)
+            if not clone_logits:
+                native.branch_clear_logits(h)
+            return branch
+
+        return child()
 
     async def produce(self) -> Produced:
         """Sample the next token from this branch's logits. Writes nothing;
@@ -916,3 +964,9 @@ class BranchStore:
 
 
 __all__ = ["Branch", "BranchStore", "Produced", "Token", "TokenTree"]
+
+
+def _drop_made(native: Any, made: asyncio.Future[int]) -> None:
+    """Free a branch whose fork's caller was cancelled before it was made."""
+    if not made.cancelled() and made.exception() is None:
+        native.branch_drop(made.result())

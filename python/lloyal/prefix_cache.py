@@ -233,32 +233,10 @@ class PrefixCache:
         self._requests += 1
         self._requested += len(ids)
         p = params or self._params
-        # The tree and the entries' branches are touched by one task at a
-        # time (a fork of an entry another task is forking would find it
-        # busy); the suffix's prefill, the work, runs outside the lock, so
-        # concurrent requests still share decodes.
-        async with self._lock:
-            node, matched = self._walk(ids)
-            if self._disk is not None and await self._from_disk(ids, matched, p):
-                node, matched = self._walk(ids)
-            source = self._any_entry(node) if matched else None
-            # At least one token is decoded, for the logits after the last.
-            reuse = min(matched, len(ids) - 1) if source is not None else 0
-            if source is not None and reuse > 0:
-                source.used = next(self._clock)
-                donor = source.branch
-                out = await self._with_lease(
-                    lambda: donor.fork(clone_logits=False, root=True), keep=source
-                )
-                self._hits += 1
-            else:
-                reuse = 0
-                out = await self._with_lease(lambda: _create(self._ctx, p))
+        out, reuse = await self._start(ids, p)
         try:
             if p is not None:
                 out.set_sampler_params(p)
-            if source is not None and 0 < reuse < len(source.tokens):
-                await out.truncate(reuse)
             await self._prefill(out, ids[reuse:])
         except BaseException:
             await out.prune()
@@ -267,6 +245,45 @@ class PrefixCache:
         self._prefilled += len(ids) - reuse
         await self._remember(ids, out)
         return out
+
+    async def _start(
+        self, ids: tuple[int, ...], params: SamplingParams | None
+    ) -> tuple[Branch, int]:
+        """A new branch holding the longest prefix of ``ids`` an entry has
+        (at most all but the last token), and that prefix's length. The
+        tree is read under the lock, and the entry's fork submitted there,
+        so that no eviction can come between; the fork runs outside it (a
+        fork only reads its entry: the forks of many requests are in flight
+        at once, and the worker runs them between the rounds of the step
+        in progress). When no lease is free, entries are evicted, least
+        recently used first, and the lookup tried again."""
+        while True:
+            async with self._lock:
+                node, matched = self._walk(ids)
+                if self._disk is not None and await self._from_disk(ids, matched, params):
+                    node, matched = self._walk(ids)
+                source = self._any_entry(node) if matched else None
+                # At least one token is decoded, for the logits after the last.
+                reuse = min(matched, len(ids) - 1) if source is not None else 0
+                if source is None or reuse == 0:
+                    try:
+                        return Branch.create(self._ctx, params), 0
+                    except NoLeaseError:
+                        if not await self._evict_one():
+                            raise
+                        continue
+                source.used = next(self._clock)
+                at = reuse if reuse < len(source.tokens) else None
+                pending = source.branch._start_fork(clone_logits=False, root=True, at=at)
+            try:
+                out = await pending
+            except NoLeaseError:
+                async with self._lock:
+                    if not await self._evict_one(keep=source):
+                        raise
+                continue
+            self._hits += 1
+            return out, reuse
 
     async def _prefill(self, branch: Branch, tokens: Sequence[int]) -> None:
         """Prefill ``tokens`` into ``branch``; when the KV cache is full,

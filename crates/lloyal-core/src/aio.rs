@@ -59,8 +59,13 @@ impl Aio<'_> {
 
     /// [`Context::branch_fork`].
     pub async fn fork(self, parent: BranchId) -> Result<BranchId> {
+        self.fork_at(parent, None).await
+    }
+
+    /// [`Context::branch_fork_at`]: a fork of `parent`'s first `at` positions.
+    pub async fn fork_at(self, parent: BranchId, at: Option<i32>) -> Result<BranchId> {
         let (reply, answer) = channel();
-        self.0.branch_fork(parent, reply);
+        self.0.branch_fork_at(parent, at, reply);
         answer.await
     }
 

@@ -103,16 +103,18 @@ impl PyContext {
         Ok(self.inner.branch_create(params).py_err()?.to_bits())
     }
 
-    fn branch_fork(&self, branch: u64, done: Py<PyAny>) {
+    #[pyo3(signature = (branch, at, done))]
+    fn branch_fork(&self, branch: u64, at: Option<i32>, done: Py<PyAny>) {
         self.inner
-            .branch_fork(id(branch), py_reply(done, branch_bits));
+            .branch_fork_at(id(branch), at, py_reply(done, branch_bits));
     }
 
     /// The new branch if the fork ran at once (the worker was idle), else
     /// `None`: call `branch_fork` then.
-    fn branch_fork_now(&self, branch: u64) -> PyResult<Option<u64>> {
+    #[pyo3(signature = (branch, at=None))]
+    fn branch_fork_now(&self, branch: u64, at: Option<i32>) -> PyResult<Option<u64>> {
         self.inner
-            .branch_fork_now(id(branch))
+            .branch_fork_now(id(branch), at)
             .map(|r| r.map(BranchId::to_bits))
             .transpose()
             .py_err()

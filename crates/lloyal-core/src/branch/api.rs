@@ -6,6 +6,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 
 use super::job::{mark_busy, BranchJob};
+use super::ops::check_fork_at;
 use super::state::{BranchId, BranchState};
 use super::tree::{check_tree, TreeOutcome};
 use super::view::LogitsView;
@@ -49,7 +50,7 @@ impl Context {
         self.check_open()?;
         let mut branches = lock(&self.shared.branches);
         let state = branches.get_mut(id)?;
-        if state.busy {
+        if state.is_busy() {
             return Err(Error::BranchBusy);
         }
         f(state)
@@ -158,7 +159,7 @@ impl Context {
             self.check_open()?;
             let mut branches = lock(&self.shared.branches);
             let state = branches.get_mut(id)?;
-            if state.busy {
+            if state.is_busy() {
                 return Err(Error::BranchBusy);
             }
             state.busy = true;
@@ -242,7 +243,7 @@ impl Context {
         self.check_open()?;
         let mut branches = lock(&self.shared.branches);
         let state = branches.get_mut(id)?;
-        if state.busy {
+        if state.is_busy() {
             return Err(Error::BranchBusy);
         }
         if let Some(parent) = state.parent.take() {
@@ -277,18 +278,45 @@ impl Context {
     /// Fork: a new branch sharing `parent`'s KV prefix (no tensor copy under
     /// unified KV) with a clone of its sampler, logits, metrics and bias.
     pub fn branch_fork(&self, parent: BranchId, reply: Reply<BranchId>) {
-        self.submit_for(&[parent], BranchJob::Fork { parent, reply });
+        self.branch_fork_at(parent, None, reply);
     }
 
-    /// [`Context::branch_fork`] on the calling thread, when the worker is
-    /// idle; `None` when it is busy (then call `branch_fork`). Same result,
-    /// without the two thread hand-offs.
-    pub fn branch_fork_now(&self, parent: BranchId) -> Option<Result<BranchId>> {
-        self.run_inline(|w| {
-            if lock(&w.shared.branches).get(parent)?.busy {
+    /// [`Context::branch_fork`] of `parent`'s first `at` positions (`0 <=
+    /// at <= its position`; `None`: all of them): a fork and a truncate in
+    /// one job, copying only the cells kept. Below the parent's position
+    /// the child has no logits (prefill it next); sampler, metrics and
+    /// grammar are cloned as they are, not rewound. A fork only reads its
+    /// parent, so several may be in flight at once; meanwhile any other
+    /// operation on the parent fails with `BranchBusy`.
+    pub fn branch_fork_at(&self, parent: BranchId, at: Option<i32>, reply: Reply<BranchId>) {
+        let marked = self.check_open().and_then(|()| {
+            let mut branches = lock(&self.shared.branches);
+            let p = branches.get_mut(parent)?;
+            if p.busy {
                 return Err(Error::BranchBusy);
             }
-            w.fork(parent)
+            check_fork_at(p.position, at)?;
+            p.forks += 1;
+            Ok(())
+        });
+        match marked {
+            Ok(()) => self.submit(Job::task(BranchJob::Fork { parent, at, reply })),
+            Err(e) => reply.send(Err(e)),
+        }
+    }
+
+    /// [`Context::branch_fork_at`] on the calling thread, when the worker
+    /// is idle; `None` when it is busy (then call `branch_fork_at`). Same
+    /// result, without the two thread hand-offs.
+    pub fn branch_fork_now(&self, parent: BranchId, at: Option<i32>) -> Option<Result<BranchId>> {
+        self.run_inline(|w| {
+            let p = lock(&w.shared.branches).get(parent).map(|p| (p.is_busy(), p.position));
+            let (busy, position) = p?;
+            if busy {
+                return Err(Error::BranchBusy);
+            }
+            check_fork_at(position, at)?;
+            w.fork(parent, at)
         })
     }
 
@@ -385,7 +413,7 @@ impl Context {
             match branches.get(id) {
                 Err(_) => return,
                 // An operation is in flight: free it after that.
-                Ok(b) if b.busy => None,
+                Ok(b) if b.is_busy() => None,
                 Ok(_) => {
                     branches.detach_children(id);
                     let state = branches.remove(id).ok();
@@ -477,3 +505,4 @@ impl Context {
         }
     }
 }
+

@@ -42,7 +42,7 @@ impl Context {
             let mut seen: Vec<BranchId> = Vec::with_capacity(items.len());
             for (id, input) in items {
                 let verdict = check(&input).and_then(|()| {
-                    if seen.contains(&id) || branches.get(id)?.busy {
+                    if seen.contains(&id) || branches.get(id)?.is_busy() {
                         return Err(Error::BranchBusy);
                     }
                     Ok(())
@@ -149,7 +149,7 @@ impl Context {
             let mut branches = lock(&self.shared.branches);
             for (i, &id) in ids.iter().enumerate() {
                 let result = branches.get_mut(id).and_then(|b| {
-                    if b.busy || ids[..i].contains(&id) {
+                    if b.is_busy() || ids[..i].contains(&id) {
                         return Err(Error::BranchBusy);
                     }
                     if b.produce_is_slow() {

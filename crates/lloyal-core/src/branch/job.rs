@@ -14,8 +14,10 @@ pub(crate) enum BranchJob {
     ClearSeq {
         seq: i32,
     },
+    /// Marks `parent` with a fork in flight (`BranchState::forks`), not busy.
     Fork {
         parent: BranchId,
+        at: Option<i32>,
         reply: Reply<BranchId>,
     },
     Prune {
@@ -88,7 +90,35 @@ impl Task for BranchJob {
         BranchJob::fail(*self, error);
     }
 
+    /// Forks, truncations, saves and prunes of branches outside the step
+    /// in progress are quick and independent of it: they run between its
+    /// rounds (a request's fork does not wait for a long prompt's prefill).
+    fn overtakes(&self, worker: &Worker<'_>, step: &[BranchId]) -> bool {
+        let touched = match self {
+            BranchJob::Fork { parent: id, .. }
+            | BranchJob::Truncate { id, .. }
+            | BranchJob::Save { id, .. }
+            | BranchJob::Drop { id }
+            | BranchJob::Prune {
+                id, cascade: false, ..
+            } => vec![*id],
+            BranchJob::Prune {
+                id, cascade: true, ..
+            } => match lock(&worker.shared.branches).subtree_post_order(*id) {
+                Ok(ids) => ids,
+                Err(_) => vec![*id],
+            },
+            _ => return false,
+        };
+        !touched.iter().any(|id| step.contains(id))
+    }
+
     fn recover(&self) -> Option<Recover> {
+        if let BranchJob::Fork { parent, .. } = *self {
+            return Some(Box::new(move |w: &mut Worker<'_>| {
+                end_fork(&mut lock(&w.shared.branches), parent)
+            }));
+        }
         let busy = self.busy_ids();
         (!busy.is_empty()).then(|| -> Recover {
             Box::new(move |w: &mut Worker<'_>| clear_busy(&mut lock(&w.shared.branches), busy))
@@ -101,13 +131,13 @@ impl BranchJob {
     /// that panicked can free them).
     pub(crate) fn busy_ids(&self) -> Vec<BranchId> {
         match self {
-            BranchJob::Fork { parent: id, .. }
-            | BranchJob::Save { id, .. }
+            BranchJob::Save { id, .. }
             | BranchJob::Reseed { id, .. }
             | BranchJob::Truncate { id, .. }
             | BranchJob::RetainOnly { keep: id, .. }
             | BranchJob::PrefillTree { root: id, .. } => vec![*id],
             BranchJob::ClearSeq { .. }
+            | BranchJob::Fork { .. }
             | BranchJob::Prune { .. }
             | BranchJob::Drop { .. }
             | BranchJob::Restore { .. } => Vec::new(),
@@ -119,7 +149,7 @@ impl BranchJob {
 /// appears twice.
 pub(super) fn mark_busy(branches: &mut Branches, ids: &[BranchId]) -> Result<()> {
     for (i, &id) in ids.iter().enumerate() {
-        if branches.get(id)?.busy || ids[..i].contains(&id) {
+        if branches.get(id)?.is_busy() || ids[..i].contains(&id) {
             return Err(Error::BranchBusy);
         }
     }
@@ -127,6 +157,13 @@ pub(super) fn mark_busy(branches: &mut Branches, ids: &[BranchId]) -> Result<()>
         branches.get_mut(id)?.busy = true;
     }
     Ok(())
+}
+
+/// Count a fork of `parent` as finished (see `BranchState::forks`).
+pub(super) fn end_fork(branches: &mut Branches, parent: BranchId) {
+    if let Ok(p) = branches.get_mut(parent) {
+        p.forks = p.forks.saturating_sub(1);
+    }
 }
 
 pub(crate) fn clear_busy(branches: &mut Branches, ids: impl IntoIterator<Item = BranchId>) {
@@ -144,9 +181,9 @@ impl Worker<'_> {
                 let _ = self.remove_cells(seq, None, None);
                 self.refresh_seq(seq);
             }
-            BranchJob::Fork { parent, reply } => {
-                let result = self.fork(parent);
-                clear_busy(&mut lock(&self.shared.branches), [parent]);
+            BranchJob::Fork { parent, at, reply } => {
+                let result = self.fork(parent, at);
+                end_fork(&mut lock(&self.shared.branches), parent);
                 reply.send(result);
             }
             BranchJob::Prune { id, cascade, reply } => {

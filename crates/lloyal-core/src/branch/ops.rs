@@ -22,14 +22,23 @@ impl Worker<'_> {
     // (or the worker is idle: inline), and leases taken or not yet given
     // back keep their sequences from anyone else meanwhile.
 
-    pub(super) fn fork(&mut self, parent: BranchId) -> Result<BranchId> {
+    /// Fork `parent` (see `Context::branch_fork_at`): the child holds its
+    /// first `at` positions (all of them with `None`).
+    pub(super) fn fork(&mut self, parent: BranchId, at: Option<i32>) -> Result<BranchId> {
         let (src, position, child, dst) = {
             let mut branches = lock(&self.shared.branches);
             let p = branches.get(parent)?;
-            let (src, position) = (p.seq, p.position);
+            let (src, full) = (p.seq, p.position);
+            check_fork_at(full, at)?;
+            let position = at.unwrap_or(full);
             let dst = branches.lease(|s| self.shared.holds_flat_data(s))?;
             // The parent's state as of now, whatever happens to it later.
-            let child = branches.get(parent)?.fork(dst, parent);
+            let mut child = branches.get(parent)?.fork(dst, parent);
+            if position < full {
+                child.position = position;
+                child.fork_head = position;
+                child.clear_logits();
+            }
             (src, position, child, dst)
         };
         // The lease may hold flat-API cells; a fork starts from the parent's.
@@ -38,7 +47,8 @@ impl Worker<'_> {
             let _ = self.remove_cells(dst, None, None);
         }
         if position > 0 {
-            if let Err(e) = self.ctx.copy_kv_cache_seq(src, dst, None, None) {
+            let end = u32::try_from(position).ok();
+            if let Err(e) = self.ctx.copy_kv_cache_seq(src, dst, None, end) {
                 let _ = self.remove_cells(dst, None, None);
                 lock(&self.shared.branches).release(dst);
                 self.refresh_seq(dst);
@@ -108,7 +118,7 @@ impl Worker<'_> {
             let others: Vec<BranchId> = branches.ids().into_iter().filter(|&b| b != keep).collect();
             if others
                 .iter()
-                .any(|&b| branches.get(b).is_ok_and(|s| s.busy))
+                .any(|&b| branches.get(b).is_ok_and(|s| s.is_busy()))
             {
                 return Err(Error::BranchBusy);
             }
@@ -183,5 +193,15 @@ impl Worker<'_> {
             None => b.clear_logits(),
         }
         Ok(())
+    }
+}
+
+/// `at` of a fork of a branch at `position`: `0..=position`, or `None`.
+pub(super) fn check_fork_at(position: i32, at: Option<i32>) -> Result<()> {
+    match at {
+        Some(at) if !(0..=position).contains(&at) => Err(invalid(format!(
+            "at must be in [0, {position}] (the branch's position), got {at}"
+        ))),
+        _ => Ok(()),
     }
 }

@@ -79,6 +79,9 @@ pub struct BranchState {
     pub children: Vec<BranchId>,
     /// An operation on this branch is queued or running on the worker.
     pub(crate) busy: bool,
+    /// Forks of this branch queued or running: they only read it, so
+    /// several may be in flight at once, but nothing may change it meanwhile.
+    pub(crate) forks: u32,
     /// Every position's logits from the last `prefill` that asked for them
     /// (`n * vocab`, row-major), until taken. Not inherited by forks.
     pub(crate) rows: Option<Vec<f32>>,
@@ -102,6 +105,7 @@ impl BranchState {
             parent: None,
             children: Vec::new(),
             busy: false,
+            forks: 0,
             rows: None,
         })
     }
@@ -115,6 +119,7 @@ impl BranchState {
         child.parent = Some(parent);
         child.children.clear();
         child.busy = false;
+        child.forks = 0;
         child.rows = None;
         child
     }
@@ -125,9 +130,10 @@ impl BranchState {
             .ok_or_else(|| invalid("the branch has no logits yet: prefill it first"))
     }
 
-    /// Whether an operation on this branch is queued or running.
+    /// Whether an operation on this branch (a fork included) is queued or
+    /// running.
     pub fn is_busy(&self) -> bool {
-        self.busy
+        self.busy || self.forks > 0
     }
 
     pub fn sampler(&self) -> &Sampler {
@@ -279,6 +285,7 @@ impl BranchState {
             parent: None,
             children: Vec::new(),
             busy: false,
+            forks: 0,
             rows: None,
         }
     }

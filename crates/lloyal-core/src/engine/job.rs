@@ -7,6 +7,7 @@ use crossbeam_channel::{Receiver, Sender};
 use super::reply::Reply;
 use super::step::Step;
 use super::worker::Worker;
+use crate::branch::state::BranchId;
 use crate::error::Error;
 
 pub(crate) enum Job {
@@ -41,6 +42,14 @@ pub(crate) trait Task: Send + 'static {
 
     /// Answer every caller with `error` without running.
     fn fail(self: Box<Self>, error: Error);
+
+    /// Whether this job may run between two rounds of the step in
+    /// progress, ahead of it (see `run`): it touches none of `step`'s
+    /// branches and decodes nothing. Jobs that do not say so wait until
+    /// the step has finished.
+    fn overtakes(&self, _worker: &Worker<'_>, _step: &[BranchId]) -> bool {
+        false
+    }
 
     /// What the worker must put right if `run` panics (the replies have
     /// answered already, see `Reply`); asked before `run`.

@@ -17,9 +17,11 @@ use crate::sync::lock;
 /// Run jobs in order until the context closes. Each wake-up takes
 /// everything queued. Steps queued back to back merge into the step in
 /// progress, which runs one round (one decode) at a time, so that steps
-/// arriving meanwhile join its next round (see `step`). Any other job
-/// waits until the step before it has finished, and runs on its own:
-/// jobs keep the order they were submitted in.
+/// arriving meanwhile join its next round (see `step`). A job that touches
+/// none of the step's branches and decodes nothing (`Task::overtakes`: a
+/// fork, a truncation, a prune) runs between two rounds; any other job
+/// waits until the step has finished, and runs on its own. Either way a
+/// branch sees its jobs in the order they were submitted.
 pub(super) fn run(engine: &Engine, rx: &mut UnboundedReceiver<Job>) {
     let mut queue: VecDeque<Job> = VecDeque::new();
     let mut step = Step::default();
@@ -35,9 +37,20 @@ pub(super) fn run(engine: &Engine, rx: &mut UnboundedReceiver<Job>) {
         while let Ok(job) = rx.try_recv() {
             queue.push_back(job);
         }
-        while let Some(Job::Step(_)) = queue.front() {
-            if let Some(Job::Step(next)) = queue.pop_front() {
-                step.extend(next);
+        // Steps queued next to each other join the step in progress; jobs
+        // that touch none of its branches (a fork, a prune) run between
+        // its rounds instead of waiting for it to finish.
+        loop {
+            while let Some(Job::Step(_)) = queue.front() {
+                if let Some(Job::Step(next)) = queue.pop_front() {
+                    step.extend(next);
+                }
+            }
+            if step.is_empty() || !overtakes(engine, queue.front(), &step) {
+                break;
+            }
+            if let Some(job) = queue.pop_front() {
+                run_job(engine, &mut replies, job);
             }
         }
         if !step.is_empty() {
@@ -92,34 +105,50 @@ pub(super) fn run(engine: &Engine, rx: &mut UnboundedReceiver<Job>) {
             reply.send(Ok(()));
             return;
         }
-        run_locked(engine, &mut replies, |w| match w {
-            Some(w) => {
-                let recover = match &job {
-                    Job::Task(task) => task.recover(),
-                    _ => None,
-                };
-                // A job that panics has answered its caller (its reply was
-                // dropped unsent: see `Reply`); put right what the task says
-                // (free its branches) and go on with the next job.
-                if let Err(payload) = catch_unwind(AssertUnwindSafe(|| w.execute(job))) {
-                    set_panic_message(Some(panic_text(payload)));
-                    if let Some(recover) = recover {
-                        let _ = catch_unwind(AssertUnwindSafe(|| recover(w)));
-                    }
-                }
-                1
-            }
-            None => {
-                job.fail(Error::ContextClosed);
-                1
-            }
-        });
+        run_job(engine, &mut replies, job);
     }
     let mut guard = lock(&engine.worker);
     if let Some(w) = guard.as_mut() {
         w.finish_background();
     }
     drop(guard.take());
+}
+
+/// Whether `job` may run ahead of `step` (see `Task::overtakes`).
+fn overtakes(engine: &Engine, job: Option<&Job>, step: &Step) -> bool {
+    let Some(Job::Task(task)) = job else {
+        return false;
+    };
+    let guard = lock(&engine.worker);
+    guard
+        .as_ref()
+        .is_some_and(|w| task.overtakes(w, &step.ids()))
+}
+
+/// Run one job other than a step or the close.
+fn run_job(engine: &Engine, replies: &mut Vec<Deferred>, job: Job) {
+    run_locked(engine, replies, |w| match w {
+        Some(w) => {
+            let recover = match &job {
+                Job::Task(task) => task.recover(),
+                _ => None,
+            };
+            // A job that panics has answered its caller (its reply was
+            // dropped unsent: see `Reply`); put right what the task says
+            // (free its branches) and go on with the next job.
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| w.execute(job))) {
+                set_panic_message(Some(panic_text(payload)));
+                if let Some(recover) = recover {
+                    let _ = catch_unwind(AssertUnwindSafe(|| recover(w)));
+                }
+            }
+            1
+        }
+        None => {
+            job.fail(Error::ContextClosed);
+            1
+        }
+    });
 }
 
 /// Run `f` holding the worker (`None` once the context is closed); `f`
