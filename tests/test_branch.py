@@ -563,3 +563,62 @@ async def test_a_sampler_run_off_the_loop_keeps_its_random_stream(model: Path) -
         assert len(set(via_thread)) > 1  # really sampled, not one token
         await off.commit(via_thread[-1])  # the branch is not left busy
         await root.prune_subtree()
+
+
+@pytest.mark.parametrize("model_name", ["smollm2", "gemma3"])
+async def test_fork_at_is_a_fork_and_a_truncate_in_one(model_name: str) -> None:
+    """``fork(at=k)`` holds the first k positions and no logits; prefilling
+    the rest follows the parent's route (greedy, up to the first near-tie).
+    A bad ``at`` raises and changes nothing."""
+    from lloyal.models import model_path
+
+    async with await lloyal.create_context(model_path(model_name), n_seq_max=4) as ctx:
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        tokens = await ctx.tokenize(COUNTING[model_name])
+        await root.prefill(tokens)
+        k = len(tokens) - 3
+        child = await root.fork(at=k)
+        assert child.position == k
+        with pytest.raises(ValueError, match="no logits"):
+            _ = child.logits
+        with pytest.raises(ValueError, match="at must be in"):
+            await root.fork(at=len(tokens) + 1)
+        with pytest.raises(ValueError, match="at must be in"):
+            await root.fork(at=-1)
+        assert lloyal.BranchStore(ctx).available == 2  # the refused forks took nothing
+        await child.prefill(tokens[k:])
+        assert child.position == root.position
+        (await branch_greedy(child, 3)).check((await branch_greedy(root, 3)).tokens, at_least=3)
+
+
+async def test_forks_are_made_at_once_and_share_a_round_with_their_prefill(
+    smollm2: Path,
+) -> None:
+    """While the worker is busy, forks return at once (their KV copies are
+    queued), several forks of one branch may be in flight, any other
+    operation on it is refused meanwhile, and a child's prefill submitted
+    right after its fork goes into the same round as the other children's."""
+    async with await lloyal.create_context(smollm2, n_ctx=1024, n_seq_max=4) as ctx:
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        tokens = await ctx.tokenize(PROMPT)
+        await root.prefill(tokens)
+        suffix = await ctx.tokenize(" the sea", add_special=False)
+        before = ctx.stats.decode_calls
+        hold = ctx._native.hold()
+        try:
+            a = await root.fork(at=len(tokens) - 1)
+            b = await root.fork(at=len(tokens) - 1)
+            with pytest.raises(lloyal.BranchBusyError):
+                await root.commit(5)
+            store = lloyal.BranchStore(ctx)
+            pending = [store.prefill([(a, suffix), (b, suffix)])]
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: pending[0])
+                await anyio.wait_all_tasks_blocked()
+                hold.release()
+        finally:
+            hold.release()
+        assert ctx.stats.decode_calls - before == 1
+        assert a.position == b.position == len(tokens) - 1 + len(suffix)
+        np.testing.assert_array_equal(a.logits, b.logits)
+        await root.commit(5)  # free again

@@ -312,3 +312,35 @@ async def test_evicted_entries_go_to_disk_and_come_back(smollm2: Path, tmp_path:
         await again.aclose()
         await broken.aclose()
         assert lloyal.BranchStore(ctx).available == 4
+
+
+async def test_keep_makes_a_finished_branch_the_entry(smollm2: Path) -> None:
+    """``branch(remember=False)`` caches nothing; ``keep`` makes the branch
+    itself the entry for what it holds (no fork: no lease more), a later
+    prompt sharing it decodes only the rest, and keeping tokens already
+    cached prunes the branch. A mismatched token list is refused."""
+    async with await lloyal.create_context(smollm2, n_seq_max=4) as ctx:
+        cache = lloyal.PrefixCache(ctx)
+        store = lloyal.BranchStore(ctx)
+        prompt = await ctx.tokenize("A conversation about lighthouses. " * 4)
+        b = await cache.branch(prompt, remember=False)
+        assert len(cache) == 0
+        assert store.available == 3
+        reply = (await b.produce()).token
+        await b.commit(reply)
+        with pytest.raises(ValueError, match="the branch holds"):
+            await cache.keep(b, prompt)
+        await cache.keep(b, [*prompt, reply])
+        assert len(cache) == 1
+        assert store.available == 3
+        decoded = ctx.stats.tokens_decoded
+        nxt = await cache.branch([*prompt, reply, *prompt[1:4]], remember=False)
+        assert ctx.stats.tokens_decoded - decoded == 3
+        other = await nxt.fork()
+        await other.truncate(len(prompt) + 1)
+        await cache.keep(other, [*prompt, reply])  # cached already: pruned
+        assert other.disposed
+        assert len(cache) == 1
+        await nxt.prune()
+        await cache.aclose()
+        assert store.available == 4

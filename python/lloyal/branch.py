@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, overload
@@ -285,53 +283,35 @@ class Branch:
         >>> async def main():
         ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
         ...         root = lloyal.Branch.create(ctx)
-        ...         await root.prefill(await ctx.tokenize("One two three four"))
+        ...         tokens = await ctx.tokenize("One two three four")
+        ...         await root.prefill(tokens)
         ...         child = await root.fork(at=2)
-        ...         return child.position, root.position
+        ...         return child.position, root.position == len(tokens)
         >>> asyncio.run(main())
-        (2, 5)
+        (2, True)
 
-        When the context's worker is idle the fork runs at once on this
-        thread (it only copies KV metadata), without a round trip through
-        the event loop; otherwise it queues behind the work in flight, and
-        runs between the rounds of any step decoding other branches. A fork
-        only reads this branch: several forks of it may be in flight at
-        once (other operations on it raise :class:`BranchBusyError`
-        meanwhile)."""
-        return await self._start_fork(clone_logits=clone_logits, root=root, at=at)
+        The child is made at once, on this thread: only the copy of its KV
+        cells is work for the engine's worker, and it is queued ahead of
+        anything done with the child next (a prefill of the child can
+        follow at once; the copy runs between the rounds of any step in
+        progress, or right here when the worker is idle). So a fork never
+        waits for a decode. Until the copy has run this branch has a fork
+        in flight: more forks of it may follow, any other operation on it
+        raises :class:`BranchBusyError`."""
+        return self._fork_now(clone_logits=clone_logits, root=root, at=at)
 
-    def _start_fork(
+    def _fork_now(
         self, *, clone_logits: bool = True, root: bool = False, at: int | None = None
-    ) -> Awaitable[Branch]:
-        """:meth:`fork`, submitted now (so that it is queued ahead of
-        anything submitted after this returns); await the result."""
+    ) -> Branch:
+        """:meth:`fork`, without a coroutine (it never suspends)."""
         native = self._ctx._native
-        parent = self._handle
-        handle = native.branch_fork_now(parent, at)
-        pending = (
-            None if handle is not None else call_native(lambda done: native.branch_fork(parent, at, done))
-        )
-
-        async def child() -> Branch:
-            if pending is None:
-                h = handle
-            elif isinstance(pending, asyncio.Future):
-                try:
-                    h = await asyncio.shield(pending)
-                except asyncio.CancelledError:
-                    # The child is made all the same: free it when it is.
-                    pending.add_done_callback(functools.partial(_drop_made, native))
-                    raise
-            else:
-                h = await pending
-            branch = Branch(self._ctx, h, parent=None if root else self)
-            if root:
-                native.branch_detach(h)
-            if not clone_logits:
-                native.branch_clear_logits(h)
-            return branch
-
-        return child()
+        handle = native.branch_fork(self._handle, at)
+        child = Branch(self._ctx, handle, parent=None if root else self)
+        if root:
+            native.branch_detach(handle)
+        if not clone_logits:
+            native.branch_clear_logits(handle)
+        return child
 
     async def produce(self) -> Produced:
         """Sample the next token from this branch's logits. Writes nothing;
@@ -964,9 +944,3 @@ class BranchStore:
 
 
 __all__ = ["Branch", "BranchStore", "Produced", "Token", "TokenTree"]
-
-
-def _drop_made(native: Any, made: asyncio.Future[int]) -> None:
-    """Free a branch whose fork's caller was cancelled before it was made."""
-    if not made.cancelled() and made.exception() is None:
-        native.branch_drop(made.result())

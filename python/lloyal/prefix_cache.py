@@ -221,12 +221,22 @@ class PrefixCache:
     # -- requests ------------------------------------------------------------------
 
     async def branch(
-        self, tokens: Sequence[int], *, params: SamplingParams | None = None
+        self,
+        tokens: Sequence[int],
+        *,
+        params: SamplingParams | None = None,
+        remember: bool = True,
     ) -> Branch:
         """A new branch holding ``tokens`` (its logits after the last one),
         decoding only what no cached prompt shares. The prompt is cached
-        for later requests. Raises :class:`NoLeaseError` when no lease can
-        be freed even by evicting every entry."""
+        for later requests (a fork of the new branch becomes its entry).
+        Raises :class:`NoLeaseError` when no lease can be freed even by
+        evicting every entry.
+
+        With ``remember=False`` nothing is cached now, and the branch is
+        ready one fork sooner: hand it back with :meth:`keep` when done with
+        it, so that what it holds then (the prompt and the reply, say)
+        becomes the entry."""
         ids = tuple(_token_list(tokens))
         if not ids:
             raise ValueError("tokens must not be empty")
@@ -243,20 +253,60 @@ class PrefixCache:
             raise
         self._saved += reuse
         self._prefilled += len(ids) - reuse
-        await self._remember(ids, out)
+        if remember:
+            await self._remember(ids, out)
         return out
+
+    async def keep(self, branch: Branch, tokens: Sequence[int]) -> None:
+        """Take ``branch``, which holds exactly ``tokens`` (``ValueError``
+        otherwise), as the entry for them: the caller gives it up, and the
+        cache prunes it when it is evicted, or at once when those tokens
+        have an entry already. Its grammar is removed (a fork of an entry
+        starts unconstrained). No fork is made, so this costs no decode
+        round: what a server does with a finished request's branch from
+        ``branch(..., remember=False)``, whose next turn then shares the
+        reply as well as the prompt.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=4) as ctx:
+        ...         cache = lloyal.PrefixCache(ctx)
+        ...         prompt = await ctx.tokenize("The first turn of a chat. " * 4)
+        ...         b = await cache.branch(prompt, remember=False)
+        ...         reply = (await b.produce()).token
+        ...         await b.commit(reply)
+        ...         await cache.keep(b, [*prompt, reply])
+        ...         return cache.match([*prompt, reply, 5]) == len(prompt) + 1
+        >>> asyncio.run(main())
+        True
+        """
+        ids = tuple(_token_list(tokens))
+        if branch.position != len(ids):
+            raise ValueError(f"the branch holds {branch.position} tokens, not the {len(ids)} given")
+        if not ids:
+            await branch.prune()
+            return
+        branch.set_grammar(None)
+        async with self._lock:
+            known = self._by_tokens.get(ids)
+            victims: list[_Entry] = []
+            if known is not None:
+                known.used = next(self._clock)
+            else:
+                victims = await self._add(ids, branch)
+        if known is not None:
+            await branch.prune()
+        for victim in victims:
+            await self._dispose(victim)
 
     async def _start(
         self, ids: tuple[int, ...], params: SamplingParams | None
     ) -> tuple[Branch, int]:
         """A new branch holding the longest prefix of ``ids`` an entry has
-        (at most all but the last token), and that prefix's length. The
-        tree is read under the lock, and the entry's fork submitted there,
-        so that no eviction can come between; the fork runs outside it (a
-        fork only reads its entry: the forks of many requests are in flight
-        at once, and the worker runs them between the rounds of the step
-        in progress). When no lease is free, entries are evicted, least
-        recently used first, and the lookup tried again."""
+        (at most all but the last token), and that prefix's length. A fork
+        is made at once (its KV copy queued ahead of the prefill that
+        follows), so requests do not wait for each other here. When no
+        lease is free, entries are evicted, least recently used first."""
         while True:
             async with self._lock:
                 node, matched = self._walk(ids)
@@ -265,25 +315,22 @@ class PrefixCache:
                 source = self._any_entry(node) if matched else None
                 # At least one token is decoded, for the logits after the last.
                 reuse = min(matched, len(ids) - 1) if source is not None else 0
-                if source is None or reuse == 0:
-                    try:
+                try:
+                    if source is None or reuse == 0:
                         return Branch.create(self._ctx, params), 0
-                    except NoLeaseError:
-                        if not await self._evict_one():
-                            raise
-                        continue
-                source.used = next(self._clock)
-                at = reuse if reuse < len(source.tokens) else None
-                pending = source.branch._start_fork(clone_logits=False, root=True, at=at)
-            try:
-                out = await pending
-            except NoLeaseError:
-                async with self._lock:
-                    if not await self._evict_one(keep=source):
+                    at = reuse if reuse < len(source.tokens) else None
+                    out = source.branch._fork_now(clone_logits=False, root=True, at=at)
+                except NoLeaseError:
+                    victim = self._take(keep=source)
+                    if victim is None:
                         raise
-                continue
-            self._hits += 1
-            return out, reuse
+                else:
+                    source.used = next(self._clock)
+                    self._hits += 1
+                    return out, reuse
+            # Its lease is free once the prune has run: out of the lock, so
+            # that other requests need not wait for it.
+            await self._dispose(victim)
 
     async def _prefill(self, branch: Branch, tokens: Sequence[int]) -> None:
         """Prefill ``tokens`` into ``branch``; when the KV cache is full,
@@ -302,7 +349,11 @@ class PrefixCache:
         ``disk_dir``): its cells and lease come back unless a live branch
         shares them. ``False`` when there is none."""
         async with self._lock:
-            return await self._evict_one()
+            victim = self._take()
+        if victim is None:
+            return False
+        await self._dispose(victim)
+        return True
 
     async def _with_lease(
         self, make: Callable[[], Awaitable[Branch]], keep: _Entry | None = None
@@ -330,43 +381,72 @@ class PrefixCache:
             ):
                 await self._evict_one()
         try:
-            kept = await branch.fork(root=True)
+            kept = branch._fork_now(root=True)
         except NoLeaseError:
             return  # every lease is the callers': serve without caching
         async with self._lock:
             known = self._by_tokens.get(ids)
+            victims: list[_Entry] = []
             if known is not None:  # another request cached it meanwhile
                 known.used = next(self._clock)
-                await kept.prune()
-                return
-            while len(self._entries) >= self._max_branches:
-                await self._evict_one()
-            node = self._insert(ids)
-            entry = _Entry(ids, kept, node, next(self._clock))
-            node.entry = entry
-            self._entries.append(entry)
-            self._by_tokens[ids] = entry
-            while (
-                self._max_cells is not None
-                and self._store.cells_held > self._max_cells
-                and await self._evict_one(entry)
-            ):
-                pass
+            else:
+                victims = await self._add(ids, kept)
+        if known is not None:
+            await kept.prune()
+        for victim in victims:
+            await self._dispose(victim)
 
-    async def _evict_one(self, keep: _Entry | None = None) -> bool:
-        """Prune the least recently used entry other than ``keep`` (to disk
-        first, with ``disk_dir``); ``False`` when there is none."""
+    async def _add(self, ids: tuple[int, ...], branch: Branch) -> list[_Entry]:
+        """Make ``branch`` the entry for ``ids`` (under the lock). The
+        entries ``max_branches`` leaves no room for are taken out and
+        returned, for the caller to dispose of once out of the lock;
+        ``max_cells`` is enforced here (cells come back only once pruned)."""
+        victims: list[_Entry] = []
+        while len(self._entries) >= self._max_branches:
+            victim = self._take()
+            if victim is None:
+                break
+            victims.append(victim)
+        node = self._insert(ids)
+        entry = _Entry(ids, branch, node, next(self._clock))
+        node.entry = entry
+        self._entries.append(entry)
+        self._by_tokens[ids] = entry
+        while (
+            self._max_cells is not None
+            and self._store.cells_held > self._max_cells
+            and await self._evict_one(entry)
+        ):
+            pass
+        return victims
+
+    def _take(self, keep: _Entry | None = None) -> _Entry | None:
+        """Take the least recently used entry other than ``keep`` out of
+        the cache (under the lock); ``None`` when there is none. Dispose of
+        it with :meth:`_dispose`."""
         candidates = [e for e in self._entries if e is not keep]
         if not candidates:
-            return False
+            return None
         victim = min(candidates, key=lambda e: e.used)
         self._entries.remove(victim)
         del self._by_tokens[victim.tokens]
         self._remove(victim)
         self._evictions += 1
+        return victim
+
+    async def _dispose(self, victim: _Entry) -> None:
+        """Prune an entry taken out (to disk first, with ``disk_dir``)."""
         if self._disk is not None and victim.tokens not in self._on_disk:
             await self._to_disk(victim)
         await victim.branch.prune()
+
+    async def _evict_one(self, keep: _Entry | None = None) -> bool:
+        """Prune the least recently used entry other than ``keep`` now
+        (under the lock); ``False`` when there is none."""
+        victim = self._take(keep)
+        if victim is None:
+            return False
+        await self._dispose(victim)
         return True
 
     def _index_disk(self, folder: Path) -> None:

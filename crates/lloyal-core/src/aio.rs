@@ -57,16 +57,15 @@ impl Aio<'_> {
         answer.await
     }
 
-    /// [`Context::branch_fork`].
+    /// [`Context::branch_fork`]: made at once (its KV copy is queued
+    /// ahead of anything done with it next), so this never waits.
     pub async fn fork(self, parent: BranchId) -> Result<BranchId> {
-        self.fork_at(parent, None).await
+        self.0.branch_fork(parent)
     }
 
     /// [`Context::branch_fork_at`]: a fork of `parent`'s first `at` positions.
     pub async fn fork_at(self, parent: BranchId, at: Option<i32>) -> Result<BranchId> {
-        let (reply, answer) = channel();
-        self.0.branch_fork_at(parent, at, reply);
-        answer.await
+        self.0.branch_fork_at(parent, at)
     }
 
     /// [`Context::branch_produce`]: the next token (the random stream

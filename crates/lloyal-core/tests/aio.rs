@@ -109,10 +109,10 @@ async fn closing_fails_the_queued_requests() {
         let kid = kids[0];
         tokio::spawn(async move { ctx.aio().commit(vec![(kid, 7)]).await })
     };
-    let fork = {
+    let save = {
         let ctx = Arc::clone(&ctx);
         let kid = kids[1];
-        tokio::spawn(async move { ctx.aio().fork(kid).await })
+        tokio::spawn(async move { ctx.aio().save(kid).await })
     };
     queued(&ctx, 2).await;
     let close = {
@@ -121,7 +121,7 @@ async fn closing_fails_the_queued_requests() {
     };
     // Closing ends the hold (a holder may be waiting for the close).
     assert!(matches!(commit.await.unwrap(), Err(Error::ContextClosed)));
-    assert!(matches!(fork.await.unwrap(), Err(Error::ContextClosed)));
+    assert!(matches!(save.await.unwrap(), Err(Error::ContextClosed)));
     close.await.unwrap().unwrap();
     drop(hold);
     assert!(matches!(

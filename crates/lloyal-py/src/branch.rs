@@ -103,21 +103,15 @@ impl PyContext {
         Ok(self.inner.branch_create(params).py_err()?.to_bits())
     }
 
-    #[pyo3(signature = (branch, at, done))]
-    fn branch_fork(&self, branch: u64, at: Option<i32>, done: Py<PyAny>) {
-        self.inner
-            .branch_fork_at(id(branch), at, py_reply(done, branch_bits));
-    }
-
-    /// The new branch if the fork ran at once (the worker was idle), else
-    /// `None`: call `branch_fork` then.
+    /// A fork of the branch's first `at` positions (all with `None`),
+    /// made at once; its KV copy is queued ahead of what follows.
     #[pyo3(signature = (branch, at=None))]
-    fn branch_fork_now(&self, branch: u64, at: Option<i32>) -> PyResult<Option<u64>> {
-        self.inner
-            .branch_fork_now(id(branch), at)
-            .map(|r| r.map(BranchId::to_bits))
-            .transpose()
-            .py_err()
+    fn branch_fork(&self, branch: u64, at: Option<i32>) -> PyResult<u64> {
+        Ok(self
+            .inner
+            .branch_fork_at(id(branch), at)
+            .py_err()?
+            .to_bits())
     }
 
     /// `True` if the prune ran at once (the worker was idle), else `False`:

@@ -2,10 +2,14 @@
 
 Every request gets its prompt from the prefix cache (a fork of the longest
 cached prefix, with only the rest prefilled) and one branch per choice
-(``n`` choices are forks of one prompt). One step loop drives every choice
-of every request: each produces a token, then all are committed in one
-``BranchStore.commit``, so a step costs one decode however many requests
-are running; a request's choices join at the next step. A new request's
+(``n`` choices are forks of one prompt); when the request ends, its first
+choice's branch becomes the cache's entry for the prompt and the reply
+(:meth:`PrefixCache.keep`), so the next turn of a conversation decodes
+only what is new. One step loop drives every choice of every request:
+each produces a token, which is streamed at once, then all are committed
+in one ``BranchStore.commit``, so a step costs one decode however many
+requests are running; a choice's last token is not decoded. A request's
+choices join at the next step. A new request's
 prompt is prefilled from its own task: the engine's step scheduler decodes
 it in chunks that share decodes with the running commits.
 
@@ -173,8 +177,11 @@ class Engine:
             params = params.with_(logit_bias=[*params.logit_bias, *banned])
         try:
             if self.cache is not None:
-                root = await self.cache.branch(tokens, params=params)
-                await self.cache.make_room(gen.n - 1)
+                # No entry is forked now: the branch itself becomes one
+                # when the request ends (``generate``), holding the reply too.
+                root = await self.cache.branch(tokens, params=params, remember=False)
+                if gen.n > 1:
+                    await self.cache.make_room(gen.n - 1)
             else:
                 root = Branch.create(self.ctx, params)
                 await root.prefill(tokens)
@@ -197,7 +204,26 @@ class Engine:
             b.reseed_sampler((base + i) % 2**32)
         return branches
 
+    async def _start(self, choices: list[_Choice]) -> None:
+        """Choose and send new choices' first tokens now, from the request's
+        own task (their logits are ready once the prompt is in), then let
+        them join the step loop, whose next commit decodes those tokens: a
+        request does not wait for the step in progress to send its first
+        token."""
+        produced = await self._store.produce([c.branch for c in choices], return_exceptions=True)
+        joining = []
+        for c, p in zip(choices, produced, strict=True):
+            if isinstance(p, LloyalError):
+                c.end("error", str(p))
+                continue
+            c.next = c.decide(p)
+            if c.next is not None:
+                joining.append(c)
+        self._join(joining)
+
     def _join(self, choices: list[_Choice]) -> None:
+        for c in choices:
+            c.joined = True
         self._active.extend(choices)
         self._wake.set()
         if self._stepper is None or self._stepper.done():
@@ -222,7 +248,11 @@ class Engine:
 
     async def _step(self) -> None:
         batch: list[tuple[_Choice, int]] = []
-        active = list(self._active)
+        for c in self._active:
+            if c.next is not None:  # chosen when it joined
+                batch.append((c, c.next))
+                c.next = None
+        active = [c for c in self._active if not any(c is b for b, _ in batch)]
         # Every choice's token in one native call (grammar masks in parallel).
         produced = await self._store.produce([c.branch for c in active], return_exceptions=True)
         for c, p in zip(active, produced, strict=True):
@@ -251,9 +281,8 @@ class Engine:
                     c.end("length")
                     self._active.remove(c)
                 return
-        for c, _ in batch:
-            if not c.committed():
-                self._active.remove(c)
+        for c, t in batch:
+            c.committed.append(t)
 
     async def aclose(self) -> None:
         if self._stepper is not None:
@@ -294,7 +323,7 @@ class Engine:
                 choices.append(
                     _Choice(self, i, b, gen, limit, set(stop_tokens), set(preserved), events)
                 )
-            self._join(choices)
+            await self._start(choices)
             finished = 0
             while finished < len(choices):
                 event = await events.get()
@@ -306,12 +335,22 @@ class Engine:
         finally:
             for c in choices:
                 c.cancelled = True
+                if not c.joined:  # the step loop never had it
+                    c.released.set()
             self._wake.set()
             for c in choices:
                 await c.released.wait()
-            for b in branches:
-                if not b.disposed:
-                    await b.prune()
+            for i, b in enumerate(branches):
+                if b.disposed:
+                    continue
+                if i == 0 and self.cache is not None and choices:
+                    # The prompt and the reply, for the next turn to fork.
+                    try:
+                        await self.cache.keep(b, [*tokens, *choices[0].committed])
+                        continue
+                    except (LloyalError, ValueError):
+                        pass
+                await b.prune()
 
 
 class _Choice:
@@ -339,7 +378,11 @@ class _Choice:
         self.stream = TextStream(engine.ctx)
         self.held = ""  # text that may be the start of a stop string
         self.made = 0
-        self.pending: Event | None = None
+        # The tokens decoded into the branch after the prompt.
+        self.committed: list[int] = []
+        # A token chosen but not committed yet (see ``Engine._start``).
+        self.next: int | None = None
+        self.joined = False
         self.cancelled = False
         # Set once the step loop no longer touches the branch.
         self.released = asyncio.Event()
@@ -350,7 +393,10 @@ class _Choice:
         return self.cancelled
 
     def decide(self, p: Produced) -> int | None:
-        """The token to commit this step, or None when the choice ends here."""
+        """Send the token ``p`` chose; the token to commit this step, or
+        None when the choice ends with it. A token is streamed as soon as
+        it is chosen, and the last one is never decoded (nothing would
+        read its logits): what llama-server does too."""
         if (p.is_stop or p.token in self.stop_tokens) and not self.gen.ignore_eos:
             self.end("stop")
             return None
@@ -361,21 +407,14 @@ class _Choice:
             if self.gen.logprobs > 0:
                 ids, lps = self.branch.top_logprobs(self.gen.logprobs)
                 top = tuple(zip(ids.tolist(), lps.tolist(), strict=True))
-        self.pending = Event(self.index, "", p.token, logprob, top)
-        return p.token
-
-    def committed(self) -> bool:
-        """After this step's commit: send the text; False when it ended."""
-        event = self.pending
-        assert event is not None
-        assert event.token is not None
+        event = Event(self.index, "", p.token, logprob, top)
         self.engine.metrics.completion_tokens += 1
         self.made += 1
         ctx = self.engine.ctx
-        if event.token in self.preserved:
-            piece = self.stream.flush() + ctx.token_to_text(event.token, render_special=True)
+        if p.token in self.preserved:
+            piece = self.stream.flush() + ctx.token_to_text(p.token, render_special=True)
         else:
-            piece = self.stream.push(event.token)
+            piece = self.stream.push(p.token)
         self.held += piece
         stops = self.gen.stop
         cut = _first_stop(self.held, stops)
@@ -383,14 +422,14 @@ class _Choice:
             self.events.put_nowait(replace(event, text=self.held[:cut]))
             self.held = ""
             self.end("stop")
-            return False
+            return None
         keep = _partial_stop(self.held, stops)
         ready, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
         self.events.put_nowait(replace(event, text=ready))
         if self.made >= self.limit:
             self.end("length")
-            return False
-        return True
+            return None
+        return p.token
 
     def end(self, finish: str, message: str = "") -> None:
         """Send what is held back and the finish; release the branch."""

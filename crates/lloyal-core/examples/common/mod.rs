@@ -121,7 +121,7 @@ pub fn engine_forks(
     let root = ctx.branch_create(lloyal_core::SamplingParams::greedy())?;
     wait(|r| ctx.branch_prefill(vec![(root, prompt.clone())], false, r))?;
     let kids = (0..n)
-        .map(|_| wait(|r| ctx.branch_fork(root, r)))
+        .map(|_| ctx.branch_fork(root))
         .collect::<lloyal_core::Result<_>>()?;
     Ok((ctx, prompt, kids))
 }

@@ -10,7 +10,8 @@ use super::ops::check_fork_at;
 use super::state::{BranchId, BranchState};
 use super::tree::{check_tree, TreeOutcome};
 use super::view::LogitsView;
-use crate::engine::{Context, Job, Reply, Shared};
+use crate::engine::unanswered;
+use crate::engine::{Context, Job, Reply, Shared, Task};
 use crate::error::{invalid, Error, Result};
 use crate::grammar::Grammar;
 use crate::sampling::SamplingParams;
@@ -277,47 +278,90 @@ impl Context {
 
     /// Fork: a new branch sharing `parent`'s KV prefix (no tensor copy under
     /// unified KV) with a clone of its sampler, logits, metrics and bias.
-    pub fn branch_fork(&self, parent: BranchId, reply: Reply<BranchId>) {
-        self.branch_fork_at(parent, None, reply);
+    /// See [`Context::branch_fork_at`].
+    pub fn branch_fork(&self, parent: BranchId) -> Result<BranchId> {
+        self.branch_fork_at(parent, None)
     }
 
     /// [`Context::branch_fork`] of `parent`'s first `at` positions (`0 <=
     /// at <= its position`; `None`: all of them): a fork and a truncate in
-    /// one job, copying only the cells kept. Below the parent's position
-    /// the child has no logits (prefill it next); sampler, metrics and
-    /// grammar are cloned as they are, not rewound. A fork only reads its
-    /// parent, so several may be in flight at once; meanwhile any other
-    /// operation on the parent fails with `BranchBusy`.
-    pub fn branch_fork_at(&self, parent: BranchId, at: Option<i32>, reply: Reply<BranchId>) {
-        let marked = self.check_open().and_then(|()| {
+    /// one, copying only the cells kept. Below the parent's position the
+    /// child has no logits (prefill it next); sampler, metrics and grammar
+    /// are cloned as they are, not rewound.
+    ///
+    /// The child is made here, on the calling thread, and returned at once:
+    /// only the copy of the KV cells is work for the worker, queued ahead
+    /// of anything submitted on the child afterwards (so a prefill of the
+    /// child can follow without waiting) and run between the rounds of any
+    /// step in progress -- or here too, when the worker is idle. Until the
+    /// copy has run the parent has a fork in flight: forks of it may
+    /// follow, any other operation on it fails with `BranchBusy`. Should
+    /// the copy fail (a panic), the child is disposed of.
+    pub fn branch_fork_at(&self, parent: BranchId, at: Option<i32>) -> Result<BranchId> {
+        self.check_open()?;
+        let copy = {
             let mut branches = lock(&self.shared.branches);
-            let p = branches.get_mut(parent)?;
+            let p = branches.get(parent)?;
             if p.busy {
                 return Err(Error::BranchBusy);
             }
             check_fork_at(p.position, at)?;
-            p.forks += 1;
-            Ok(())
-        });
-        match marked {
-            Ok(()) => self.submit(Job::task(BranchJob::Fork { parent, at, reply })),
-            Err(e) => reply.send(Err(e)),
-        }
-    }
-
-    /// [`Context::branch_fork_at`] on the calling thread, when the worker
-    /// is idle; `None` when it is busy (then call `branch_fork_at`). Same
-    /// result, without the two thread hand-offs.
-    pub fn branch_fork_now(&self, parent: BranchId, at: Option<i32>) -> Option<Result<BranchId>> {
-        self.run_inline(|w| {
-            let p = lock(&w.shared.branches).get(parent).map(|p| (p.is_busy(), p.position));
-            let (busy, position) = p?;
-            if busy {
-                return Err(Error::BranchBusy);
+            let (src, full) = (p.seq, p.position);
+            let end = at.unwrap_or(full);
+            let dst = branches.lease(|s| self.shared.holds_flat_data(s))?;
+            // The parent's state as of now, whatever happens to it later.
+            let mut state = branches.get(parent)?.fork(dst, parent);
+            if end < full {
+                state.position = end;
+                state.fork_head = end;
+                state.clear_logits();
             }
-            check_fork_at(position, at)?;
-            w.fork(parent, at)
-        })
+            let child = branches.insert(state);
+            let p = branches.get_mut(parent)?;
+            p.children.push(child);
+            p.forks += 1;
+            BranchJob::CopyFork {
+                parent,
+                child,
+                src,
+                dst,
+                end,
+            }
+        };
+        let child = match &copy {
+            BranchJob::CopyFork { child, .. } => *child,
+            _ => unreachable!("made above"),
+        };
+        // An idle worker: copy here, now (a panic disposes of the child,
+        // as on the worker, and fails the fork).
+        let recover = Task::recover(&copy);
+        let mut queued = Some(copy);
+        let inline = self.run_inline(|w| {
+            let Some(job) = queued.take() else {
+                return Ok(());
+            };
+            catch_unwind(AssertUnwindSafe(|| {
+                #[cfg(feature = "testing")]
+                w.maybe_panic();
+                w.execute_branch(job)
+            }))
+            .map_err(|payload| {
+                if let Some(recover) = recover {
+                    let _ = catch_unwind(AssertUnwindSafe(|| recover(w)));
+                }
+                let message = match Error::from_panic(payload) {
+                    Error::Internal(m) => m,
+                    other => other.to_string(),
+                };
+                unanswered(true, Some(&message))
+            })
+        });
+        match (inline, queued) {
+            (Some(result), _) => result?,
+            (None, Some(job)) => self.submit(Job::task(job)),
+            (None, None) => {}
+        }
+        Ok(child)
     }
 
     /// BlinkKV for a branch: clear its KV and decode `sinks + tail` at
@@ -505,4 +549,3 @@ impl Context {
         }
     }
 }
-

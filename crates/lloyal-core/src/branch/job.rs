@@ -14,11 +14,15 @@ pub(crate) enum BranchJob {
     ClearSeq {
         seq: i32,
     },
-    /// Marks `parent` with a fork in flight (`BranchState::forks`), not busy.
-    Fork {
+    /// The KV cells of a fork made on the caller's thread
+    /// (`Context::branch_fork_at`): `src`'s positions `0..end` into `dst`.
+    /// Its `parent` has a fork in flight (`BranchState::forks`) until then.
+    CopyFork {
         parent: BranchId,
-        at: Option<i32>,
-        reply: Reply<BranchId>,
+        child: BranchId,
+        src: i32,
+        dst: i32,
+        end: i32,
     },
     Prune {
         id: BranchId,
@@ -65,7 +69,7 @@ impl BranchJob {
     pub(crate) fn fail(self, error: Error) {
         match self {
             BranchJob::ClearSeq { .. } => {}
-            BranchJob::Fork { reply, .. } => reply.send(Err(error)),
+            BranchJob::CopyFork { .. } => {}
             BranchJob::Drop { .. } => {}
             BranchJob::Prune { reply, .. } | BranchJob::RetainOnly { reply, .. } => {
                 reply.send(Err(error))
@@ -95,8 +99,8 @@ impl Task for BranchJob {
     /// rounds (a request's fork does not wait for a long prompt's prefill).
     fn overtakes(&self, worker: &Worker<'_>, step: &[BranchId]) -> bool {
         let touched = match self {
-            BranchJob::Fork { parent: id, .. }
-            | BranchJob::Truncate { id, .. }
+            BranchJob::CopyFork { parent, child, .. } => vec![*parent, *child],
+            BranchJob::Truncate { id, .. }
             | BranchJob::Save { id, .. }
             | BranchJob::Drop { id }
             | BranchJob::Prune {
@@ -114,9 +118,19 @@ impl Task for BranchJob {
     }
 
     fn recover(&self) -> Option<Recover> {
-        if let BranchJob::Fork { parent, .. } = *self {
+        if let BranchJob::CopyFork { parent, child, .. } = *self {
+            // The child has no cells it can trust: dispose of it.
             return Some(Box::new(move |w: &mut Worker<'_>| {
-                end_fork(&mut lock(&w.shared.branches), parent)
+                let removed = {
+                    let mut branches = lock(&w.shared.branches);
+                    end_fork(&mut branches, parent);
+                    if let Ok(p) = branches.get_mut(parent) {
+                        p.children.retain(|&c| c != child);
+                    }
+                    branches.detach_children(child);
+                    branches.remove(child).ok()
+                };
+                w.dispose(removed.into_iter().collect());
             }));
         }
         let busy = self.busy_ids();
@@ -137,7 +151,7 @@ impl BranchJob {
             | BranchJob::RetainOnly { keep: id, .. }
             | BranchJob::PrefillTree { root: id, .. } => vec![*id],
             BranchJob::ClearSeq { .. }
-            | BranchJob::Fork { .. }
+            | BranchJob::CopyFork { .. }
             | BranchJob::Prune { .. }
             | BranchJob::Drop { .. }
             | BranchJob::Restore { .. } => Vec::new(),
@@ -181,10 +195,15 @@ impl Worker<'_> {
                 let _ = self.remove_cells(seq, None, None);
                 self.refresh_seq(seq);
             }
-            BranchJob::Fork { parent, at, reply } => {
-                let result = self.fork(parent, at);
+            BranchJob::CopyFork {
+                parent,
+                src,
+                dst,
+                end,
+                ..
+            } => {
+                self.copy_fork(src, dst, end);
                 end_fork(&mut lock(&self.shared.branches), parent);
-                reply.send(result);
             }
             BranchJob::Prune { id, cascade, reply } => {
                 // The branch was alive when the prune was submitted; if a job

@@ -22,23 +22,32 @@ impl Worker<'_> {
     // (or the worker is idle: inline), and leases taken or not yet given
     // back keep their sequences from anyone else meanwhile.
 
-    /// Fork `parent` (see `Context::branch_fork_at`): the child holds its
-    /// first `at` positions (all of them with `None`).
-    pub(super) fn fork(&mut self, parent: BranchId, at: Option<i32>) -> Result<BranchId> {
+    /// The KV work of a fork (`Context::branch_fork_at`): `dst` holds
+    /// `src`'s positions `0..end`. The lease may hold flat-API cells; a
+    /// fork starts from its parent's (`seq_rm` scans every cell, so it is
+    /// skipped when the sequence is empty).
+    pub(super) fn copy_fork(&mut self, src: i32, dst: i32, end: i32) {
+        if self.ctx.kv_cache_seq_pos_max(dst) >= 0 {
+            let _ = self.remove_cells(dst, None, None);
+        }
+        if end > 0 {
+            // Fails only on positions beyond i32, which a branch never has.
+            let _ = self
+                .ctx
+                .copy_kv_cache_seq(src, dst, None, u32::try_from(end).ok());
+        }
+        self.refresh_seq(dst);
+    }
+
+    /// A fork made on the worker, with its cells (`prefill_tree`).
+    pub(super) fn fork(&mut self, parent: BranchId) -> Result<BranchId> {
         let (src, position, child, dst) = {
             let mut branches = lock(&self.shared.branches);
             let p = branches.get(parent)?;
-            let (src, full) = (p.seq, p.position);
-            check_fork_at(full, at)?;
-            let position = at.unwrap_or(full);
+            let (src, position) = (p.seq, p.position);
             let dst = branches.lease(|s| self.shared.holds_flat_data(s))?;
             // The parent's state as of now, whatever happens to it later.
-            let mut child = branches.get(parent)?.fork(dst, parent);
-            if position < full {
-                child.position = position;
-                child.fork_head = position;
-                child.clear_logits();
-            }
+            let child = branches.get(parent)?.fork(dst, parent);
             (src, position, child, dst)
         };
         // The lease may hold flat-API cells; a fork starts from the parent's.
@@ -47,8 +56,7 @@ impl Worker<'_> {
             let _ = self.remove_cells(dst, None, None);
         }
         if position > 0 {
-            let end = u32::try_from(position).ok();
-            if let Err(e) = self.ctx.copy_kv_cache_seq(src, dst, None, end) {
+            if let Err(e) = self.ctx.copy_kv_cache_seq(src, dst, None, None) {
                 let _ = self.remove_cells(dst, None, None);
                 lock(&self.shared.branches).release(dst);
                 self.refresh_seq(dst);

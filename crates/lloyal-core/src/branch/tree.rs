@@ -66,7 +66,7 @@ impl Worker<'_> {
         // (sharing the root's cells), made independent of the root.
         let mut ids = vec![root];
         for _ in 1..leaves.len() {
-            match self.fork(root, None) {
+            match self.fork(root) {
                 Ok(id) => ids.push(id),
                 Err(e) => {
                     self.drop_tree(root, base, &ids[1..]);

@@ -39,7 +39,7 @@ impl<T: 'static> Drop for Reply<T> {
 
 /// The error a caller gets for a request the engine could not answer: it
 /// panicked (with the panic's message when known) or dropped the request.
-pub(super) fn unanswered(panicked: bool, message: Option<&str>) -> Error {
+pub(crate) fn unanswered(panicked: bool, message: Option<&str>) -> Error {
     let why = match message {
         Some(message) if panicked => {
             format!("the engine panicked while running this request: {message}")
