@@ -180,7 +180,10 @@ def start(
             "--cont-batching",
         ]
         if template:
-            cmd += ["--chat-template", template]
+            # A built-in template's name: with Jinja on (llama-server's
+            # default) the name itself would be taken as the template's
+            # source, and every prompt would render as that word.
+            cmd += ["--no-jinja", "--chat-template", template]
     else:
         python = llama_cpp_python("[server]")
         cmd = [
