@@ -411,3 +411,27 @@ async def test_many_commits_over_many_cells_split_below_the_attention_tile(model
         await store.commit([(k, 100 + i) for i, k in enumerate(kids)])
         assert ctx.stats.decode_calls - before == 2
         assert {k.position for k in kids} == {root.position + 102}
+
+
+async def test_logprobs_of_many_branches_in_one_call_match_each_branch(model: Path) -> None:
+    """``store.logprobs`` gives, per (branch, token), what ``logprobs`` and
+    ``top_logprobs`` of that branch give (the same computation, one call);
+    a bad token or ``top`` raises and reads nothing."""
+    async with await lloyal.create_context(model, n_seq_max=4) as ctx:
+        root = lloyal.Branch.create(ctx, params=lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize("The capital of France is"))
+        a, b = await root.fork(), await root.fork()
+        await b.commit(int(b.top_logprobs(2)[0][1]))  # b's distribution differs
+        store = lloyal.BranchStore(ctx)
+        items = [(root, 5), (a, int(a.top_logprobs(1)[0][0])), (b, 11)]
+        read = store.logprobs(items, top=5)
+        for (branch, token), (lp, ids, lps) in zip(items, read, strict=True):
+            assert lp == float(branch.logprobs([token])[0])
+            tokens, logprobs = branch.top_logprobs(5)
+            assert ids == tokens.tolist()
+            assert lps == logprobs.tolist()
+        assert [len(ids) for _, ids, _ in store.logprobs(items)] == [0, 0, 0]
+        with pytest.raises(ValueError, match="vocabulary|token"):
+            store.logprobs([(root, ctx.vocab_size)])
+        with pytest.raises(ValueError, match="top"):
+            store.logprobs(items, top=-1)

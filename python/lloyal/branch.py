@@ -782,6 +782,37 @@ class BranchStore:
                 out.append(Produced(token, piece.decode("utf-8", errors="replace"), stop))
         return out
 
+    def logprobs(
+        self, items: Sequence[tuple[Branch, int]], *, top: int = 0
+    ) -> list[tuple[float, list[int], list[float]]]:
+        """For each ``(branch, token)``: the log-probability in nats of
+        ``token`` as the branch's next token (its raw logits snapshot) and
+        its ``top`` most likely tokens with theirs, best first: ``(logprob,
+        tokens, logprobs)``. One native call for all of them, without a copy
+        of any logits row (what a server reports for a step's ``logprobs``).
+        ``ValueError`` for a token outside the vocabulary or a branch
+        without logits.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
+        ...         a = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await a.prefill(await ctx.tokenize("The capital of France is"))
+        ...         b = await a.fork()
+        ...         best = int(a.top_logprobs(1)[0][0])
+        ...         (lp, ids, lps), _ = lloyal.BranchStore(ctx).logprobs([(a, best), (b, 0)], top=2)
+        ...         return ids[0] == best and lp == lps[0] and len(ids) == 2
+        >>> asyncio.run(main())
+        True
+        """
+        k = _check.integer(top, "top")
+        if k < 0:
+            raise ValueError(f"top must be >= 0, got {k}")
+        pairs = [
+            (self._handle(b, f"items[{i}][0]"), _token_id(t)) for i, (b, t) in enumerate(items)
+        ]
+        return self._ctx._native.branch_logprobs_many(pairs, k)
+
     @overload
     async def prefill(
         self, items: Sequence[tuple[Branch, Sequence[int]]], *, logits: Literal["last"] = "last"

@@ -15,6 +15,8 @@ use crate::reply::{none, py_reply};
 use crate::sampling::{params_from_py, PySamplingParams};
 
 /// `(tokens, logprobs)` of `branch_top_logprobs`.
+/// `(logprob, top tokens, their logprobs)` of one branch's token.
+type LogprobEntry = (f64, Vec<i32>, Vec<f64>);
 type TopLogprobs<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<f64>>);
 
 fn produced(py: Python<'_>, (token, piece, stop): (i32, Vec<u8>, bool)) -> PyResult<Py<PyAny>> {
@@ -370,6 +372,41 @@ impl PyContext {
             PyArray1::from_vec(py, tokens),
             PyArray1::from_vec(py, logprobs),
         ))
+    }
+
+    /// For each `(branch, token)`: the token's log-probability under the
+    /// branch's logits and the branch's `k` most likely tokens with theirs,
+    /// `(logprob, tokens, logprobs)`; all in one call, without the GIL.
+    fn branch_logprobs_many(
+        &self,
+        py: Python<'_>,
+        items: Vec<(u64, i32)>,
+        k: usize,
+    ) -> PyResult<Vec<LogprobEntry>> {
+        let mut views = Vec::with_capacity(items.len());
+        for &(branch, token) in &items {
+            self.inner.model().check_token(token).py_err()?;
+            views.push((self.inner.branch_logits_view(id(branch)).py_err()?, token));
+        }
+        py.detach(move || {
+            views
+                .into_iter()
+                .map(|(view, token)| {
+                    let logprob = view
+                        .logprobs(&[token])?
+                        .first()
+                        .copied()
+                        .unwrap_or(f64::NAN);
+                    let (tokens, logprobs) = if k == 0 {
+                        (Vec::new(), Vec::new())
+                    } else {
+                        view.top_logprobs(k)?.into_iter().unzip()
+                    };
+                    Ok((logprob, tokens, logprobs))
+                })
+                .collect::<lloyal_core::Result<Vec<_>>>()
+        })
+        .py_err()
     }
 
     fn branch_logprobs<'py>(

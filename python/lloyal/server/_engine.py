@@ -212,14 +212,37 @@ class Engine:
         token."""
         produced = await self._store.produce([c.branch for c in choices], return_exceptions=True)
         joining = []
-        for c, p in zip(choices, produced, strict=True):
-            if isinstance(p, LloyalError):
-                c.end("error", str(p))
-                continue
-            c.next = c.decide(p)
-            if c.next is not None:
+        for c, token in zip(choices, self._decide(choices, produced), strict=True):
+            c.next = token
+            if token is not None:
                 joining.append(c)
         self._join(joining)
+
+    def _decide(
+        self, choices: list[_Choice], produced: list[Produced | LloyalError]
+    ) -> list[int | None]:
+        """Each choice's token to commit (None: it ended), the logprobs of
+        every choice that asked for them read in one native call."""
+        asking = [
+            (c, p)
+            for c, p in zip(choices, produced, strict=True)
+            if c.gen.logprobs is not None and not isinstance(p, LloyalError)
+        ]
+        entries: dict[int, tuple[float, list[int], list[float]]] = {}
+        if asking:
+            top = max(c.gen.logprobs or 0 for c, _ in asking)
+            read = self._store.logprobs([(c.branch, p.token) for c, p in asking], top=top)
+            for (c, _), (lp, ids, lps) in zip(asking, read, strict=True):
+                k = c.gen.logprobs or 0
+                entries[id(c)] = (lp, ids[:k], lps[:k])
+        tokens: list[int | None] = []
+        for c, p in zip(choices, produced, strict=True):
+            if isinstance(p, LloyalError):  # a grammar that cannot continue, say
+                c.end("error", str(p))
+                tokens.append(None)
+            else:
+                tokens.append(c.decide(p, entries.get(id(c))))
+        return tokens
 
     def _join(self, choices: list[_Choice]) -> None:
         for c in choices:
@@ -255,12 +278,7 @@ class Engine:
         active = [c for c in self._active if not any(c is b for b, _ in batch)]
         # Every choice's token in one native call (grammar masks in parallel).
         produced = await self._store.produce([c.branch for c in active], return_exceptions=True)
-        for c, p in zip(active, produced, strict=True):
-            if isinstance(p, LloyalError):  # a grammar that cannot continue, say
-                c.end("error", str(p))
-                token = None
-            else:
-                token = c.decide(p)
+        for c, token in zip(active, self._decide(active, produced), strict=True):
             if token is None:
                 self._active.remove(c)
             else:
@@ -392,21 +410,23 @@ class _Choice:
             self.released.set()
         return self.cancelled
 
-    def decide(self, p: Produced) -> int | None:
+    def decide(
+        self, p: Produced, lp: tuple[float, list[int], list[float]] | None = None
+    ) -> int | None:
         """Send the token ``p`` chose; the token to commit this step, or
         None when the choice ends with it. A token is streamed as soon as
         it is chosen, and the last one is never decoded (nothing would
-        read its logits): what llama-server does too."""
+        read its logits): what llama-server does too. ``lp`` is the token's
+        logprob entry when the request asked for logprobs (see
+        ``Engine._decide``)."""
         if (p.is_stop or p.token in self.stop_tokens) and not self.gen.ignore_eos:
             self.end("stop")
             return None
         logprob: float | None = None
         top: tuple[tuple[int, float], ...] = ()
-        if self.gen.logprobs is not None:
-            logprob = float(self.branch.logprobs([p.token])[0])
-            if self.gen.logprobs > 0:
-                ids, lps = self.branch.top_logprobs(self.gen.logprobs)
-                top = tuple(zip(ids.tolist(), lps.tolist(), strict=True))
+        if lp is not None:
+            logprob, ids, lps = lp
+            top = tuple(zip(ids, lps, strict=True))
         event = Event(self.index, "", p.token, logprob, top)
         self.engine.metrics.completion_tokens += 1
         self.made += 1
