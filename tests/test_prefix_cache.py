@@ -314,6 +314,7 @@ async def test_evicted_entries_go_to_disk_and_come_back(smollm2: Path, tmp_path:
         assert lloyal.BranchStore(ctx).available == 4
 
 
+@pytest.mark.asyncio
 async def test_keep_makes_a_finished_branch_the_entry(smollm2: Path) -> None:
     """``branch(remember=False)`` caches nothing; ``keep`` makes the branch
     itself the entry for what it holds (no fork: no lease more), a later

@@ -431,7 +431,7 @@ async def test_logprobs_of_many_branches_in_one_call_match_each_branch(model: Pa
             assert ids == tokens.tolist()
             assert lps == logprobs.tolist()
         assert [len(ids) for _, ids, _ in store.logprobs(items)] == [0, 0, 0]
-        with pytest.raises(ValueError, match="vocabulary|token"):
+        with pytest.raises(ValueError, match=r"vocabulary|token"):
             store.logprobs([(root, ctx.vocab_size)])
         with pytest.raises(ValueError, match="top"):
             store.logprobs(items, top=-1)
