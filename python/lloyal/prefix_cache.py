@@ -289,13 +289,13 @@ class PrefixCache:
         branch.set_grammar(None)
         async with self._lock:
             known = self._by_tokens.get(ids)
-            victims: list[_Entry] = []
             if known is not None:
                 known.used = next(self._clock)
             else:
                 victims = await self._add(ids, branch)
         if known is not None:
             await branch.prune()
+            return
         for victim in victims:
             await self._dispose(victim)
 
@@ -367,32 +367,21 @@ class PrefixCache:
                     raise
 
     async def _remember(self, ids: tuple[int, ...], branch: Branch) -> None:
-        """Keep a fork of ``branch`` as the entry for ``ids``. The fork runs
-        outside the lock (under load it waits for the engine's round in
-        progress, and requests queued behind the lock would wait with it);
-        the tree is only touched under it."""
+        """Keep a fork of ``branch`` as the entry for ``ids`` (made at once:
+        nothing here waits for a decode)."""
         async with self._lock:
             known = self._by_tokens.get(ids)
             if known is not None:
                 known.used = next(self._clock)
                 return
-            while len(self._entries) >= self._max_branches or (
-                self._store.available == 0 and self._entries
-            ):
-                await self._evict_one()
-        try:
-            kept = branch._fork_now(root=True)
-        except NoLeaseError:
-            return  # every lease is the callers': serve without caching
-        async with self._lock:
-            known = self._by_tokens.get(ids)
-            victims: list[_Entry] = []
-            if known is not None:  # another request cached it meanwhile
-                known.used = next(self._clock)
-            else:
-                victims = await self._add(ids, kept)
-        if known is not None:
-            await kept.prune()
+            # A lease for the fork: the evicted entry's prune must have run.
+            while self._store.available == 0 and await self._evict_one():
+                pass
+            try:
+                kept = branch._fork_now(root=True)
+            except NoLeaseError:
+                return  # every lease is the callers': serve without caching
+            victims = await self._add(ids, kept)
         for victim in victims:
             await self._dispose(victim)
 

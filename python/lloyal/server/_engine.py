@@ -271,11 +271,13 @@ class Engine:
 
     async def _step(self) -> None:
         batch: list[tuple[_Choice, int]] = []
+        active: list[_Choice] = []
         for c in self._active:
             if c.next is not None:  # chosen when it joined
                 batch.append((c, c.next))
                 c.next = None
-        active = [c for c in self._active if not any(c is b for b, _ in batch)]
+            else:
+                active.append(c)
         # Every choice's token in one native call (grammar masks in parallel).
         produced = await self._store.produce([c.branch for c in active], return_exceptions=True)
         for c, token in zip(active, self._decide(active, produced), strict=True):

@@ -6,11 +6,11 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 
 use super::job::{mark_busy, BranchJob};
-use super::ops::check_fork_at;
+use super::ops::make_fork;
 use super::state::{BranchId, BranchState};
 use super::tree::{check_tree, TreeOutcome};
 use super::view::LogitsView;
-use crate::engine::unanswered;
+use crate::engine::{panic_text, unanswered};
 use crate::engine::{Context, Job, Reply, Shared, Task};
 use crate::error::{invalid, Error, Result};
 use crate::grammar::Grammar;
@@ -299,38 +299,22 @@ impl Context {
     /// the copy fail (a panic), the child is disposed of.
     pub fn branch_fork_at(&self, parent: BranchId, at: Option<i32>) -> Result<BranchId> {
         self.check_open()?;
-        let copy = {
+        let made = {
             let mut branches = lock(&self.shared.branches);
-            let p = branches.get(parent)?;
-            if p.busy {
+            if branches.get(parent)?.busy {
                 return Err(Error::BranchBusy);
             }
-            check_fork_at(p.position, at)?;
-            let (src, full) = (p.seq, p.position);
-            let end = at.unwrap_or(full);
-            let dst = branches.lease(|s| self.shared.holds_flat_data(s))?;
-            // The parent's state as of now, whatever happens to it later.
-            let mut state = branches.get(parent)?.fork(dst, parent);
-            if end < full {
-                state.position = end;
-                state.fork_head = end;
-                state.clear_logits();
-            }
-            let child = branches.insert(state);
-            let p = branches.get_mut(parent)?;
-            p.children.push(child);
-            p.forks += 1;
-            BranchJob::CopyFork {
-                parent,
-                child,
-                src,
-                dst,
-                end,
-            }
+            let made = make_fork(&mut branches, &self.shared, parent, at)?;
+            branches.get_mut(parent)?.forks += 1;
+            made
         };
-        let child = match &copy {
-            BranchJob::CopyFork { child, .. } => *child,
-            _ => unreachable!("made above"),
+        let child = made.child;
+        let copy = BranchJob::CopyFork {
+            parent,
+            child,
+            src: made.src,
+            dst: made.dst,
+            end: made.end,
         };
         // An idle worker: copy here, now (a panic disposes of the child,
         // as on the worker, and fails the fork).
@@ -349,11 +333,7 @@ impl Context {
                 if let Some(recover) = recover {
                     let _ = catch_unwind(AssertUnwindSafe(|| recover(w)));
                 }
-                let message = match Error::from_panic(payload) {
-                    Error::Internal(m) => m,
-                    other => other.to_string(),
-                };
-                unanswered(true, Some(&message))
+                unanswered(true, Some(&panic_text(payload)))
             })
         });
         match (inline, queued) {

@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
-use super::state::{BranchId, BranchState};
+use super::state::{BranchId, BranchState, Branches};
 use crate::engine::step::Input;
-use crate::engine::Worker;
+use crate::engine::{Shared, Worker};
 use crate::error::{invalid, Error, Result};
 use crate::sync::lock;
 
@@ -41,39 +41,9 @@ impl Worker<'_> {
 
     /// A fork made on the worker, with its cells (`prefill_tree`).
     pub(super) fn fork(&mut self, parent: BranchId) -> Result<BranchId> {
-        let (src, position, child, dst) = {
-            let mut branches = lock(&self.shared.branches);
-            let p = branches.get(parent)?;
-            let (src, position) = (p.seq, p.position);
-            let dst = branches.lease(|s| self.shared.holds_flat_data(s))?;
-            // The parent's state as of now, whatever happens to it later.
-            let child = branches.get(parent)?.fork(dst, parent);
-            (src, position, child, dst)
-        };
-        // The lease may hold flat-API cells; a fork starts from the parent's.
-        // (`seq_rm` scans every cell, so skip it when the sequence is empty.)
-        if self.ctx.kv_cache_seq_pos_max(dst) >= 0 {
-            let _ = self.remove_cells(dst, None, None);
-        }
-        if position > 0 {
-            if let Err(e) = self.ctx.copy_kv_cache_seq(src, dst, None, None) {
-                let _ = self.remove_cells(dst, None, None);
-                lock(&self.shared.branches).release(dst);
-                self.refresh_seq(dst);
-                return Err(Error::Internal(format!("KV sequence copy failed: {e}")));
-            }
-        }
-        let mut branches = lock(&self.shared.branches);
-        let id = branches.insert(child);
-        match branches.get_mut(parent) {
-            Ok(p) => p.children.push(id),
-            // Dropped meanwhile by another thread (`branch_drop` frees a
-            // garbage-collected branch at once): the child is a root.
-            Err(_) => branches.get_mut(id)?.parent = None,
-        }
-        drop(branches);
-        self.refresh_seq(dst);
-        Ok(id)
+        let made = make_fork(&mut lock(&self.shared.branches), &self.shared, parent, None)?;
+        self.copy_fork(made.src, made.dst, made.end);
+        Ok(made.child)
     }
 
     /// Clear the cells of branches taken out of the arena, then give their
@@ -212,4 +182,43 @@ pub(super) fn check_fork_at(position: i32, at: Option<i32>) -> Result<()> {
         ))),
         _ => Ok(()),
     }
+}
+
+/// A fork whose state is in the arena and whose KV cells are still to be
+/// copied (`Worker::copy_fork`): `src`'s positions `0..end` into `dst`.
+pub(super) struct MadeFork {
+    pub(super) child: BranchId,
+    pub(super) src: i32,
+    pub(super) dst: i32,
+    pub(super) end: i32,
+}
+
+/// Make a fork of `parent`'s first `at` positions (all with `None`) in the
+/// arena: a lease, a clone of the parent's state as of now, the links
+/// between them. No KV work: the caller copies the cells next.
+pub(super) fn make_fork(
+    branches: &mut Branches,
+    shared: &Shared,
+    parent: BranchId,
+    at: Option<i32>,
+) -> Result<MadeFork> {
+    let p = branches.get(parent)?;
+    check_fork_at(p.position, at)?;
+    let (src, full) = (p.seq, p.position);
+    let end = at.unwrap_or(full);
+    let dst = branches.lease(|s| shared.holds_flat_data(s))?;
+    let mut state = branches.get(parent)?.fork(dst, parent);
+    if end < full {
+        state.position = end;
+        state.fork_head = end;
+        state.clear_logits();
+    }
+    let child = branches.insert(state);
+    branches.get_mut(parent)?.children.push(child);
+    Ok(MadeFork {
+        child,
+        src,
+        dst,
+        end,
+    })
 }

@@ -36,8 +36,8 @@ mod worker;
 
 pub use handle::{join_workers, Context, WORKER_THREAD_NAME};
 pub use job::Hold;
-pub(crate) use reply::unanswered;
 pub use reply::{after_job, Reply};
+pub(crate) use reply::{panic_text, unanswered};
 pub use shared::{Embeddings, Stats};
 pub use step::{Input as StepInput, ItemResults, StepGroup};
 

@@ -97,3 +97,11 @@ pub(super) fn deferred_replies() -> Vec<Deferred> {
 pub(super) fn set_panic_message(message: Option<String>) {
     PANIC.with(|p| *p.borrow_mut() = message);
 }
+
+/// A panic's message, for an error that names it.
+pub(crate) fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
+    match Error::from_panic(payload) {
+        Error::Internal(m) => m,
+        other => other.to_string(),
+    }
+}

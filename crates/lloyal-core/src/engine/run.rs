@@ -8,7 +8,9 @@ use crossbeam_channel::RecvTimeoutError;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::job::Job;
-use super::reply::{defer_replies, deferred_replies, set_panic_message, unanswered, Deferred};
+use super::reply::{
+    defer_replies, deferred_replies, panic_text, set_panic_message, unanswered, Deferred,
+};
 use super::step::Step;
 use super::worker::{Engine, Worker};
 use crate::error::Error;
@@ -176,13 +178,6 @@ fn run_locked(
         reply();
     }
     set_panic_message(None);
-}
-
-fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
-    match Error::from_panic(payload) {
-        Error::Internal(m) => m,
-        other => other.to_string(),
-    }
 }
 
 impl Worker<'_> {
