@@ -7,12 +7,13 @@ so the CLI, the ASGI app and the engine are tested together.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -275,7 +276,42 @@ def test_a_client_that_disconnects_frees_its_branch(server: str) -> None:
     assert m["lloyal_completion_tokens_total"] - before["lloyal_completion_tokens_total"] < 2000
 
 
+async def _running(
+    c: httpx.AsyncClient, stack: contextlib.AsyncExitStack, path: str, body: dict[str, Any]
+) -> AsyncIterator[str]:
+    """Start a streamed request and return its lines once the first token
+    came back: from then on the request is admitted and running, and stays
+    so until the rest of its (long, ``ignore_eos``) stream is read."""
+    r = await stack.enter_async_context(c.stream("POST", path, json={**body, "stream": True}))
+    assert r.status_code == 200
+    lines = r.aiter_lines()
+    async for line in lines:
+        if line.startswith("data: "):
+            break
+    return lines
+
+
+async def _wait_for(c: httpx.AsyncClient, name: str, value: float) -> None:
+    """Poll /metrics until ``name`` reads ``value`` (a hang guard, not a speed
+    limit: the event it waits for follows one HTTP round trip)."""
+    for _ in range(600):
+        text = (await c.get("/metrics")).text
+        if dict(line.split() for line in text.splitlines()).get(name) in (f"{value}", f"{value:g}"):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{name} never read {value}")
+
+
+async def _drain(lines: AsyncIterator[str]) -> int:
+    """Read a stream to its end; the number of content chunks in it."""
+    return sum([1 async for line in lines if line.startswith("data: {")])
+
+
 def test_overload_gets_429_and_concurrent_requests_share_decodes(tmp_path: Path) -> None:
+    """One request runs (its two choices fill the two sequences the prefix
+    cache leaves), one waits, the rest are told to come back. The running
+    request is held by its stream (300 tokens to go), not by arrival
+    timing, so the outcome is the same on a busy machine."""
     proc, url = _start(
         "--n-seq-max",
         "3",
@@ -287,32 +323,43 @@ def test_overload_gets_429_and_concurrent_requests_share_decodes(tmp_path: Path)
         str(tmp_path),
     )
     try:
+        body: dict[str, Any] = {"messages": ASK, "max_tokens": 24, "n": 2, "temperature": 0}
+        path = "/v1/chat/completions"
 
-        async def burst() -> list[httpx.Response]:
-            body = {"messages": ASK, "max_tokens": 24, "n": 2, "temperature": 0}
-            async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-                return list(
-                    await asyncio.gather(
-                        *[c.post("/v1/chat/completions", json=body) for _ in range(5)]
-                    )
-                )
+        async def burst() -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+                async with contextlib.AsyncExitStack() as stack:
+                    long = {**body, "max_tokens": 300, "ignore_eos": True}
+                    first = await _running(c, stack, path, long)
+                    waiting = asyncio.create_task(c.post(path, json=body))
+                    await _wait_for(c, "lloyal_requests_waiting", 1)
+                    for _ in range(3):
+                        r = await c.post(path, json=body)
+                        assert r.status_code == 429, r.text
+                        assert r.headers["Retry-After"]
+                    # The first request was still running when the third was refused.
+                    assert _metrics(url)["lloyal_requests_active"] == 1
+                    assert await _drain(first) > 0
+                assert (await waiting).status_code == 200
 
         before = _metrics(url)
-        codes = sorted(r.status_code for r in asyncio.run(burst()))
-        # One request runs (its two choices fill the two sequences the
-        # prefix cache leaves), one waits, the rest are told to come back.
-        assert codes == [200, 200, 429, 429, 429]
+        asyncio.run(burst())
         after = _metrics(url)
+        assert (
+            after["lloyal_requests_rejected_total"] - before["lloyal_requests_rejected_total"] == 3
+        )
         generated = (
             after["lloyal_completion_tokens_total"] - before["lloyal_completion_tokens_total"]
         )
         decodes = after["lloyal_decode_calls_total"] - before["lloyal_decode_calls_total"]
         # Two choices per request decode together: fewer decodes than tokens.
         assert decodes < generated
-        # Another prompt pushes the one cache entry out, to --cache-dir.
+        # Each finished request's first choice becomes the one cache entry
+        # and pushes the one before out, to --cache-dir: the long request's
+        # by the waiting one's, that one by another prompt's.
         other = {"messages": [{"role": "user", "content": "Something else."}], "max_tokens": 2}
         assert httpx.post(f"{url}/v1/chat/completions", json=other).status_code == 200
-        assert len(list(tmp_path.glob("*.state"))) == 1
+        assert len(list(tmp_path.glob("*.state"))) == 2
     finally:
         _stop(proc)
 
@@ -373,18 +420,36 @@ def test_chats_that_each_fit_alone_all_reach_max_tokens() -> None:
 
 
 def test_a_burst_beyond_the_cells_gets_retryable_refusals() -> None:
-    """Six requests of 300 + 200 tokens in 1024 cells with one allowed to
-    wait: two run, one waits, three get 429 with Retry-After (never 400),
-    and every admitted request completes in full."""
-    proc, url = _start("--n-ctx", "1024", "--max-queue", "1")
+    """2048 cells, one request allowed to wait: two requests of 300 + 700
+    tokens run, one of 300 + 200 waits for cells, three more get 429 with
+    Retry-After (never 400), and every admitted request completes in full.
+    The two running requests are held by their streams, so the outcome does
+    not depend on how fast the machine is."""
+    proc, url = _start("--n-ctx", "2048", "--max-queue", "1")
     try:
-        responses = _at_once(url, 6, prompt=300, max_tokens=200)
-        assert sorted(r.status_code for r in responses) == [200, 200, 200, 429, 429, 429]
-        for r in responses:
-            if r.status_code == 429:
-                assert r.headers["Retry-After"]
-                assert r.json()["error"]["type"] == "rate_limit_exceeded"
-            else:
+
+        async def burst() -> None:
+            def body(i: int, max_tokens: int) -> dict[str, Any]:
+                return {"prompt": _tokens(i, 300), "max_tokens": max_tokens, "ignore_eos": True}
+
+            async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+                async with contextlib.AsyncExitStack() as stack:
+                    running = [
+                        await _running(c, stack, "/v1/completions", body(i, 700)) for i in (0, 1)
+                    ]
+                    waiting = asyncio.create_task(c.post("/v1/completions", json=body(2, 200)))
+                    await _wait_for(c, "lloyal_requests_waiting", 1)
+                    for i in (3, 4, 5):
+                        r = await c.post("/v1/completions", json=body(i, 200))
+                        assert r.status_code == 429, r.text
+                        assert r.headers["Retry-After"]
+                        assert r.json()["error"]["type"] == "rate_limit_exceeded"
+                    assert _metrics(url)["lloyal_requests_active"] == 2
+                    assert [await _drain(lines) for lines in running] == [700, 700]
+                r = await waiting
+                assert r.status_code == 200, r.text
                 assert r.json()["usage"]["completion_tokens"] == 200
+
+        asyncio.run(burst())
     finally:
         _stop(proc)
