@@ -305,8 +305,12 @@ impl Grammar {
         let lazy = self.lazy.as_ref().filter(|l| l.fired_at.is_none())?;
         let more = self.text_of(token);
         let at = lazy.find(more)?;
-        let mut tail = lazy.seen[at..].to_vec();
-        tail.extend_from_slice(more);
+        // The trigger may start in the earlier text or inside this token's
+        // own text (" Paris" for "Paris"): what precedes it is not fed.
+        let tail = match at.checked_sub(lazy.seen.len()) {
+            None => [&lazy.seen[at..], more].concat(),
+            Some(inside) => more[inside..].to_vec(),
+        };
         Some(self.env.factory.tok_env().tokenize_bytes(&tail))
     }
 

@@ -92,6 +92,50 @@ fn chat_template_renders() {
     ctx.close_blocking();
 }
 
+/// Every token of the vocabulary after every prefix of the trigger: a
+/// trigger that starts inside a token's text (" Paris" for "Paris"), ends
+/// inside it, or spans tokens fires exactly when the text holds it, and
+/// nothing panics (a trigger after text in the same token once sliced past
+/// the end of a buffer).
+#[test]
+fn a_lazy_trigger_split_at_every_offset_of_every_token_fires_or_refuses() {
+    use lloyal_core::{Grammar, GrammarSpec};
+    let ctx = open(256);
+    let model = ctx.model().clone();
+    let word = "Paris";
+    let spec = GrammarSpec::Lark(r#"start: "Paris" /[a-z ]+/ "." "#.to_owned());
+    for k in 0..word.len() {
+        let mut g = Grammar::lazy(&model, &spec, &[word.to_owned()]).unwrap();
+        let before = model.tokenize(&word[..k], None, false).unwrap();
+        for &t in &before {
+            g.accept(t).unwrap();
+        }
+        assert_eq!(g.triggered(), Some(false));
+        let at = g.consumed();
+        for t in 0..model.vocab_size() as i32 {
+            if model.is_stop_token(t).unwrap() {
+                continue;
+            }
+            let mut text = word.as_bytes()[..k].to_vec();
+            text.extend(model.token_bytes(t, true).unwrap());
+            let holds = text.windows(word.len()).any(|w| w == word.as_bytes());
+            let allowed = g.allows(t).unwrap();
+            assert!(allowed || holds, "token {t} refused without the trigger");
+            match g.accept(t) {
+                Ok(()) => {
+                    assert!(allowed);
+                    assert_eq!(g.triggered(), Some(holds), "token {t} after {k} bytes");
+                }
+                Err(Error::Grammar(_)) => assert!(!allowed && g.triggered() == Some(false)),
+                Err(e) => panic!("token {t}: {e}"),
+            }
+            g.rewind(at).unwrap();
+            assert_eq!(g.triggered(), Some(false));
+        }
+    }
+    ctx.close_blocking();
+}
+
 #[test]
 fn a_lazy_grammar_waits_fires_and_rewinds_past_its_trigger() {
     use lloyal_core::{Grammar, GrammarSpec};
