@@ -168,15 +168,25 @@ pub fn py_reply<T: Send + 'static>(
             (c.target.clone_ref(py), Arc::clone(&c.queue.get().shared))
         })
     });
-    Reply::new(move |result| {
-        let convert: Convert = Box::new(move |py| to_python(py, result, convert));
-        // No GIL here for a loop's queue. The pipe stays open while `queue`
-        // is held.
-        send_later(match to_loop {
-            Some((fut, queue)) => Out::Loop(queue, fut, convert),
-            None => Out::Call(done, convert),
-        });
-    })
+    match to_loop {
+        // `done` is let go of here, with the GIL: the reply must not hold
+        // it, since dropping a Python object on the worker (no GIL) defers
+        // its release to whenever Python next runs our code -- maybe never,
+        // which kept a finished future, and the context it held, alive at
+        // exit. The future itself is dropped by `settle`, with the GIL.
+        Some((fut, queue)) => {
+            drop(done);
+            Reply::new(move |result| {
+                let convert: Convert = Box::new(move |py| to_python(py, result, convert));
+                // No GIL here. The pipe stays open while `queue` is held.
+                send_later(Out::Loop(queue, fut, convert));
+            })
+        }
+        None => Reply::new(move |result| {
+            let convert: Convert = Box::new(move |py| to_python(py, result, convert));
+            send_later(Out::Call(done, convert));
+        }),
+    }
 }
 
 /// Where a finished call's result goes.

@@ -3,11 +3,11 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 
 use tokio::sync::mpsc::error::SendError;
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::{UnboundedSender, WeakUnboundedSender};
 
 use super::job::{Hold, Job};
 use super::reply::Reply;
@@ -34,11 +34,36 @@ pub const WORKER_THREAD_NAME: &str = "lloyal-worker";
 /// Every worker thread started and not yet joined.
 pub(super) static WORKERS: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
 
-/// Wait for every worker thread to exit. Workers exit once their context is
-/// closed (or dropped), so close contexts first. An embedding runtime calls
-/// this before it shuts down (Python: at exit), so that no worker is still
-/// running a reply callback while the runtime is torn down.
+/// How to close a running worker's context without its handle: weak, so
+/// that the registry keeps no context open.
+pub(super) struct Closer {
+    pub(super) sender: WeakUnboundedSender<Job>,
+    pub(super) shared: Weak<Shared>,
+}
+
+/// The contexts whose workers have started, for [`join_workers`].
+pub(super) static OPEN: Mutex<Vec<Closer>> = Mutex::new(Vec::new());
+
+/// Close every context still open, then wait for every worker thread to
+/// exit. An embedding runtime calls this before it shuts down (Python: at
+/// exit), so that no worker is still running a reply callback while the
+/// runtime is torn down. Contexts are closed here whoever holds their
+/// handle: a handle the runtime will never drop (Python defers the release
+/// of objects a worker let go of without the GIL) must not keep a worker,
+/// and so the process, waiting for a close that never comes.
 pub fn join_workers() {
+    for closer in std::mem::take(&mut *lock(&OPEN)) {
+        let (Some(sender), Some(shared)) = (closer.sender.upgrade(), closer.shared.upgrade())
+        else {
+            continue;
+        };
+        if !shared.closed.swap(true, Ordering::AcqRel) {
+            // A failed send means the worker is gone already.
+            let _ = sender.send(Job::Close {
+                reply: Reply::new(|_| {}),
+            });
+        }
+    }
     let handles = std::mem::take(&mut *lock(&WORKERS));
     for handle in handles {
         let _ = handle.join();

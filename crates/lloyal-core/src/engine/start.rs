@@ -11,7 +11,7 @@ use llama_cpp_2::context::params::LlamaContextParams;
 use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::llama_batch::LlamaBatch;
 
-use super::handle::{Context, WORKERS, WORKER_THREAD_NAME};
+use super::handle::{Closer, Context, OPEN, WORKERS, WORKER_THREAD_NAME};
 use super::reply::Reply;
 use super::run::run;
 use super::shared::{Shared, StatCounters};
@@ -140,6 +140,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
             }
         };
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let weak_sender = tx.downgrade();
     let shared = Arc::new(Shared {
         closed: AtomicBool::new(false),
         stats: StatCounters::default(),
@@ -183,6 +184,14 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         logit_pool: Vec::new(),
     };
     *lock(&engine.worker) = Some(worker);
+    {
+        let mut open = lock(&OPEN);
+        open.retain(|c| c.sender.strong_count() > 0);
+        open.push(Closer {
+            sender: weak_sender,
+            shared: Arc::downgrade(&handle.shared),
+        });
+    }
     if let Some(ready) = on_ready.take() {
         ready.send(Ok(handle));
     }
