@@ -262,16 +262,18 @@ async def test_a_session_round_trip_with_a_tool(smollm2: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_a_token_with_text_before_the_trigger_fires_it(smollm2: Path) -> None:
-    """" Paris" fires the trigger "Paris" (the space is free text); it once
-    panicked the engine in a plain commit loop."""
-    async with await lloyal.create_context(smollm2, n_seq_max=2) as ctx:
-        async with lloyal.Branch.create(ctx, lloyal.GREEDY) as b:
-            await b.prefill(ctx.tokenize_sync("The capital of France is"))
-            b.set_grammar(lark='start: "Paris" /[a-z ]+/ "."', triggers=["Paris"])
-            (paris,) = ctx.tokenize_sync(" Paris", add_special=False)
-            await b.commit(paris)
-            assert b.grammar_triggered is True
-            (comma,) = ctx.tokenize_sync(",", add_special=False)
-            with pytest.raises(lloyal.GrammarError):
-                await b.commit(comma)
-            assert b.grammar_triggered is True
+    """A token " Paris" fires the trigger "Paris" (the space is free text): it
+    once panicked the engine in a plain commit loop."""
+    async with (
+        await lloyal.create_context(smollm2, n_seq_max=2) as ctx,
+        lloyal.Branch.create(ctx, lloyal.GREEDY) as b,
+    ):
+        await b.prefill(ctx.tokenize_sync("The capital of France is"))
+        b.set_grammar(lark='start: "Paris" /[a-z ]+/ "."', triggers=["Paris"])
+        (paris,) = ctx.tokenize_sync(" Paris", add_special=False)
+        await b.commit(paris)
+        assert b.grammar_triggered is True
+        (comma,) = ctx.tokenize_sync(",", add_special=False)
+        with pytest.raises(lloyal.GrammarError):
+            await b.commit(comma)
+        assert b.grammar_triggered is True

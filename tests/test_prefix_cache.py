@@ -6,6 +6,9 @@ Async tests run on asyncio; they are about reuse and counts, not loops.
 from __future__ import annotations
 
 import asyncio
+import os
+import random
+import resource
 from pathlib import Path
 
 import lloyal
@@ -311,6 +314,124 @@ async def test_evicted_entries_go_to_disk_and_come_back(smollm2: Path, tmp_path:
             assert c.position == 3
         await again.aclose()
         await broken.aclose()
+        assert lloyal.BranchStore(ctx).available == 4
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("failure", ["deleted", "a file", "read-only", "too large"])
+async def test_a_failed_disk_write_loses_no_lease(
+    smollm2: Path, tmp_path: Path, failure: str
+) -> None:
+    """Whatever happens to the folder, the request that evicts is served,
+    the evicted entry and the new one are pruned in time (no lease is
+    lost), and no partial file is left behind. A deleted folder is made
+    again; a write that fails is skipped and counted."""
+    folder = tmp_path / "cache"
+    first, second = list(range(1000, 1040)), list(range(2000, 2040))
+    async with await lloyal.create_context(smollm2, n_ctx=2048, n_seq_max=3) as ctx:
+        cache = lloyal.PrefixCache(ctx, max_branches=1, disk_dir=folder)
+        async with await cache.branch(first):
+            pass
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        try:
+            if failure == "deleted":
+                folder.rmdir()
+            elif failure == "a file":
+                folder.rmdir()
+                folder.write_bytes(b"not a folder")
+            elif failure == "read-only":
+                folder.chmod(0o500)
+                if os.access(folder, os.W_OK):
+                    pytest.skip("root writes into read-only folders ('too large' fails as root)")
+            else:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
+            for _ in range(3):  # each request evicts the one before
+                async with await cache.branch(second) as b:
+                    assert b.position == len(second)
+                    assert lloyal.BranchStore(ctx).available == 1  # b and the entry
+                first, second = second, first
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+            if folder.is_dir():
+                folder.chmod(0o700)
+        s = cache.stats
+        if failure == "deleted":
+            assert (s.disk_write_errors, s.disk_hits, s.disk_entries) == (0, 2, 1)
+            assert [p.suffix for p in folder.iterdir()] == [".state"]
+        else:
+            assert (s.disk_write_errors, s.disk_hits, s.disk_entries) == (3, 0, 0)
+            if failure == "a file":
+                assert folder.read_bytes() == b"not a folder"
+            else:
+                assert list(folder.iterdir()) == []
+        await cache.aclose()
+        assert lloyal.BranchStore(ctx).available == 3
+
+
+def _swap_heads(a: Path, b: Path) -> None:
+    """Swap what two state files hold before their branch states (the
+    tokens header), keeping each one's state."""
+    raw_a, raw_b = a.read_bytes(), b.read_bytes()
+    at_a, at_b = raw_a.index(b"LLOYALKV"), raw_b.index(b"LLOYALKV")
+    a.write_bytes(raw_b[:at_b] + raw_a[at_a:])
+    b.write_bytes(raw_a[:at_a] + raw_b[at_b:])
+
+
+# A hang guard (a FIFO in the folder once blocked the constructor), not a speed limit.
+@pytest.mark.timeout(120)
+@pytest.mark.asyncio
+async def test_a_hostile_cache_folder_gives_misses_or_correct_hits(
+    smollm2: Path, tmp_path: Path
+) -> None:
+    """A folder of junk beside real state files: random bytes, lengths
+    far past the end, truncated and bit-flipped copies, two files with
+    their token headers swapped, symlinks (to a file, dangling, a loop), a
+    FIFO, a folder named like a state file. The cache opens on it without
+    error, serves every prompt correctly (from disk only where the file is
+    intact), never the swapped files' states, and leaves what is not its
+    own alone."""
+    rng = random.Random(27)
+    prompts = [list(range(k, k + 40)) for k in (1000, 2000, 3000, 4000)]
+    async with await lloyal.create_context(smollm2, n_ctx=2048, n_seq_max=4) as ctx:
+        writer = lloyal.PrefixCache(ctx, max_branches=1, disk_dir=tmp_path)
+        for p in prompts:
+            async with await writer.branch(p):
+                pass
+        await writer.aclose()
+        a, b, c = sorted(tmp_path.glob("*.state"))  # the first three prompts, in order
+        _swap_heads(a, b)
+        good = c.read_bytes()
+        for i in range(12):
+            (tmp_path / f"random-{i}.state").write_bytes(rng.randbytes(rng.randrange(0, 4096)))
+        for at in (0, 8, 16, 24):
+            huge = good[:at] + b"\xff" * 8 + good[at + 8 :]
+            (tmp_path / f"huge-{at}.state").write_bytes(huge)
+        for i in range(6):
+            (tmp_path / f"cut-{i}.state").write_bytes(good[: rng.randrange(len(good))])
+            flipped = bytearray(good)
+            flipped[rng.randrange(len(good))] ^= 1 << rng.randrange(8)
+            (tmp_path / f"flip-{i}.state").write_bytes(bytes(flipped))
+        (tmp_path / "link.state").symlink_to(c)
+        (tmp_path / "dangling.state").symlink_to(tmp_path / "nowhere")
+        (tmp_path / "loop.state").symlink_to(tmp_path / "loop.state")
+        os.mkfifo(tmp_path / "fifo.state")
+        (tmp_path / "x.state").mkdir()
+        later = c.stat().st_mtime + 60  # the intact file is the newest for its prompt
+        os.utime(c, (later, later))
+
+        cache = lloyal.PrefixCache(ctx, max_branches=1, disk_dir=tmp_path)
+        # The swapped files pass the header check (their lengths match); the
+        # checksum over the whole file refuses them when they are restored.
+        assert cache.stats.disk_entries == 3
+        for i, p in enumerate(prompts):
+            hits = cache.stats.disk_hits
+            async with await cache.branch(p) as served, lloyal.Branch.create(ctx) as fresh:
+                await fresh.prefill(p)
+                assert np.abs(fresh.logits - served.logits).max() < ROUTE_NOISE
+            assert cache.stats.disk_hits - hits == (1 if i == 2 else 0)
+        await cache.aclose()
+        for name in ("link.state", "dangling.state", "loop.state", "fifo.state", "x.state"):
+            assert os.path.lexists(tmp_path / name)
         assert lloyal.BranchStore(ctx).available == 4
 
 

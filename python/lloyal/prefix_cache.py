@@ -16,16 +16,20 @@ full (:meth:`PrefixCache.evict_one` gives cells back on demand too).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import itertools
-import json
 import os
+import stat
+import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import anyio
+import anyio.to_thread
 
 from lloyal.branch import Branch, BranchStore
 from lloyal.context import _token_list
@@ -45,7 +49,9 @@ class PrefixCacheStats:
     ``hit_rate`` is the share of requests that reused at least one token;
     ``saved_tokens`` the tokens not decoded thanks to the cache (of
     ``requested_tokens``); ``prefilled_tokens`` those decoded;
-    ``disk_hits`` the requests served by restoring an entry from disk.
+    ``disk_hits`` the requests served by restoring an entry from disk;
+    ``disk_write_errors`` the evicted entries that could not be written
+    there (each is then just dropped).
     """
 
     requests: int
@@ -58,6 +64,7 @@ class PrefixCacheStats:
     cells: int
     disk_entries: int = 0
     disk_hits: int = 0
+    disk_write_errors: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -116,7 +123,11 @@ class PrefixCache:
     file (:meth:`Branch.save`: its KV cells and logits, checksummed) and a
     later request whose longest shared prefix is on disk restores it
     instead of decoding it again (``stats.disk_hits``); the
-    ``max_disk_entries`` most recently written are kept.
+    ``max_disk_entries`` most recently written are kept. Files are written
+    whole or not at all; one that cannot be written is skipped
+    (``stats.disk_write_errors``). Only regular files of this cache's
+    format whose checksum holds are read (never through a symlink): anything
+    else in the folder is a miss, left alone.
     """
 
     def __init__(
@@ -149,7 +160,7 @@ class PrefixCache:
         self._max_disk = max(1, max_disk_entries)
         # Prompts on disk, oldest first: tokens -> state file.
         self._on_disk: dict[tuple[int, ...], Path] = {}
-        self._disk_hits = 0
+        self._disk_hits = self._disk_write_errors = 0
         if self._disk is not None:
             self._disk.mkdir(parents=True, exist_ok=True)
             self._index_disk(self._disk)
@@ -254,7 +265,11 @@ class PrefixCache:
         self._saved += reuse
         self._prefilled += len(ids) - reuse
         if remember:
-            await self._remember(ids, out)
+            try:
+                await self._remember(ids, out)
+            except BaseException:
+                await out.prune()
+                raise
         return out
 
     async def keep(self, branch: Branch, tokens: Sequence[int]) -> None:
@@ -424,10 +439,13 @@ class PrefixCache:
         return victim
 
     async def _dispose(self, victim: _Entry) -> None:
-        """Prune an entry taken out (to disk first, with ``disk_dir``)."""
-        if self._disk is not None and victim.tokens not in self._on_disk:
-            await self._to_disk(victim)
-        await victim.branch.prune()
+        """Prune an entry taken out (to disk first, with ``disk_dir``):
+        whatever becomes of the write, its lease comes back."""
+        try:
+            if self._disk is not None and victim.tokens not in self._on_disk:
+                await self._to_disk(victim)
+        finally:
+            await victim.branch.prune()
 
     async def _evict_one(self, keep: _Entry | None = None) -> bool:
         """Prune the least recently used entry other than ``keep`` now
@@ -440,33 +458,48 @@ class PrefixCache:
 
     def _index_disk(self, folder: Path) -> None:
         """Take in the state files an earlier cache left in ``folder``
-        (oldest first), reading only their headers."""
-        for path in sorted(folder.glob("*.state"), key=lambda f: f.stat().st_mtime):
-            try:
-                with path.open("rb") as f:
-                    size = int.from_bytes(f.read(8), "little")
-                    tokens = tuple(int(t) for t in json.loads(f.read(size)))
-            except (OSError, ValueError, TypeError):
-                continue
-            if tokens:
-                self._on_disk[tokens] = path
+        (oldest first), reading only their headers. Anything else there
+        is ignored: other files, symlinks, FIFOs, folders, old formats."""
+        found: list[tuple[int, tuple[int, ...], Path]] = []
+        with os.scandir(folder) as items:
+            for item in items:
+                if not item.name.endswith(".state"):
+                    continue
+                path = Path(item.path)
+                try:
+                    if not item.is_file(follow_symlinks=False):
+                        continue
+                    with _open_regular(path) as f:
+                        st = os.fstat(f.fileno())
+                        tokens, _ = _read_head(f, st.st_size)
+                except (OSError, StateError):
+                    continue
+                found.append((st.st_mtime_ns, tokens, path))
+        for _, tokens, path in sorted(found, key=lambda t: t[0]):
+            self._on_disk[tokens] = path
 
     async def _to_disk(self, entry: _Entry) -> None:
+        """Write ``entry`` to the folder (made again if it was removed). A
+        write that fails is counted and skipped: the entry is dropped, as
+        without ``disk_dir``."""
         assert self._disk is not None
-        path = self._disk / f"{time.time_ns()}-{len(entry.tokens)}.state"
-        head = json.dumps(entry.tokens).encode()
         state = await entry.branch.save()
-        await anyio.Path(path).write_bytes(len(head).to_bytes(8, "little") + head + state)
+        path = self._disk / f"{time.time_ns()}-{len(entry.tokens)}.state"
+        try:
+            await anyio.to_thread.run_sync(_write_state, path, entry.tokens, state)
+        except OSError:
+            self._disk_write_errors += 1
+            return
         self._on_disk[entry.tokens] = path
         while len(self._on_disk) > self._max_disk:
-            oldest = next(iter(self._on_disk))
-            await anyio.Path(self._on_disk.pop(oldest)).unlink(missing_ok=True)
+            await _unlink(self._on_disk.pop(next(iter(self._on_disk))))
 
     async def _from_disk(
         self, ids: tuple[int, ...], matched: int, params: SamplingParams | None
     ) -> bool:
         """Restore the disk entry sharing more of ``ids`` than memory does
-        (``matched`` tokens) as a memory entry; whether one was."""
+        (``matched`` tokens) as a memory entry; whether one was. Its file
+        is removed either way."""
         best, shared = None, matched
         for tokens in self._on_disk:
             n = _shared(tokens, ids, 0)
@@ -476,17 +509,14 @@ class PrefixCache:
             return False
         path = self._on_disk.pop(best)
         try:
-            raw = await anyio.Path(path).read_bytes()
-            size = int.from_bytes(raw[:8], "little")
-            if tuple(json.loads(raw[8 : 8 + size])) != best:
-                raise StateError("the state file holds another prompt")
+            state = await anyio.to_thread.run_sync(_read_state, path, best)
             restored = await self._with_lease(
-                lambda: Branch.restore(self._ctx, raw[8 + size :], params=params)
+                lambda: Branch.restore(self._ctx, state, params=params)
             )
-        except (OSError, ValueError, StateError):
+        except (OSError, StateError):
             return False  # a damaged or vanished file is a miss, not an error
         finally:
-            await anyio.Path(path).unlink(missing_ok=True)
+            await _unlink(path)
         while len(self._entries) >= self._max_branches and await self._evict_one():
             pass
         node = self._insert(best)
@@ -512,6 +542,7 @@ class PrefixCache:
             cells=self._store.cells_held,
             disk_entries=len(self._on_disk),
             disk_hits=self._disk_hits,
+            disk_write_errors=self._disk_write_errors,
         )
 
     def __len__(self) -> int:
@@ -560,3 +591,99 @@ def _shared(edge: tuple[int, ...], tokens: tuple[int, ...], at: int) -> int:
 
 async def _create(ctx: Context, params: SamplingParams | None) -> Branch:
     return Branch.create(ctx, params)
+
+
+# A state file: _HEAD (magic, format version, token count, state bytes),
+# the tokens, a checksum of all that (checked when indexing), the branch
+# state, and a checksum of everything before it (checked when restoring).
+_HEAD = struct.Struct("<8sIIQ")
+_MAGIC = b"LLOYALPC"
+_VERSION = 2
+_DIGEST = 32
+# Never through a symlink, never waiting on a FIFO (flags an OS lacks are 0).
+_OPEN_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_BINARY", 0)
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_NOCTTY", 0)
+)
+
+
+def _digest(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=_DIGEST)
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for reading, if it is a regular file itself;
+    ``OSError`` otherwise (the check is on what was opened: no race)."""
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_head(f: BinaryIO, size: int) -> tuple[tuple[int, ...], bytes]:
+    """The tokens of a state file of ``size`` bytes, and the bytes up to
+    its state, read only once the lengths they give add up to ``size``;
+    ``StateError`` for another format or a damaged header."""
+    fixed = f.read(_HEAD.size)
+    if len(fixed) != _HEAD.size:
+        raise StateError("not a prefix-cache state file")
+    magic, version, n, n_state = _HEAD.unpack(fixed)
+    if magic != _MAGIC or version != _VERSION or n == 0:
+        raise StateError("not a prefix-cache state file of this version")
+    if size != _HEAD.size + 4 * n + _DIGEST + n_state + _DIGEST:
+        raise StateError("the state file's lengths do not add up to its size")
+    rest = f.read(4 * n + _DIGEST)
+    head = fixed + rest[: 4 * n]
+    if len(rest) != 4 * n + _DIGEST or _digest(head) != rest[4 * n :]:
+        raise StateError("the state file's header is damaged")
+    return struct.unpack(f"<{n}I", rest[: 4 * n]), fixed + rest
+
+
+def _read_state(path: Path, tokens: tuple[int, ...]) -> bytes:
+    """The branch state in ``path``, if the whole file is intact and
+    holds ``tokens``; ``StateError`` otherwise."""
+    with _open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        held, head = _read_head(f, size)
+        state = f.read(size - len(head) - _DIGEST)
+        digest = f.read(_DIGEST + 1)
+    if digest != _digest(head, state):
+        raise StateError("the state file is damaged")
+    if held != tokens:
+        raise StateError("the state file holds another prompt")
+    return state
+
+
+def _write_state(path: Path, tokens: tuple[int, ...], state: bytes) -> None:
+    """Write a state file whole or not at all: into a file beside it
+    (not a ``*.state``), renamed over it once complete."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = _HEAD.pack(_MAGIC, _VERSION, len(tokens), len(state))
+    head += struct.pack(f"<{len(tokens)}I", *tokens)
+    head += _digest(head)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "xb", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
+            f.write(head)
+            f.write(state)
+            f.write(_digest(head, state))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+async def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        await anyio.Path(path).unlink(missing_ok=True)
