@@ -188,7 +188,8 @@ async def test_merge_logits_is_the_weighted_sum(smollm2: Path) -> None:
         )
         a, b = cond.logits.copy(), uncond.logits.copy()
         store.merge_logits([cond, uncond], [1.5, -0.5])
-        expected = (a * np.float32(1.5) + b * np.float32(-0.5)).astype(np.float32)
+        # Summed in float64, rounded to float32 once.
+        expected = (a.astype(np.float64) * 1.5 + b.astype(np.float64) * -0.5).astype(np.float32)
         assert np.array_equal(cond.logits, expected)
         assert np.array_equal(uncond.logits, b)
         store.merge_logits([uncond], [1.0], into=cond)
@@ -197,7 +198,23 @@ async def test_merge_logits_is_the_weighted_sum(smollm2: Path) -> None:
             store.merge_logits([cond, uncond], [1.0])
         with pytest.raises(ValueError, match="finite"):
             store.merge_logits([cond], [float("nan")])
+        # Weights whose sum overflows float32 (it once became +inf
+        # everywhere, and produce() returned token 0).
+        with pytest.raises(ValueError, match="overflows"):
+            store.merge_logits([cond, uncond], [1e38, 1e38])
+        with pytest.raises(ValueError, match="below \\+inf"):
+            cond.set_logits(np.full_like(b, np.inf))
+        with pytest.raises(ValueError, match="below \\+inf"):
+            cond.set_logits(np.where(np.arange(b.size) == 7, np.nan, b).astype(np.float32))
         assert np.array_equal(cond.logits, b)  # untouched by the refused calls
+        # A token one branch masks stays masked, whatever its weight.
+        masked = b.copy()
+        masked[:100] = -np.inf
+        uncond.set_logits(masked)
+        store.merge_logits([cond, uncond], [1.5, -0.5])
+        assert np.isneginf(cond.logits[:100]).all()
+        assert np.isfinite(cond.logits[100:]).all()
+        assert (await cond.produce()).token >= 100
         await cond.prune()
         await uncond.prune()
 
@@ -466,3 +483,30 @@ async def test_keep_makes_a_finished_branch_the_entry(smollm2: Path) -> None:
         await nxt.prune()
         await cache.aclose()
         assert store.available == 4
+
+
+@pytest.mark.asyncio
+async def test_rerank_refuses_an_empty_query_and_fits_documents_to_the_cache(
+    smollm2: Path,
+) -> None:
+    long_docs = [w * 200 for w in ("word ", "other ", "thing ")]
+    async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=4) as ctx:
+        rerank = lloyal.Rerank(ctx)
+        # The default prompt puts a space before the query: an empty one
+        # was once scored as " ".
+        for query in ("", "   "):
+            with pytest.raises(ValueError, match="empty"):
+                await rerank.score(query, RERANK_DOCS)
+        # A prompt that starts with the document (no head to decode).
+        first = lloyal.Rerank(ctx, prompt="{document}\nQuestion: {query}")
+        scores = await first.score("What is the capital of France?", RERANK_DOCS)
+        assert int(np.argmax(scores)) == 1
+        # Three documents of 400 tokens fit 512 cells one at a time, not
+        # together: they are scored in parts that fit, as alone.
+        together = await rerank.score("What is it?", long_docs)
+        alone = [float((await rerank.score("What is it?", [d]))[0]) for d in long_docs]
+        assert np.abs(together - np.array(alone)).max() < ROUTE_NOISE
+        # One that does not fit even alone is still an error.
+        with pytest.raises(lloyal.KVCacheFullError):
+            await rerank.score("What is it?", ["word " * 600])
+        assert lloyal.BranchStore(ctx).available == 4

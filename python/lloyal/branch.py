@@ -520,7 +520,9 @@ class Branch:
         return arr
 
     def set_logits(self, logits: npt.ArrayLike) -> None:
-        """Replace the logits snapshot (e.g. after custom scoring)."""
+        """Replace the logits snapshot (e.g. after custom scoring). Entries
+        are numbers below +inf, -inf masking a token; a NaN or +inf is a
+        ``ValueError`` (samplers would pick an arbitrary token)."""
         arr = _logits_arg(logits)
         assert arr is not None
         self._ctx._native.branch_set_logits(self._handle, arr)
@@ -937,7 +939,9 @@ class BranchStore:
         samples from the mix. Contrastive decoding and classifier-free
         guidance are such sums: with a prompted branch ``cond`` and an
         unprompted ``uncond``, guidance scale ``g`` is weights
-        ``[g, 1 - g]`` (``uncond + g * (cond - uncond)``).
+        ``[g, 1 - g]`` (``uncond + g * (cond - uncond)``). The sum is taken in
+        float64 and rounded once; a token any branch masks (-inf) stays
+        masked, and a sum that overflows float32 is a ``ValueError``.
 
         >>> import asyncio, lloyal
         >>> async def main():
@@ -957,21 +961,31 @@ class BranchStore:
         if not branches or len(branches) != len(weights):
             raise ValueError("give one weight per branch, and at least one branch")
         pairs = list(zip(branches, weights, strict=True))
-        mixed: npt.NDArray[np.float32] | None = None
+        mixed: npt.NDArray[np.float64] | None = None
+        masked: npt.NDArray[np.bool_] | None = None
         for branch, weight in pairs:
             self._handle(branch, "branch")
             w = float(weight)
             if not np.isfinite(w):
                 raise ValueError(f"weights must be finite, got {weight!r}")
-            rows = branch.logits
-            if mixed is None:
-                mixed = (rows * np.float32(w)).astype(np.float32)
+            rows = branch.logits.astype(np.float64)
+            # A token one branch masks (-inf) stays masked: a negative
+            # weight must not turn it into +inf, nor a zero weight into NaN.
+            gone = np.isneginf(rows)
+            rows[gone] = 0.0
+            if mixed is None or masked is None:
+                mixed, masked = rows * w, gone
             else:
-                mixed += rows * np.float32(w)
+                mixed += rows * w
+                masked |= gone
         assert mixed is not None
+        assert masked is not None
+        if np.abs(mixed[~masked]).max(initial=0.0) > np.finfo(np.float32).max:
+            raise ValueError("the weighted sum of the logits overflows float32: lower the weights")
+        mixed[masked] = -np.inf
         target = into if into is not None else branches[0]
         self._handle(target, "into")
-        target.set_logits(mixed)
+        target.set_logits(mixed.astype(np.float32))
 
 
 __all__ = ["Branch", "BranchStore", "Produced", "Token", "TokenTree"]

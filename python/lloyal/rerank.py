@@ -23,13 +23,14 @@ Three methods:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from lloyal.branch import Branch, BranchStore
+from lloyal.errors import KVCacheFullError
 from lloyal.sampling import GREEDY
 
 if TYPE_CHECKING:
@@ -73,6 +74,10 @@ class Rerank:
     must contain ``{query}`` and ``{document}`` (for ``likelihood``, the
     query last). ``template`` is the chat template of ``yes_no``
     (:meth:`Context.format_chat`).
+
+    An empty (or all-space) query is a ``ValueError``. Documents that do
+    not fit the KV cache together are scored in parts that do; one that
+    does not fit alone raises :class:`KVCacheFullError`.
     """
 
     def __init__(
@@ -123,6 +128,8 @@ class Rerank:
             raise TypeError("documents must be strings")
         if not docs:
             return np.zeros(0, dtype=np.float32)
+        if not query.strip():
+            raise ValueError("the query is empty")
         if self.method == "embedding":
             rows = await self._ctx.embed([query, *docs])
             sims: npt.NDArray[np.float32] = (rows[1:] @ rows[0]).astype(np.float32)
@@ -151,8 +158,12 @@ class Rerank:
         store = BranchStore(ctx)
         scores = np.empty(len(docs), dtype=np.float32)
         async with Branch.create(ctx, GREEDY) as trunk:
-            await trunk.prefill(await ctx.tokenize(head.replace("{query}", query)))
-            for chunk in self._chunks(docs, len(asked) * ctx.vocab_size * 4):
+            # A prompt that starts with the document has no head to decode.
+            head_tokens = await ctx.tokenize(head.replace("{query}", query))
+            if head_tokens:
+                await trunk.prefill(head_tokens)
+
+            async def one(chunk: list[int]) -> None:
                 forks = [await trunk.fork(clone_logits=False) for _ in chunk]
                 try:
                     inputs = [
@@ -171,6 +182,9 @@ class Rerank:
                 finally:
                     for b in forks:
                         await b.prune()
+
+            for chunk in self._chunks(docs, len(asked) * ctx.vocab_size * 4):
+                await _in_parts_that_fit(chunk, one)
         return scores
 
     async def _yes_no(self, query: str, docs: list[str]) -> npt.NDArray[np.float32]:
@@ -186,7 +200,8 @@ class Rerank:
         scores = np.empty(len(docs), dtype=np.float32)
         async with Branch.create(ctx, GREEDY) as trunk:
             await trunk.prefill(await ctx.tokenize(head))
-            for chunk in self._chunks(docs, 0):
+
+            async def one(chunk: list[int]) -> None:
                 forks = [await trunk.fork(clone_logits=False) for _ in chunk]
                 try:
                     inputs = [await ctx.tokenize(docs[i] + tail, add_special=False) for i in chunk]
@@ -196,12 +211,32 @@ class Rerank:
                 finally:
                     for b in forks:
                         await b.prune()
+
+            for chunk in self._chunks(docs, 0):
+                await _in_parts_that_fit(chunk, one)
         return scores
 
     def _p_yes(self, logits: npt.NDArray[np.float32]) -> float:
         yes = np.logaddexp.reduce(logits[self._yes].astype(np.float64))
         no = np.logaddexp.reduce(logits[self._no].astype(np.float64))
         return float(1.0 / (1.0 + np.exp(no - yes)))
+
+
+async def _in_parts_that_fit(
+    chunk: list[int], score: Callable[[list[int]], Awaitable[None]]
+) -> None:
+    """``score(chunk)``; when its documents do not fit the KV cache together,
+    its halves one after the other (a batch that overflows changes nothing,
+    and ``score`` prunes its forks either way). A document that does not
+    fit alone raises :class:`KVCacheFullError`."""
+    try:
+        await score(chunk)
+    except KVCacheFullError:
+        if len(chunk) == 1:
+            raise
+        half = len(chunk) // 2
+        await _in_parts_that_fit(chunk[:half], score)
+        await _in_parts_that_fit(chunk[half:], score)
 
 
 def _logprob_sum(rows: npt.NDArray[np.float32], tokens: Sequence[int]) -> float:
