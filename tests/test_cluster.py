@@ -481,3 +481,33 @@ async def _kill_when(worker: Any, decodes: int) -> None:
             break
         await asyncio.sleep(0.01)
     ray.kill(worker.handle)
+
+
+def _live_actors() -> int:
+    # Ray's own table of actors (its public state API needs the dashboard,
+    # which these tests do not start).
+    from ray._private import state
+
+    return sum(1 for a in state.actors().values() if a["State"] != "DEAD")
+
+
+@pytest.mark.parametrize(
+    ("path", "options", "error"),
+    [
+        ("/nonexistent/model.gguf", OPTIONS, FileNotFoundError),
+        (None, {**OPTIONS, "n_ctx": 0}, ValueError),
+    ],
+)
+def test_a_pool_that_fails_to_start_leaves_no_actor_running(
+    cluster: None, path: str | None, options: dict[str, Any], error: type[Exception]
+) -> None:
+    before = _live_actors()
+    model = path if path is not None else str(model_path("smollm2"))
+    with pytest.raises(error):
+        asyncio.run(ContextPool.start(model, workers=2, **options))
+    # ray.kill is asynchronous: wait for the actors to be reported dead (a
+    # hang guard, not a speed limit).
+    deadline = time.monotonic() + 120
+    while _live_actors() > before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _live_actors() == before

@@ -87,7 +87,14 @@ class Worker:
         self.handle = actor.remote(
             self.pool.model_path, self.pool.options, self.pool.cache_branches
         )
-        info = await self.handle.start.remote()
+        try:
+            info = await self.handle.start.remote()
+        except RayTaskError as e:
+            # The context could not be made there (a bad path or option):
+            # the same exception as create_context's, not Ray's wrapper.
+            if isinstance(e.cause, Exception):
+                raise e.cause from None
+            raise
         self.pid = int(info["pid"])
         self.vocab = int(info["vocab"])
         self.generation += 1
@@ -503,8 +510,26 @@ class ContextPool:
             raise ValueError("workers must be at least 1")
         pool = cls(model_path, options, cache_branches)
         pool.workers = [Worker(pool, i) for i in range(workers)]
-        await asyncio.gather(*(w.start() for w in pool.workers))
+        try:
+            started = await asyncio.gather(
+                *(w.start() for w in pool.workers), return_exceptions=True
+            )
+            failed = [e for e in started if isinstance(e, BaseException)]
+            if failed:
+                raise failed[0]
+        except BaseException:
+            # No actor outlives a pool that did not start (started ones
+            # included): the caller holds nothing to close them with.
+            pool._kill()
+            raise
         return pool
+
+    def _kill(self) -> None:
+        """End every actor the pool made, at once."""
+        for w in self.workers:
+            if w.handle is not None:
+                with contextlib.suppress(Exception):
+                    ray.kill(w.handle)
 
     async def _replace(self, worker: Worker, generation: int) -> None:
         """Start a new actor for a dead one (once per death)."""
