@@ -45,7 +45,7 @@ def one_run(scenario: str, model: Path) -> tuple[bool, float, str]:
         return False, EXIT_LIMIT_S, f"still running {EXIT_LIMIT_S} s after {line.strip()!r}"
     took = time.perf_counter() - said_ok
     err = proc.stderr.read() if proc.stderr else ""
-    return rc == 0 and line.strip() == "ok", took, err
+    return rc == 0 and line.strip() == "ok", took, f"status {rc}, printed {line.strip()!r}: {err}"
 
 
 def main() -> int:

@@ -58,7 +58,10 @@ def server() -> None:
     from lloyal.server import ServerConfig, create_app
 
     app = create_app(ServerConfig(model_path=MODEL, n_seq_max=2, n_ctx=512))
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error")
+    # asyncio's own loop: uvloop's, in a daemon thread, can take the GIL
+    # from a C callback after the interpreter has finalized (a segfault in
+    # about 3 exits of 100; uvloop and CPython, whatever the app runs).
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", loop="asyncio")
     srv = uvicorn.Server(config)
     threading.Thread(target=srv.run, daemon=True).start()
     while not srv.started:
