@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,6 +19,14 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from lloyal.branch import Branch, BranchStore, Produced
+from lloyal.server import ServerConfig, create_app
+from lloyal.server import _app as server_app
+from lloyal.server._engine import _Choice
+
+from tests import server_fuzz
+from tests.server_fuzz import CHAT, COMPLETIONS, metrics, start_server, stop_server
 
 WEATHER: dict[str, Any] = {
     "type": "function",
@@ -38,60 +43,16 @@ WEATHER: dict[str, Any] = {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start(*args: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "lloyal", "serve", "--port", str(port), *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            _stop(proc)
-            raise RuntimeError("the server died at startup")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    _stop(proc)
-    raise RuntimeError("the server did not start in 60 s")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    if proc.stderr is not None:
-        proc.stderr.close()
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
-    proc, url = _start("--n-seq-max", "8", "--n-ctx", "4096")
+    proc, url = start_server("--n-seq-max", "8", "--n-ctx", "4096")
     yield url
-    _stop(proc)
+    stop_server(proc)
 
 
 @pytest.fixture(scope="module")
 def client(server: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
-
-
-def _metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics").text
-    return {k: float(v) for k, v in (line.split() for line in text.splitlines())}
 
 
 def test_models_and_health(client: openai.OpenAI, server: str) -> None:
@@ -101,7 +62,7 @@ def test_models_and_health(client: openai.OpenAI, server: str) -> None:
 
 
 def test_chat_completion_with_n_choices_from_one_prompt(client: openai.OpenAI, server: str) -> None:
-    before = _metrics(server)
+    before = metrics(server)
     r = client.chat.completions.create(
         model="anything", messages=ASK, max_tokens=6, n=3, temperature=1.0, seed=7
     )
@@ -109,7 +70,7 @@ def test_chat_completion_with_n_choices_from_one_prompt(client: openai.OpenAI, s
     assert all(c.finish_reason in ("stop", "length") for c in r.choices)
     assert r.usage is not None
     assert r.usage.completion_tokens <= 18
-    after = _metrics(server)
+    after = metrics(server)
     # The prompt went through the model once for the three choices.
     assert after["lloyal_prompt_tokens_total"] - before["lloyal_prompt_tokens_total"] == (
         r.usage.prompt_tokens
@@ -215,7 +176,7 @@ def test_embeddings(client: openai.OpenAI) -> None:
         (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "x"}], "stop": [1]}', "stop"),
         (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "top_logprobs"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{}]}', None),
+        (b'{"messages": [{"role": "user", "content": "x"}], "tools": [{}]}', "tools"),
         (
             b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}',
             "response_format",
@@ -247,8 +208,221 @@ def test_bad_completion_and_embedding_requests_are_400(server: str) -> None:
     assert r.status_code == 200
 
 
+HI = b'[{"role": "user", "content": "Hi"}]'
+C, P = CHAT, COMPLETIONS
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        # Token ids outside the vocabulary, or not ids at all: these reached
+        # the native sampler (a 400 without param, or none at all for "+5").
+        (C, b'{"messages": %s, "logit_bias": {"49152": 5}}' % HI, "logit_bias"),
+        (P, b'{"prompt": "Hi", "logit_bias": {"99999999999": 1}}', "logit_bias"),
+        (P, b'{"prompt": "Hi", "logit_bias": {"+5": 1}}', "logit_bias"),
+        (P, b'{"prompt": "Hi", "logit_bias": {"5": NaN}}', "logit_bias"),
+        (P, b'{"prompt": "Hi", "logit_bias": {"5": Infinity}}', "logit_bias"),
+        (P, b'{"prompt": "Hi", "logit_bias": 7}', "logit_bias"),
+        (P, b'{"prompt": "Hi", "temperature": 1%s}' % (b"0" * 400), "temperature"),
+        (P, b'{"prompt": "Hi", "top_p": 1e999}', "top_p"),
+        (P, b'{"prompt": "Hi", "stop": "%s"}' % (b"x" * 1001), "stop"),
+        (P, b'{"prompt": "Hi", "stream_options": {"include_usage": 1}}', "stream_options"),
+        # Malformed messages: tool calls that are not a list of calls were
+        # an AttributeError (a plain-text 500).
+        (
+            C,
+            b'{"messages": [{"role": "assistant", "tool_calls": "get_weather"}]}',
+            "messages",
+        ),
+        (C, b'{"messages": [{"role": "assistant", "tool_calls": [1]}]}', "messages"),
+        (
+            C,
+            b'{"messages": [{"role": "tool", "content": "x", "tool_call_id": 7}]}',
+            "messages",
+        ),
+        (C, b'{"messages": %s, "tool_choice": "sometimes"}' % HI, "tool_choice"),
+        (
+            C,
+            b'{"messages": %s, "tools": [{"type": "function", "function": {"name": "f"}}],'
+            b' "response_format": {"type": "json_object"}}' % HI,
+            "response_format",
+        ),
+        (
+            C,
+            b'{"messages": %s, "response_format": {"type": "json_schema",'
+            b' "json_schema": {"schema": {"type": "nothing"}}}}' % HI,
+            "response_format",
+        ),
+        # Nested past Python's recursion limit: once a RecursionError.
+        (C, b"[" * 100_000 + b"]" * 100_000, None),
+        (P, b'{"prompt": %s}' % (b"[" * 200 + b"]" * 200), None),
+    ],
+)
+def test_what_the_engine_would_refuse_is_a_400_naming_the_field(
+    server: str, path: str, body: bytes, param: str | None
+) -> None:
+    r = httpx.post(f"{server}{path}", content=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+@contextlib.asynccontextmanager
+async def _in_process(model: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    """The ASGI app in this process (so that a test can reach inside it),
+    and a client of it; the app's state as the second item."""
+    app = create_app(ServerConfig(model_path=model, n_seq_max=4, n_ctx=1024))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x", timeout=120) as c:
+            yield c, app.state.lloyal
+
+
+DOOMED_SEED = 13
+
+
+def _fail_inside_the_step(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """Make the branch of the request seeded with DOOMED_SEED fail inside
+    the step loop, at its third token, in one of the ways nothing can check
+    beforehand: its sampler raising (the batch call raises once the other
+    branches have chosen, as BranchStore.produce does), the server's own
+    code for its token raising, or its commit failing alone (the other
+    items committed, as BranchStore.commit does)."""
+    doomed: list[Branch] = []
+    calls = {"produce": 0, "commit": 0}  # batched calls that held the doomed branch
+
+    def reseed(self: Branch, seed: int, real: Any = Branch.reseed_sampler) -> None:
+        if seed == DOOMED_SEED:
+            doomed.append(self)
+        real(self, seed)
+
+    monkeypatch.setattr(Branch, "reseed_sampler", reseed)
+
+    def is_doomed(b: Branch) -> bool:
+        return any(b is d for d in doomed)
+
+    if where == "produce":
+
+        async def produce(self: Branch, real: Any = Branch.produce) -> Produced:
+            if is_doomed(self):
+                raise ValueError("injected: a sampler that cannot sample")
+            return await real(self)
+
+        async def produce_many(
+            self: BranchStore, branches: list[Branch], *, return_exceptions: bool = False
+        ) -> list[Any]:
+            mine = any(is_doomed(b) for b in branches)
+            calls["produce"] += mine
+            out = await real_many(self, branches, return_exceptions=return_exceptions)
+            if mine and calls["produce"] >= 3:
+                raise ValueError("injected: a sampler that cannot sample")
+            return out
+
+        real_many = BranchStore.produce
+        monkeypatch.setattr(BranchStore, "produce", produce_many)
+        monkeypatch.setattr(Branch, "produce", produce)
+    elif where == "decide":
+
+        def decide(self: Any, p: Produced, lp: Any = None, real: Any = _Choice.decide) -> Any:
+            if self.gen.seed == DOOMED_SEED and self.made == 2:
+                raise RuntimeError("injected: a bug in the server's code for one token")
+            return real(self, p, lp)
+
+        monkeypatch.setattr(_Choice, "decide", decide)
+    else:
+
+        async def commit(
+            self: BranchStore, items: list[tuple[Branch, int]], real: Any = BranchStore.commit
+        ) -> None:
+            mine = any(is_doomed(b) for b, _ in items)
+            calls["commit"] += mine
+            if not mine or calls["commit"] < 3:
+                return await real(self, items)
+            await real(self, [(b, t) for b, t in items if not is_doomed(b)])
+            raise ValueError("injected: a commit that fails alone")
+
+        monkeypatch.setattr(BranchStore, "commit", commit)
+
+
+@pytest.mark.parametrize("where", ["produce", "decide", "commit"])
+def test_a_request_failing_inside_the_step_ends_alone(
+    smollm2: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Two completions run in the shared step loop; a third joins them and
+    fails inside a step. It alone gets an error (OpenAI's JSON body, 500);
+    the other two reach their max_tokens, and every lease comes back.
+    (Before, the step loop's catch-all ended every request with 500.)"""
+    _fail_inside_the_step(monkeypatch, where)
+
+    async def run() -> None:
+        async with _in_process(smollm2) as (c, state):
+            long = {"max_tokens": 100, "ignore_eos": True, "temperature": 0}
+            running = [
+                asyncio.create_task(c.post("/v1/completions", json={"prompt": p, **long}))
+                for p in ("One, two, three,", "The capital of France is")
+            ]
+            for _ in range(6000):  # a hang guard: both are in the step loop
+                if len(state.engine._active) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            body = {"prompt": "Once upon a time", "max_tokens": 50, "seed": DOOMED_SEED}
+            body["ignore_eos"] = True
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 500, r.text
+            assert r.json()["error"]["type"] == "server_error"
+            assert "injected" in r.json()["error"]["message"]
+            for done in await asyncio.gather(*running):
+                assert done.status_code == 200, done.text
+                assert done.json()["usage"]["completion_tokens"] == 100
+            cache = state.engine.cache.stats.entries
+            assert BranchStore(state.ctx).available == 4 - cache
+
+    asyncio.run(run())
+
+
+def test_an_unexpected_error_is_a_json_500(smollm2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in a route is still OpenAI's error body (Starlette's own
+    answer is a plain-text 500), and the server goes on."""
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(server_app, "_chat_prompt", broken)
+
+    async def run() -> None:
+        async with _in_process(smollm2) as (c, _):
+            r = await c.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2})
+            assert r.status_code == 500
+            assert r.json()["error"]["type"] == "server_error"
+            r = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert (await c.get("/v1/nothing")).json()["error"]["message"]
+
+    asyncio.run(run())
+
+
+N_SEQ_MAX = 8  # the module's server's
+
+
+@settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(sent=server_fuzz.requests())
+def test_fuzzed_requests_get_a_success_or_a_4xx(server: str, sent: tuple[str, bytes]) -> None:
+    """Random bodies for both completion endpoints (tests/server_fuzz.py):
+    a success or a 4xx with OpenAI's error body, never a 500; a good
+    request right after each one succeeds, and then every lease is back."""
+    with server_fuzz.Fuzzer(server, N_SEQ_MAX) as fuzzer:
+        fuzzer.round(sent)
+
+
 def test_a_client_that_disconnects_frees_its_branch(server: str) -> None:
-    before = _metrics(server)
+    before = metrics(server)
     # ignore_eos (llama-server's extension): the answer cannot end early.
     body = {"messages": ASK, "max_tokens": 2000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server}/v1/chat/completions", json=body) as r:
@@ -263,7 +437,7 @@ def test_a_client_that_disconnects_frees_its_branch(server: str) -> None:
         )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        m = _metrics(server)
+        m = metrics(server)
         if m["lloyal_requests_active"] == 0 and m["lloyal_client_disconnects_total"] >= (
             before["lloyal_client_disconnects_total"] + 2
         ):
@@ -312,7 +486,7 @@ def test_overload_gets_429_and_concurrent_requests_share_decodes(tmp_path: Path)
     cache leaves), one waits, the rest are told to come back. The running
     request is held by its stream (300 tokens to go), not by arrival
     timing, so the outcome is the same on a busy machine."""
-    proc, url = _start(
+    proc, url = start_server(
         "--n-seq-max",
         "3",
         "--max-queue",
@@ -338,13 +512,13 @@ def test_overload_gets_429_and_concurrent_requests_share_decodes(tmp_path: Path)
                         assert r.status_code == 429, r.text
                         assert r.headers["Retry-After"]
                     # The first request was still running when the third was refused.
-                    assert _metrics(url)["lloyal_requests_active"] == 1
+                    assert metrics(url)["lloyal_requests_active"] == 1
                     assert await _drain(first) > 0
                 assert (await waiting).status_code == 200
 
-        before = _metrics(url)
+        before = metrics(url)
         asyncio.run(burst())
-        after = _metrics(url)
+        after = metrics(url)
         assert (
             after["lloyal_requests_rejected_total"] - before["lloyal_requests_rejected_total"] == 3
         )
@@ -361,7 +535,7 @@ def test_overload_gets_429_and_concurrent_requests_share_decodes(tmp_path: Path)
         assert httpx.post(f"{url}/v1/chat/completions", json=other).status_code == 200
         assert len(list(tmp_path.glob("*.state"))) == 2
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -394,7 +568,7 @@ def test_sequential_long_prompts_evict_cached_prefixes_by_cells() -> None:
     after another all succeed. Each leaves a prefix-cache entry holding its
     cells; the next prompts evict them when the cache is full (before, the
     eighth and every later one got a permanent 400)."""
-    proc, url = _start()
+    proc, url = start_server()
     try:
         with httpx.Client(base_url=url, timeout=300) as c:
             for i in range(50):
@@ -403,20 +577,20 @@ def test_sequential_long_prompts_evict_cached_prefixes_by_cells() -> None:
                 assert r.status_code == 200, (i, r.text)
                 assert r.json()["usage"]["prompt_tokens"] == 1100
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def test_chats_that_each_fit_alone_all_reach_max_tokens() -> None:
     """Four concurrent requests of 204 + 200 tokens in 1024 cells: each is
     admitted with its cells reserved (two at a time), so every one reaches
     max_tokens instead of all ending early with "length" mid-way."""
-    proc, url = _start("--n-ctx", "1024")
+    proc, url = start_server("--n-ctx", "1024")
     try:
         for r in _at_once(url, 4, prompt=204, max_tokens=200):
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 200
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def test_a_burst_beyond_the_cells_gets_retryable_refusals() -> None:
@@ -425,7 +599,7 @@ def test_a_burst_beyond_the_cells_gets_retryable_refusals() -> None:
     Retry-After (never 400), and every admitted request completes in full.
     The two running requests are held by their streams, so the outcome does
     not depend on how fast the machine is."""
-    proc, url = _start("--n-ctx", "2048", "--max-queue", "1")
+    proc, url = start_server("--n-ctx", "2048", "--max-queue", "1")
     try:
 
         async def burst() -> None:
@@ -444,7 +618,7 @@ def test_a_burst_beyond_the_cells_gets_retryable_refusals() -> None:
                         assert r.status_code == 429, r.text
                         assert r.headers["Retry-After"]
                         assert r.json()["error"]["type"] == "rate_limit_exceeded"
-                    assert _metrics(url)["lloyal_requests_active"] == 2
+                    assert metrics(url)["lloyal_requests_active"] == 2
                     assert [await _drain(lines) for lines in running] == [700, 700]
                 r = await waiting
                 assert r.status_code == 200, r.text
@@ -452,4 +626,4 @@ def test_a_burst_beyond_the_cells_gets_retryable_refusals() -> None:
 
         asyncio.run(burst())
     finally:
-        _stop(proc)
+        stop_server(proc)

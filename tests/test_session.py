@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import lloyal
 import numpy as np
@@ -195,5 +196,38 @@ async def test_bad_input_leaves_the_session_as_it_was(smollm2: Path) -> None:
         with pytest.raises(ValueError, match="max_tokens"):
             async for _ in s.generate(max_tokens=0):
                 pass
+        assert s.text == text
+        assert len(s.messages) == 1
+
+
+MALFORMED: list[dict[str, Any]] = [
+    {"role": "assistant", "tool_calls": "get_weather"},
+    {"role": "assistant", "tool_calls": [1, 2]},
+    {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]},
+    {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 5}}]},
+    {"role": 5, "content": "x"},
+    {"role": "user", "content": 5},
+    {"role": "user", "content": ["text"]},
+    {"role": "tool", "content": "x", "tool_call_id": 7},
+]
+
+
+@pytest.mark.asyncio
+async def test_malformed_messages_are_value_errors_naming_them(smollm2: Path) -> None:
+    """format_chat and Session.extend refuse a malformed message with a
+    ValueError naming it (tool calls that were not a list of calls were
+    an AttributeError from deep inside the rendering), and the session
+    stays as it was."""
+    async with (
+        await lloyal.create_context(smollm2, n_seq_max=2) as ctx,
+        await lloyal.Session.create(ctx, params=lloyal.GREEDY) as s,
+    ):
+        await s.add_user("Hello.")
+        text = s.text
+        for message in MALFORMED:
+            with pytest.raises(ValueError, match=r"messages\[1\]"):
+                ctx.format_chat([{"role": "user", "content": "Hi"}, message])
+            with pytest.raises(ValueError, match=r"messages\[0\]"):
+                await s.extend([message])
         assert s.text == text
         assert len(s.messages) == 1

@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ToolSpec", "prepare_chat"]
+__all__ = ["ToolSpec", "check_messages", "check_tools", "prepare_chat"]
 
 # Markers of each family: (trigger, the text that closes a call).
 _HERMES = ("<tool_call>", "</tool_call>")
@@ -99,6 +99,70 @@ def _functions(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     if len(set(names)) != len(names):
         raise ValueError(f"tool names must be unique, got {names}")
     return out
+
+
+def check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Raise for the first message :meth:`Context.format_chat` cannot
+    render: ``TypeError`` for one that is not a dict, ``ValueError``
+    naming the message and field for a malformed one (a role that is not
+    a string; content that is not a string, ``None`` or a list of content
+    parts; ``tool_calls`` that are not a list of calls, each with a
+    function name and string or object arguments; a ``name`` or
+    ``tool_call_id`` that is not a string).
+
+    >>> check_messages([{"role": "assistant", "tool_calls": "get_weather"}])
+    Traceback (most recent call last):
+    ...
+    ValueError: messages[0].tool_calls must be a list of calls, got str
+    """
+    for i, m in enumerate(messages):
+        at = f"messages[{i}]"
+        if not isinstance(m, Mapping):
+            raise TypeError(f"{at} must be a dict with a role, got {type(m).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"{at} needs a 'role' that is a string")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(part, Mapping) for part in content):
+                raise ValueError(f"{at}.content: each content part must be an object")
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(
+                f"{at}.content must be a string, null or a list of content parts, "
+                f"got {type(content).__name__}"
+            )
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise ValueError(f"{at}.{key} must be a string")
+        calls = m.get("tool_calls")
+        if calls is None:
+            continue
+        if not isinstance(calls, list):
+            raise ValueError(f"{at}.tool_calls must be a list of calls, got {type(calls).__name__}")
+        for j, call in enumerate(calls):
+            fn = call.get("function", call) if isinstance(call, Mapping) else None
+            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+                raise ValueError(
+                    f"{at}.tool_calls[{j}] must be an object with a function name "
+                    '({"function": {"name": ..., "arguments": ...}})'
+                )
+            if not isinstance(fn.get("arguments", {}), (str, Mapping)):
+                raise ValueError(f"{at}.tool_calls[{j}] arguments must be a JSON string or object")
+
+
+def check_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any) -> None:
+    """Raise what :meth:`Context.format_chat` would for ``tools`` and
+    ``tool_choice``: ``TypeError`` for a tool that is not a dict,
+    ``ValueError`` for a malformed tool or a ``tool_choice`` that is not
+    ``"auto"``, ``"none"``, ``"required"`` or one of the tools.
+
+    >>> check_tools([], "sometimes")
+    Traceback (most recent call last):
+    ...
+    ValueError: tool_choice must be 'auto', 'none', 'required' or a function, got 'sometimes'
+    """
+    functions = _functions(tools) if tools else []
+    if tool_choice != "none":
+        _chosen(functions, tool_choice)
 
 
 def _chosen(functions: list[dict[str, Any]], tool_choice: Any) -> tuple[list[dict[str, Any]], bool]:
@@ -205,6 +269,13 @@ def _system_text(functions: list[dict[str, Any]], parallel: bool) -> str:
     )
 
 
+def _text(content: Any) -> str:
+    """A message's content as text: its text parts joined, ``""`` for none."""
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if isinstance(p.get("text"), str))
+    return content or ""
+
+
 def _as_text(messages: Sequence[Mapping[str, Any]], system: str | None) -> list[dict[str, Any]]:
     """Rewrite tool calls and tool results as plain text turns (for
     templates that know nothing of tools), merging consecutive results into
@@ -214,7 +285,7 @@ def _as_text(messages: Sequence[Mapping[str, Any]], system: str | None) -> list[
     results = False  # whether out[-1] is a turn of merged tool results
     for m in messages:
         role = m.get("role")
-        content = m.get("content") or ""
+        content = _text(m.get("content"))
         if role == "tool":
             block = f"<tool_response>\n{content}\n</tool_response>"
             if results:
@@ -230,7 +301,8 @@ def _as_text(messages: Sequence[Mapping[str, Any]], system: str | None) -> list[
                 fn = call.get("function", call)
                 args = fn.get("arguments", {})
                 if isinstance(args, str):
-                    with contextlib.suppress(ValueError):
+                    # Not JSON (or nested past the parser's depth): kept as text.
+                    with contextlib.suppress(ValueError, RecursionError):
                         args = json.loads(args)
                 body = json.dumps({"name": fn.get("name"), "arguments": args})
                 blocks.append(f"<tool_call>\n{body}\n</tool_call>")
@@ -258,6 +330,7 @@ def prepare_chat(
 ) -> ToolSpec:
     """Decide how to render ``messages`` with ``template`` and which grammar
     constrains the reply (see the module docs)."""
+    check_messages(messages)
     variables: dict[str, Any] = {}
     if enable_thinking is not None:
         variables["enable_thinking"] = bool(enable_thinking)

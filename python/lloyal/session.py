@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from lloyal.branch import Branch
+from lloyal.chat_format import check_messages
 from lloyal.chat_output import ChatOutput
 from lloyal.errors import StateError
 from lloyal.sampling import SamplingParams
@@ -172,10 +173,11 @@ class Session:
     ) -> None:
         """Append ``messages`` and sync the branch (decoding only the new
         text). The generation prompt is added unless the last message is
-        the assistant's. On an error the session is unchanged."""
+        the assistant's. On an error the session is unchanged: a malformed
+        message is refused (:func:`lloyal.chat_format.check_messages`)
+        before anything is rendered."""
+        check_messages(messages)
         new = [dict(m) for m in messages]
-        if not all(isinstance(m.get("role"), str) for m in new):
-            raise ValueError("every message needs a 'role'")
         if add_generation_prompt is None:
             add_generation_prompt = not new or new[-1]["role"] != "assistant"
         before = self._messages

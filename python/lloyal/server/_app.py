@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import os
 import time
 import uuid
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -22,6 +24,7 @@ from lloyal.branch import BranchStore
 from lloyal.chat_output import ChatOutput, ChatOutputStream
 from lloyal.context import ChatPrompt, Context, create_context
 from lloyal.errors import ChatTemplateError, GrammarError, LloyalError
+from lloyal.grammar import Grammar
 from lloyal.server._engine import Engine, Event
 from lloyal.server._protocol import (
     ApiError,
@@ -29,9 +32,12 @@ from lloyal.server._protocol import (
     chat_request,
     completion_request,
     embedding_request,
+    parse_json,
 )
 
 __all__ = ["ServerConfig", "create_app"]
+
+log = logging.getLogger("lloyal.server")
 
 
 @dataclass(frozen=True)
@@ -103,10 +109,20 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
+def _internal(e: BaseException) -> ApiError:
+    """What a client is told of a failure that is not its request's fault
+    (the traceback goes to the log)."""
+    log.error("a request failed", exc_info=e)
+    return ApiError(
+        f"the server failed on this request ({type(e).__name__})", status=500, kind="server_error"
+    )
+
+
 def _handler(
     fn: Callable[[Request, _State], Awaitable[Response]],
 ) -> Callable[[Request], Awaitable[Response]]:
-    """Map errors to OpenAI error bodies (bad input is a 4xx, never a 500)."""
+    """Map errors to OpenAI error bodies: bad input is a 400, never a 500,
+    and whatever else goes wrong is a 500 with the same body, never text."""
 
     async def route(request: Request) -> Response:
         state: _State = request.app.state.lloyal
@@ -120,15 +136,14 @@ def _handler(
             return _error(ApiError(str(e)))
         except LloyalError as e:
             return _error(ApiError(str(e), status=500, kind="server_error"))
+        except Exception as e:
+            return _error(_internal(e))
 
     return route
 
 
 async def _body(request: Request) -> object:
-    try:
-        return await request.json()
-    except (ValueError, UnicodeDecodeError):
-        raise ApiError("the request body is not valid JSON") from None
+    return parse_json(await request.body())
 
 
 def _sse(obj: object) -> bytes:
@@ -209,6 +224,8 @@ def _event_stream(
             yield b"data: [DONE]\n\n"
         except ApiError as e:
             yield _sse(e.body())
+        except Exception as e:  # the status went out with the first chunk
+            yield _sse(_internal(e).body())
         except asyncio.CancelledError:
             state.engine.metrics.disconnects += 1
             raise
@@ -292,15 +309,25 @@ def _chat_prompt(state: _State, req: ChatRequest) -> ChatPrompt:
             parallel_tool_calls=req.parallel_tool_calls,
             json_schema=req.json_schema,
         )
-    except ChatTemplateError as e:
+    except (ChatTemplateError, ValueError) as e:
+        # The tools were checked with the request: what is left is the
+        # messages' (text the template or its JSON cannot take).
         raise ApiError(f"the chat could not be rendered: {e}", param="messages") from None
 
 
+def _chat_grammar(state: _State, req: ChatRequest, prompt: ChatPrompt) -> Grammar | None:
+    try:
+        return prompt.create_grammar(state.ctx)
+    except GrammarError as e:
+        param = "response_format" if req.json_schema is not None else "tools"
+        raise ApiError(str(e), param=param) from None
+
+
 async def chat_completions(request: Request, state: _State) -> Response:
-    req = chat_request(await _body(request))
+    req = chat_request(await _body(request), vocab_size=state.ctx.vocab_size)
     gen = req.generation
     prompt = _chat_prompt(state, req)
-    grammar = prompt.create_grammar(state.ctx)
+    grammar = _chat_grammar(state, req, prompt)
     tokens = await state.ctx.tokenize(prompt.prompt)
     if len(tokens) > 1 and tokens[0] == tokens[1] == state.ctx.bos_token:
         tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
@@ -385,16 +412,13 @@ async def chat_completions(request: Request, state: _State) -> Response:
 
 
 async def completions(request: Request, state: _State) -> Response:
-    req = completion_request(await _body(request))
-    gen = req.generation
     ctx = state.ctx
+    req = completion_request(await _body(request), vocab_size=ctx.vocab_size)
+    gen = req.generation
     if isinstance(req.prompt, str):
         tokens = await ctx.tokenize(req.prompt)
         prompt_text = req.prompt
     else:
-        vocab = ctx.vocab_size
-        if any(not 0 <= t < vocab for t in req.prompt):
-            raise ApiError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         tokens = req.prompt
         prompt_text = await ctx.detokenize(tokens)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.name}
@@ -546,6 +570,7 @@ async def metrics(request: Request, state: _State) -> Response:
         "lloyal_prefix_cache_entries": cache.entries if cache else 0,
         "lloyal_prefix_cache_hit_rate": cache.hit_rate if cache else 0.0,
         "lloyal_prefix_cache_saved_tokens_total": cache.saved_tokens if cache else 0,
+        "lloyal_prefix_cache_disk_write_errors_total": cache.disk_write_errors if cache else 0,
     }
     text = "".join(f"{k} {v}\n" for k, v in lines.items())
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
@@ -584,4 +609,20 @@ def create_app(config: ServerConfig) -> Starlette:
         Route("/health", _handler(health), methods=["GET"]),
         Route("/metrics", _handler(metrics), methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error, Exception: _unhandled},
+    )
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (404 no such route, 405 wrong method) as
+    OpenAI error bodies."""
+    assert isinstance(exc, HTTPException)
+    return _error(ApiError(exc.detail, status=exc.status_code))
+
+
+async def _unhandled(request: Request, exc: Exception) -> Response:
+    """The last resort: an exception outside every route's own mapping."""
+    return _error(_internal(exc))

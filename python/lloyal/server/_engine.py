@@ -9,7 +9,9 @@ only what is new. One step loop drives every choice of every request:
 each produces a token, which is streamed at once, then all are committed
 in one ``BranchStore.commit``, so a step costs one decode however many
 requests are running; a choice's last token is not decoded. A request's
-choices join at the next step. A new request's
+choices join at the next step. What one choice raises while its token is
+chosen, read or committed ends that choice's request with an error and
+touches no other. A new request's
 prompt is prefilled from its own task: the engine's step scheduler decodes
 it in chunks that share decodes with the running commits.
 
@@ -26,6 +28,7 @@ request that fits.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import time
@@ -42,6 +45,9 @@ from lloyal.server._protocol import ApiError, Generation
 from lloyal.text import TextStream
 
 __all__ = ["DEFAULT_RESERVE", "Engine", "Event", "Metrics"]
+
+_Logprobs = tuple[float, list[int], list[float]]
+log = logging.getLogger("lloyal.server")
 
 DEFAULT_RESERVE = 512
 """Cells reserved per choice for a request without ``max_tokens``. Such a
@@ -210,7 +216,7 @@ class Engine:
         them join the step loop, whose next commit decodes those tokens: a
         request does not wait for the step in progress to send its first
         token."""
-        produced = await self._store.produce([c.branch for c in choices], return_exceptions=True)
+        produced = await self._produce(choices)
         joining = []
         for c, token in zip(choices, self._decide(choices, produced), strict=True):
             c.next = token
@@ -218,30 +224,68 @@ class Engine:
                 joining.append(c)
         self._join(joining)
 
+    async def _produce(self, choices: list[_Choice]) -> list[Produced | Exception]:
+        """Each choice's next token, or what its branch raised instead."""
+        branches = [c.branch for c in choices]
+        try:
+            return list(await self._store.produce(branches, return_exceptions=True))
+        except Exception:
+            # An error other than a LloyalError (a ValueError from a
+            # sampler) is raised for the whole call, after the other
+            # branches chose: choose again one branch at a time, so that
+            # the one that fails fails alone.
+            out: list[Produced | Exception] = []
+            for b in branches:
+                try:
+                    out.append(await b.produce())
+                except Exception as e:
+                    out.append(e)
+            return out
+
+    def _logprobs(self, asking: list[tuple[_Choice, Produced]]) -> list[_Logprobs | Exception]:
+        """The logprob entries of the choices that asked for them, read in
+        one native call (one call per choice if that one fails)."""
+        if not asking:
+            return []
+        try:
+            top = max(c.gen.logprobs or 0 for c, _ in asking)
+            read = self._store.logprobs([(c.branch, p.token) for c, p in asking], top=top)
+        except Exception as e:
+            if len(asking) == 1:
+                return [e]
+            return [r for one in asking for r in self._logprobs([one])]
+        out: list[_Logprobs | Exception] = []
+        for (c, _), (lp, ids, lps) in zip(asking, read, strict=True):
+            k = c.gen.logprobs or 0
+            out.append((lp, ids[:k], lps[:k]))
+        return out
+
     def _decide(
-        self, choices: list[_Choice], produced: list[Produced | LloyalError]
+        self, choices: list[_Choice], produced: Sequence[Produced | Exception]
     ) -> list[int | None]:
-        """Each choice's token to commit (None: it ended), the logprobs of
-        every choice that asked for them read in one native call."""
+        """Each choice's token to commit (None: it ended). A choice whose
+        branch failed, or that fails to take its token, ends alone with
+        an error."""
         asking = [
             (c, p)
             for c, p in zip(choices, produced, strict=True)
-            if c.gen.logprobs is not None and not isinstance(p, LloyalError)
+            if c.gen.logprobs is not None and isinstance(p, Produced)
         ]
-        entries: dict[int, tuple[float, list[int], list[float]]] = {}
-        if asking:
-            top = max(c.gen.logprobs or 0 for c, _ in asking)
-            read = self._store.logprobs([(c.branch, p.token) for c, p in asking], top=top)
-            for (c, _), (lp, ids, lps) in zip(asking, read, strict=True):
-                k = c.gen.logprobs or 0
-                entries[id(c)] = (lp, ids[:k], lps[:k])
+        entries = {id(c): e for (c, _), e in zip(asking, self._logprobs(asking), strict=True)}
         tokens: list[int | None] = []
         for c, p in zip(choices, produced, strict=True):
-            if isinstance(p, LloyalError):  # a grammar that cannot continue, say
-                c.end("error", str(p))
-                tokens.append(None)
+            entry = entries.get(id(c))
+            token = None
+            if isinstance(p, Exception):  # a grammar that cannot continue, say
+                c.fail(p)
+            elif isinstance(entry, Exception):
+                c.fail(entry)
             else:
-                tokens.append(c.decide(p, entries.get(id(c))))
+                try:
+                    token = c.decide(p, entry)
+                except Exception as e:
+                    c.fail(e)
+            tokens.append(token)
         return tokens
 
     def _join(self, choices: list[_Choice]) -> None:
@@ -266,7 +310,7 @@ class Engine:
                 await self._step()
             except Exception as e:  # never leave requests waiting on a dead loop
                 for c in self._active:
-                    c.end("error", f"generation failed: {e}")
+                    c.fail(e, "generation failed")
                 self._active = []
 
     async def _step(self) -> None:
@@ -279,7 +323,7 @@ class Engine:
             else:
                 active.append(c)
         # Every choice's token in one native call (grammar masks in parallel).
-        produced = await self._store.produce([c.branch for c in active], return_exceptions=True)
+        produced = await self._produce(active)
         for c, token in zip(active, self._decide(active, produced), strict=True):
             if token is None:
                 self._active.remove(c)
@@ -300,6 +344,16 @@ class Engine:
                 for c, _ in batch:
                     c.end("length")
                     self._active.remove(c)
+                return
+            except Exception as e:
+                # An item that fails alone is raised after the others are
+                # committed: a branch one token further on was committed.
+                for c, t in batch:
+                    if c.position() == c.start + len(c.committed) + 1:
+                        c.committed.append(t)
+                    else:
+                        c.fail(e)
+                        self._active.remove(c)
                 return
         for c, t in batch:
             c.committed.append(t)
@@ -340,9 +394,8 @@ class Engine:
             for i, b in enumerate(branches):
                 if grammar is not None:
                     b.set_grammar(grammar)
-                choices.append(
-                    _Choice(self, i, b, gen, limit, set(stop_tokens), set(preserved), events)
-                )
+                stops, keep = set(stop_tokens), set(preserved)
+                choices.append(_Choice(self, i, b, gen, limit, len(tokens), stops, keep, events))
             await self._start(choices)
             finished = 0
             while finished < len(choices):
@@ -363,7 +416,7 @@ class Engine:
             for i, b in enumerate(branches):
                 if b.disposed:
                     continue
-                if i == 0 and self.cache is not None and choices:
+                if i == 0 and self.cache is not None and choices and not choices[0].failed:
                     # The prompt and the reply, for the next turn to fork.
                     try:
                         await self.cache.keep(b, [*tokens, *choices[0].committed])
@@ -383,6 +436,7 @@ class _Choice:
         branch: Branch,
         gen: Generation,
         limit: int,
+        start: int,
         stop_tokens: set[int],
         preserved: set[int],
         events: asyncio.Queue[Event],
@@ -392,6 +446,7 @@ class _Choice:
         self.branch = branch
         self.gen = gen
         self.limit = limit
+        self.start = start  # the branch's position after the prompt
         self.stop_tokens = stop_tokens
         self.preserved = preserved
         self.events = events
@@ -404,6 +459,7 @@ class _Choice:
         self.next: int | None = None
         self.joined = False
         self.cancelled = False
+        self.failed = False
         # Set once the step loop no longer touches the branch.
         self.released = asyncio.Event()
 
@@ -453,14 +509,30 @@ class _Choice:
             return None
         return p.token
 
-    def end(self, finish: str, message: str = "") -> None:
+    def position(self) -> int:
+        """The branch's position; -1 once it cannot be read."""
+        try:
+            return self.branch.position
+        except Exception:
+            return -1
+
+    def end(self, finish: str) -> None:
         """Send what is held back and the finish; release the branch."""
         text = self.held + self.stream.flush()
         self.held = ""
         cut = _first_stop(text, self.gen.stop)
-        if text and finish != "error":
+        if text:
             self.events.put_nowait(Event(self.index, text if cut is None else text[:cut]))
-        self.events.put_nowait(Event(self.index, text=message, finish=finish))
+        self.events.put_nowait(Event(self.index, finish=finish))
+        self.released.set()
+
+    def fail(self, error: BaseException, what: str = "generation failed for this request") -> None:
+        """End with an error (its request gets a 500); release the branch,
+        which is not kept in the prefix cache."""
+        if not isinstance(error, LloyalError):  # not the model's or grammar's doing: a bug
+            log.error("a request failed in the step loop", exc_info=error)
+        self.failed = True
+        self.events.put_nowait(Event(self.index, text=f"{what}: {error}", finish="error"))
         self.released.set()
 
 

@@ -1,22 +1,39 @@
 """The OpenAI request bodies lloyal serves, checked into plain data.
 
 Anything malformed is an :class:`ApiError` with status 400 and the name of
-the offending field, before any work starts.
+the offending field, before any work starts: every value that reaches the
+engine (token ids, biases, stop strings, messages, tools, schemas) is one
+it accepts, so no request can fail inside the step loop the requests share.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lloyal.chat_format import check_messages, check_tools
 from lloyal.sampling import SamplingParams
 
-__all__ = ["ApiError", "ChatRequest", "CompletionRequest", "EmbeddingRequest", "Generation"]
+__all__ = [
+    "ApiError",
+    "ChatRequest",
+    "CompletionRequest",
+    "EmbeddingRequest",
+    "Generation",
+    "parse_json",
+]
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+MAX_STOP_CHARS = 1000
+"""Per stop string: held-back text is matched against every prefix of each
+stop string at every token, so its length bounds the work per token."""
+MAX_DEPTH = 128
+"""Nesting of a request body: serde_json's limit, which the chat template
+and grammar parsers apply to what they are given anyway."""
 
 
 class ApiError(Exception):
@@ -81,6 +98,47 @@ class EmbeddingRequest:
     base64: bool = False
 
 
+def parse_json(raw: bytes) -> object:
+    """A request body's JSON: nested at most ``MAX_DEPTH`` deep, its text
+    all Unicode (JSON lets ``"\\ud800"`` through; no tokenizer, template or
+    grammar takes it)."""
+    deep = ApiError(f"the request body is nested more than {MAX_DEPTH} levels deep")
+    try:
+        body: object = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError is one too
+        raise ApiError("the request body is not valid JSON") from None
+    except RecursionError:
+        raise deep from None
+    level = [body]
+    for depth in range(MAX_DEPTH + 1):
+        inner: list[object] = []
+        for value in level:
+            if isinstance(value, str):
+                _unicode(value)
+            elif isinstance(value, dict):
+                for key in value:
+                    _unicode(key)
+                inner.extend(value.values())
+            elif isinstance(value, list):
+                inner.extend(value)
+            else:
+                continue
+            if depth == MAX_DEPTH:
+                raise deep
+        level = inner
+    return body
+
+
+def _unicode(text: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            raise ApiError(
+                "the request body has text that is not Unicode (a lone surrogate)"
+            ) from None
+
+
 def _object(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
@@ -91,11 +149,17 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not _finite(value):
         raise ApiError(f"{name} must be a number", param=name)
     if not lo <= value <= hi:
-        raise ApiError(f"{name} must be between {lo} and {hi}, got {value}", param=name)
+        raise ApiError(f"{name} must be between {lo} and {hi}", param=name)
     return float(value)
+
+
+def _finite(value: object) -> bool:
+    """A JSON number that is not NaN or infinite (JSON integers of any size
+    are Python ints, which ``math.isfinite`` cannot convert)."""
+    return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _integer(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
@@ -105,7 +169,7 @@ def _integer(body: dict[str, Any], name: str, default: int | None, lo: int, hi: 
     if isinstance(value, bool) or not isinstance(value, int):
         raise ApiError(f"{name} must be an integer", param=name)
     if not lo <= value <= hi:
-        raise ApiError(f"{name} must be between {lo} and {hi}, got {value}", param=name)
+        raise ApiError(f"{name} must be between {lo} and {hi}", param=name)
     return value
 
 
@@ -118,7 +182,7 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _generation(body: dict[str, Any], *, logprobs: int | None) -> Generation:
+def _generation(body: dict[str, Any], *, logprobs: int | None, vocab_size: int) -> Generation:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError("model must be a string", param="model")
@@ -133,24 +197,9 @@ def _generation(body: dict[str, Any], *, logprobs: int | None) -> Generation:
         raise ApiError("stop must be a string or a list of at most 4 strings", param="stop")
     if any(not s for s in stops):
         raise ApiError("stop strings must not be empty", param="stop")
-    bias = body.get("logit_bias") or {}
-    if not isinstance(bias, dict):
-        raise ApiError("logit_bias must map token ids to biases", param="logit_bias")
-    pairs = []
-    for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise ApiError(
-                f"logit_bias key {key!r} is not a token id", param="logit_bias"
-            ) from None
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not -100 <= value <= 100
-        ):
-            raise ApiError("logit_bias values must be numbers in [-100, 100]", param="logit_bias")
-        pairs.append((token, float(value)))
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(f"stop strings may have at most {MAX_STOP_CHARS} characters", param="stop")
+    pairs = _logit_bias(body.get("logit_bias"), vocab_size)
     seed = _integer(body, "seed", None, -(2**63), 2**64 - 1)
     # OpenAI's fields, plus llama-server's top_k and min_p with its
     # defaults (40 and 0.05): a full-vocabulary sort per token would cost
@@ -165,9 +214,14 @@ def _generation(body: dict[str, Any], *, logprobs: int | None) -> Generation:
         seed=None if seed is None else seed % 2**32,
         logit_bias=pairs,
     )
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    if options is None:
+        options = {}
     if not isinstance(options, dict):
         raise ApiError("stream_options must be an object", param="stream_options")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise ApiError("stream_options.include_usage must be true or false", param="stream_options")
     max_tokens = _integer(body, "max_completion_tokens", None, 1, 1 << 20)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", None, 1, 1 << 20)
@@ -178,13 +232,54 @@ def _generation(body: dict[str, Any], *, logprobs: int | None) -> Generation:
         seed=None if seed is None else seed % 2**32,
         stop=stops,
         stream=_flag(body, "stream", False),
-        include_usage=bool(options.get("include_usage", False)),
+        include_usage=bool(include_usage),
         logprobs=logprobs,
         ignore_eos=_flag(body, "ignore_eos", False),
     )
 
 
-def chat_request(raw: object) -> ChatRequest:
+def _logit_bias(bias: object, vocab_size: int) -> list[tuple[int, float]]:
+    """``{"token id": bias}``: ids of this vocabulary, biases in [-100, 100]."""
+    if bias is None:
+        return []
+    if not isinstance(bias, dict):
+        raise ApiError("logit_bias must map token ids to biases", param="logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        # ASCII digits only: int() would also take "+1", " 1", "1_0" and other scripts' digits.
+        digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12
+        if not digits or int(key) >= vocab_size:
+            raise ApiError(
+                f"logit_bias key {str(key)[:20]!r} is not a token id in [0, {vocab_size})",
+                param="logit_bias",
+            )
+        if isinstance(value, bool) or not _finite(value) or not -100 <= value <= 100:
+            raise ApiError("logit_bias values must be numbers in [-100, 100]", param="logit_bias")
+        pairs.append((int(key), float(value)))
+    return pairs
+
+
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> Any:
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    named = isinstance(choice, dict) and isinstance(choice.get("function"), dict)
+    if choice not in ("auto", "none", "required") and not (
+        named and isinstance(choice["function"].get("name"), str)
+    ):
+        raise ApiError(
+            "tool_choice must be 'auto', 'none', 'required' or "
+            '{"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
+    try:
+        check_tools(tools, choice)
+    except ValueError as e:
+        raise ApiError(str(e), param="tool_choice") from None
+    return choice
+
+
+def chat_request(raw: object, *, vocab_size: int) -> ChatRequest:
     body = _object(raw)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -203,6 +298,10 @@ def chat_request(raw: object) -> ChatRequest:
             messages[i] = {**m, "content": "".join(strings)}
         elif content is not None and not isinstance(content, str):
             raise ApiError(f"messages[{i}].content must be a string", param="messages")
+    try:
+        check_messages(messages)
+    except ValueError as e:
+        raise ApiError(str(e), param="messages") from None
     top: int | None = None
     if _flag(body, "logprobs", False):
         top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
@@ -213,6 +312,11 @@ def chat_request(raw: object) -> ChatRequest:
         not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
     ):
         raise ApiError("tools must be a list of objects", param="tools")
+    try:
+        check_tools(tools, "auto")
+    except (TypeError, ValueError) as e:
+        raise ApiError(str(e), param="tools") from None
+    tool_choice = _tool_choice(body, tools)
     schema: Mapping[str, Any] | bool | None = None
     fmt = body.get("response_format")
     if fmt is not None:
@@ -235,17 +339,22 @@ def chat_request(raw: object) -> ChatRequest:
                     param="response_format",
                 )
             schema = spec.get("schema", {"type": "object"})
+        if schema is not None and tools and tool_choice != "none":
+            raise ApiError(
+                "response_format cannot constrain the reply along with tools",
+                param="response_format",
+            )
     return ChatRequest(
         messages=messages,
-        generation=_generation(body, logprobs=top),
+        generation=_generation(body, logprobs=top, vocab_size=vocab_size),
         tools=tools or None,
-        tool_choice=body.get("tool_choice") or "auto",
+        tool_choice=tool_choice,
         parallel_tool_calls=_flag(body, "parallel_tool_calls", True),
         json_schema=schema,
     )
 
 
-def completion_request(raw: object) -> CompletionRequest:
+def completion_request(raw: object, *, vocab_size: int) -> CompletionRequest:
     body = _object(raw)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -263,10 +372,11 @@ def completion_request(raw: object) -> CompletionRequest:
             "prompt must be a non-empty string or list of token ids (one prompt per request)",
             param="prompt",
         )
+    if isinstance(tokens, list) and any(not 0 <= t < vocab_size for t in tokens):
+        raise ApiError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
     top = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    return CompletionRequest(
-        prompt=tokens, generation=_generation(body, logprobs=top), echo=_flag(body, "echo", False)
-    )
+    generation = _generation(body, logprobs=top, vocab_size=vocab_size)
+    return CompletionRequest(prompt=tokens, generation=generation, echo=_flag(body, "echo", False))
 
 
 def embedding_request(raw: object) -> EmbeddingRequest:
