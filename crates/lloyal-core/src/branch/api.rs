@@ -107,7 +107,10 @@ impl Context {
     /// pick an arbitrary token (the first one, for greedy).
     pub fn branch_set_logits(&self, id: BranchId, logits: &[f32]) -> Result<()> {
         self.check_logits_len(logits)?;
-        if let Some(i) = logits.iter().position(|x| x.is_nan() || *x == f32::INFINITY) {
+        if let Some(i) = logits
+            .iter()
+            .position(|x| x.is_nan() || *x == f32::INFINITY)
+        {
             return Err(invalid(format!(
                 "logits must be numbers below +inf (-inf masks a token); entry {i} is {}",
                 logits[i]
