@@ -14,7 +14,7 @@ import time
 
 import lloyal
 
-MODEL = sys.argv[2]
+MODEL = ""  # set by main(): the module is imported by pytest's collection too
 _kept: list[object] = []
 
 
@@ -79,7 +79,8 @@ async def trio_context() -> None:
 
 
 def main() -> None:
-    scenario = sys.argv[1]
+    global MODEL
+    scenario, MODEL = sys.argv[1], sys.argv[2]
     if scenario == "server":
         server()
     elif scenario == "trio":
