@@ -23,7 +23,7 @@ own KV sequence copy of the same prefix in the same context configuration
 
 ``--loop uvloop`` runs the Python side on uvloop instead of asyncio's own
 event loop (whose round trip costs the loop thread about 0.08 ms more CPU
-per step; see the README).
+per step; see docs/benchmarks.md).
 
 With ``--llama-cpp-python`` it also runs best-of-N the way llama-cpp-python
 users must (save_state / load_state, one candidate after another), in a

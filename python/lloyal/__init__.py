@@ -47,6 +47,7 @@ from lloyal.errors import (
     ModelLoadError,
     NoLeaseError,
     StateError,
+    WorkerLostError,
 )
 from lloyal.grammar import Grammar, json_schema_to_grammar
 from lloyal.prefix_cache import PrefixCache, PrefixCacheStats
@@ -94,6 +95,7 @@ __all__ = [
     "Token",
     "TokenTree",
     "ToolCall",
+    "WorkerLostError",
     "backend_info",
     "create_context",
     "json_schema_to_grammar",

@@ -324,7 +324,20 @@ class Branch:
         like a decode does, so the event loop is not stalled: ``top_k=0``
         on Gemma 3's 262k-token vocabulary takes about 9 ms. Meanwhile the
         branch is busy (another operation on it raises
-        :class:`BranchBusyError`)."""
+        :class:`BranchBusyError`).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await b.prefill(prompt)
+        ...         p = await b.produce()
+        ...         best = int(b.top_logprobs(1)[0][0])
+        ...         return p.token == best, b.position == len(prompt)  # nothing decoded
+        >>> asyncio.run(main())
+        (True, True)
+        """
         native = self._ctx._native
         handle = self._handle
         if native.branch_produce_is_slow(handle):
@@ -339,7 +352,21 @@ class Branch:
         """Accept ``token`` and decode it. Concurrent commits (``gather``)
         share one ``llama_decode``. On failure the branch is exactly as
         before; cancelling the awaiting task leaves it exactly before or
-        exactly after the commit."""
+        exactly after the commit.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=3) as ctx:
+        ...         root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await root.prefill(await ctx.tokenize("Once upon a time"))
+        ...         a, b = await root.fork(), await root.fork()
+        ...         token = (await a.produce()).token
+        ...         before = ctx.stats.decode_calls
+        ...         await asyncio.gather(a.commit(token), b.commit(token))  # one decode
+        ...         return a.position - root.position, ctx.stats.decode_calls - before
+        >>> asyncio.run(main())
+        (1, 1)
+        """
         t = _token_id(token)
         ctx = self._ctx
         ctx._check_open()
@@ -728,9 +755,30 @@ class BranchStore:
 
     async def commit(self, items: Sequence[tuple[Branch, int]]) -> None:
         """Accept and decode one token per branch, in one ``llama_decode``
-        (more only past ``n_batch`` branches). Items that fail alone (a
+        (more only past ``n_batch`` branches, or for 64 and more branches
+        over many KV cells: ``docs/batching.md``). Items that fail alone (a
         pruned branch) do not stop the others; the first such error is
-        raised after the rest are committed."""
+        raised after the rest are committed. When the tokens do not fit the
+        KV cache, every branch is left as it was and
+        :class:`KVCacheFullError` is raised.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
+        ...         store = lloyal.BranchStore(ctx)
+        ...         a = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await store.prefill([(a, await ctx.tokenize("Hello")),
+        ...                              (b, await ctx.tokenize("One, two, three,"))])
+        ...         start = (a.position, b.position)
+        ...         pa, pb = await store.produce([a, b])
+        ...         before = ctx.stats.decode_calls
+        ...         await store.commit([(a, pa.token), (b, pb.token)])
+        ...         moved = (a.position - start[0], b.position - start[1])
+        ...         return ctx.stats.decode_calls - before, moved
+        >>> asyncio.run(main())
+        (1, (1, 1))
+        """
         pairs: list[_step.Item] = [
             (self._handle(b, f"items[{i}][0]"), _token_id(t))
             for i, (b, t) in enumerate(self._pairs(items, "token"))
@@ -832,7 +880,23 @@ class BranchStore:
         """Decode a token list into each branch, packed into
         ``ceil(total / n_batch)`` decodes (long lists are split).
         ``logits="all"`` returns each item's per-position logits (see
-        :meth:`Branch.prefill`), in item order."""
+        :meth:`Branch.prefill`), in item order. Like :meth:`commit`, all or
+        nothing on :class:`KVCacheFullError`.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
+        ...         a = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         short = await ctx.tokenize("Hello")
+        ...         long = await ctx.tokenize("One, two, three, four, five,")
+        ...         before = ctx.stats.decode_calls
+        ...         await lloyal.BranchStore(ctx).prefill([(a, short), (b, long)])
+        ...         fits = (a.position, b.position) == (len(short), len(long))
+        ...         return ctx.stats.decode_calls - before, fits
+        >>> asyncio.run(main())
+        (1, True)
+        """
         all_rows = _logits_mode(logits)
         pairs: list[_step.Item] = [
             (self._handle(b, f"items[{i}][0]"), _token_list(t))

@@ -5,11 +5,13 @@
 forks of one prompt, ``logprobs``, ``tools`` / ``tool_calls``,
 ``response_format`` JSON schemas, ``stop``, ``seed``), ``/v1/embeddings``,
 ``/v1/models``, ``/health`` and ``/metrics``. It is written on the public
-API only: concurrent requests share decodes because their branches'
-commits are batched by the engine; prompts go through a
-:class:`lloyal.PrefixCache`; KV leases bound the work admitted, requests
-past ``max_queue`` waiting get 429, and a client that disconnects frees its
-branches. See ``docs/server.md``.
+API only. One step loop drives every running choice of every request: each
+produces a token, and all of them are committed in one
+``BranchStore.commit``, so a step costs one decode however many requests
+run. Prompts go through a :class:`lloyal.PrefixCache`, and a new prompt's
+prefill shares decodes with the running commits. KV sequences and cells
+bound the work admitted, requests past ``max_queue`` waiting get 429, and a
+client that disconnects frees its branches. See ``docs/server.md``.
 """
 
 from __future__ import annotations
