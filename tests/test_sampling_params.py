@@ -3,9 +3,11 @@ object (no model needed)."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import inspect
 import pickle
+from pathlib import Path
 
 import lloyal
 import pytest
@@ -83,3 +85,23 @@ def test_bad_values_are_typed_errors(kwargs: dict[str, object], error: type, mat
 def test_arguments_are_keywords() -> None:
     with pytest.raises(TypeError):
         lloyal.SamplingParams(0.5)  # type: ignore[misc]
+
+
+def test_the_field_list_the_signature_and_the_stub_agree() -> None:
+    """The fields are defined once (``for_every_field!`` in
+    crates/lloyal-py/src/sampling.rs; defaults from the core). The
+    ``text_signature`` and the ``.pyi`` stub are written by hand: checked
+    here against that list, in names, order and defaults."""
+    defaults = lloyal.SamplingParams().__getnewargs_ex__()[1]
+    assert list(inspect.signature(lloyal.SamplingParams).parameters) == list(defaults)
+    stub = ast.parse(Path(lloyal._lloyal.__file__).with_name("_lloyal.pyi").read_text())
+    (cls,) = [n for n in stub.body if isinstance(n, ast.ClassDef) and n.name == "SamplingParams"]
+    (new,) = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__new__"]
+    stubbed = {
+        a.arg: ast.literal_eval(d)
+        for a, d in zip(new.args.kwonlyargs, new.args.kw_defaults, strict=True)
+        if d is not None
+    }
+    assert list(stubbed) == list(defaults)
+    assert stubbed == defaults
+    assert set(defaults) <= {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}

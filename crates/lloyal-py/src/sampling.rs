@@ -4,6 +4,7 @@ use lloyal_core::{PerplexityTracker, SamplingParams};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString, PyTuple};
+use pyo3::IntoPyObjectExt;
 
 use crate::errors::IntoPyResult;
 
@@ -91,7 +92,7 @@ fn integer<T: TryFrom<i128>>(name: &str, v: &Bound<'_, PyAny>) -> PyResult<T> {
     T::try_from(n).map_err(|_| PyValueError::new_err(format!("{name} is out of range, got {n}")))
 }
 
-fn logit_bias(v: &Bound<'_, PyAny>) -> PyResult<Vec<(i32, f32)>> {
+fn logit_bias(_name: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<(i32, f32)>> {
     let pairs = match v.cast::<PyDict>() {
         Ok(d) => d.items().into_any(),
         Err(_) => v.clone(),
@@ -116,7 +117,7 @@ fn logit_bias(v: &Bound<'_, PyAny>) -> PyResult<Vec<(i32, f32)>> {
     Ok(out)
 }
 
-fn breakers(v: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+fn breakers(_name: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
     let wrong = || PyTypeError::new_err("dry_sequence_breakers must be a sequence of strings");
     if v.is_instance_of::<PyString>() {
         return Err(wrong());
@@ -133,120 +134,135 @@ fn shortest(x: f32) -> f64 {
     format!("{x}").parse().unwrap_or(f64::from(x))
 }
 
+/// Every field of `lloyal.SamplingParams`, in keyword order, once: its
+/// name, its Rust type, how a Python value is read into it and how it is
+/// given back. `$each!` receives the whole list; the constructor, the
+/// getters and the keyword dict (`with_`, pickling, `repr`) are generated
+/// from it. The defaults are `lloyal_core::SamplingParams::default()`'s;
+/// the stub and `text_signature` are checked against them by
+/// `tests/test_sampling_params.py`.
+macro_rules! for_every_field {
+    ($each:ident) => {
+        $each! {
+            temperature: f64 = real, plain;
+            top_k: i32 = integer, plain;
+            top_p: f64 = real, plain;
+            min_p: f64 = real, plain;
+            typical_p: f64 = real, plain;
+            repeat_penalty: f64 = real, plain;
+            frequency_penalty: f64 = real, plain;
+            presence_penalty: f64 = real, plain;
+            penalty_last_n: i32 = integer, plain;
+            seed: Option<u64> = seed, plain;
+            logit_bias: Vec<(i32, f32)> = logit_bias, bias_tuple;
+            top_n_sigma: f64 = real, plain;
+            xtc_probability: f64 = real, plain;
+            xtc_threshold: f64 = real, plain;
+            mirostat: u8 = integer, plain;
+            mirostat_tau: f64 = real, plain;
+            mirostat_eta: f64 = real, plain;
+            dry_multiplier: f64 = real, plain;
+            dry_base: f64 = real, plain;
+            dry_allowed_length: i32 = integer, plain;
+            dry_penalty_last_n: i32 = integer, plain;
+            dry_sequence_breakers: Vec<String> = breakers, tuple;
+        }
+    };
+}
+
+/// `seed`: a non-negative int below 2**64 (None, the default, seeds from
+/// the OS).
+fn seed(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
+    if v.is_instance_of::<PyBool>() || v.extract::<i128>().is_err() {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be an int or None, got {}",
+            type_name(v)
+        )));
+    }
+    let n: i128 = v.extract()?;
+    u64::try_from(n)
+        .map(Some)
+        .map_err(|_| PyValueError::new_err(format!("{name} must be in [0, 2**64), got {n}")))
+}
+
+fn plain<'py, T: IntoPyObjectExt<'py> + Clone>(
+    py: Python<'py>,
+    v: &T,
+) -> PyResult<Bound<'py, PyAny>> {
+    v.clone().into_bound_py_any(py)
+}
+
+fn tuple<'py>(py: Python<'py>, v: &[String]) -> PyResult<Bound<'py, PyAny>> {
+    Ok(PyTuple::new(py, v)?.into_any())
+}
+
+fn bias_tuple<'py>(py: Python<'py>, v: &[(i32, f32)]) -> PyResult<Bound<'py, PyAny>> {
+    Ok(PyTuple::new(py, v.iter().map(|&(t, b)| (t, shortest(b))))?.into_any())
+}
+
+macro_rules! constructor_and_getters {
+    ($($name:ident: $ty:ty = $read:ident, $give:ident;)*) => {
+        #[pymethods]
+        impl PySamplingParams {
+            #[new]
+            #[pyo3(
+                text_signature = "(*, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, \
+                typical_p=1.0, repeat_penalty=1.0, frequency_penalty=0.0, \
+                presence_penalty=0.0, penalty_last_n=64, seed=None, logit_bias=(), \
+                top_n_sigma=-1.0, xtc_probability=0.0, xtc_threshold=0.1, mirostat=0, \
+                mirostat_tau=5.0, mirostat_eta=0.1, dry_multiplier=0.0, dry_base=1.75, \
+                dry_allowed_length=2, dry_penalty_last_n=-1, \
+                dry_sequence_breakers=('\\n', ':', '\"', '*'))",
+                signature = (**fields)
+            )]
+            fn new(fields: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+                let mut p = SamplingParams::default();
+                for (key, v) in fields.into_iter().flat_map(|d| d.iter()) {
+                    let key: String = key.extract()?;
+                    if v.is_none() {
+                        continue; // the default
+                    }
+                    match key.as_str() {
+                        $(stringify!($name) => p.$name = $read(stringify!($name), &v)?,)*
+                        other => {
+                            return Err(PyTypeError::new_err(format!(
+                                "SamplingParams() got an unexpected keyword argument '{other}'"
+                            )))
+                        }
+                    }
+                }
+                p.validate().py_err()?;
+                Ok(PySamplingParams { inner: p })
+            }
+
+            $(
+                #[getter]
+                fn $name<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+                    $give(py, &self.inner.$name)
+                }
+            )*
+        }
+
+        /// Keyword arguments for `lloyal.SamplingParams`, in field order.
+        pub fn params_to_dict<'py>(
+            py: Python<'py>,
+            p: &SamplingParams,
+        ) -> PyResult<Bound<'py, PyDict>> {
+            let d = PyDict::new(py);
+            $(d.set_item(stringify!($name), $give(py, &p.$name)?)?;)*
+            Ok(d)
+        }
+    };
+}
+
+for_every_field!(constructor_and_getters);
+
 #[pymethods]
 impl PySamplingParams {
-    #[new]
-    #[pyo3(
-        text_signature = "(*, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, \
-        typical_p=1.0, repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, \
-        penalty_last_n=64, seed=None, logit_bias=(), top_n_sigma=-1.0, xtc_probability=0.0, \
-        xtc_threshold=0.1, mirostat=0, mirostat_tau=5.0, mirostat_eta=0.1, dry_multiplier=0.0, \
-        dry_base=1.75, dry_allowed_length=2, dry_penalty_last_n=-1, \
-        dry_sequence_breakers=('\\n', ':', '\"', '*'))"
-    )]
-    #[pyo3(signature = (
-        *, temperature=None, top_k=None, top_p=None, min_p=None, typical_p=None,
-        repeat_penalty=None, frequency_penalty=None, presence_penalty=None, penalty_last_n=None,
-        seed=None, logit_bias=None, top_n_sigma=None, xtc_probability=None, xtc_threshold=None,
-        mirostat=None, mirostat_tau=None, mirostat_eta=None, dry_multiplier=None, dry_base=None,
-        dry_allowed_length=None, dry_penalty_last_n=None, dry_sequence_breakers=None
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        temperature: Option<&Bound<'_, PyAny>>,
-        top_k: Option<&Bound<'_, PyAny>>,
-        top_p: Option<&Bound<'_, PyAny>>,
-        min_p: Option<&Bound<'_, PyAny>>,
-        typical_p: Option<&Bound<'_, PyAny>>,
-        repeat_penalty: Option<&Bound<'_, PyAny>>,
-        frequency_penalty: Option<&Bound<'_, PyAny>>,
-        presence_penalty: Option<&Bound<'_, PyAny>>,
-        penalty_last_n: Option<&Bound<'_, PyAny>>,
-        seed: Option<&Bound<'_, PyAny>>,
-        logit_bias: Option<&Bound<'_, PyAny>>,
-        top_n_sigma: Option<&Bound<'_, PyAny>>,
-        xtc_probability: Option<&Bound<'_, PyAny>>,
-        xtc_threshold: Option<&Bound<'_, PyAny>>,
-        mirostat: Option<&Bound<'_, PyAny>>,
-        mirostat_tau: Option<&Bound<'_, PyAny>>,
-        mirostat_eta: Option<&Bound<'_, PyAny>>,
-        dry_multiplier: Option<&Bound<'_, PyAny>>,
-        dry_base: Option<&Bound<'_, PyAny>>,
-        dry_allowed_length: Option<&Bound<'_, PyAny>>,
-        dry_penalty_last_n: Option<&Bound<'_, PyAny>>,
-        dry_sequence_breakers: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
-        let mut p = SamplingParams::default();
-        macro_rules! set {
-            ($field:ident, $read:ident) => {
-                if let Some(v) = $field {
-                    p.$field = $read(stringify!($field), v)?;
-                }
-            };
-        }
-        set!(temperature, real);
-        set!(top_k, integer);
-        set!(top_p, real);
-        set!(min_p, real);
-        set!(typical_p, real);
-        set!(repeat_penalty, real);
-        set!(frequency_penalty, real);
-        set!(presence_penalty, real);
-        set!(penalty_last_n, integer);
-        if let Some(v) = seed.filter(|v| !v.is_none()) {
-            if v.is_instance_of::<PyBool>() || v.extract::<i128>().is_err() {
-                return Err(PyTypeError::new_err(format!(
-                    "seed must be an int or None, got {}",
-                    type_name(v)
-                )));
-            }
-            let n: i128 = v.extract()?;
-            p.seed = Some(u64::try_from(n).map_err(|_| {
-                PyValueError::new_err(format!("seed must be in [0, 2**64), got {n}"))
-            })?);
-        }
-        if let Some(v) = logit_bias {
-            p.logit_bias = self::logit_bias(v)?;
-        }
-        set!(top_n_sigma, real);
-        set!(xtc_probability, real);
-        set!(xtc_threshold, real);
-        set!(mirostat, integer);
-        set!(mirostat_tau, real);
-        set!(mirostat_eta, real);
-        set!(dry_multiplier, real);
-        set!(dry_base, real);
-        set!(dry_allowed_length, integer);
-        set!(dry_penalty_last_n, integer);
-        if let Some(v) = dry_sequence_breakers {
-            p.dry_sequence_breakers = breakers(v)?;
-        }
-        p.validate().py_err()?;
-        Ok(PySamplingParams { inner: p })
-    }
-
     /// Whether these parameters always pick the most likely token.
     #[getter]
     fn is_greedy(&self) -> bool {
         self.inner.temperature <= 0.0 || self.inner.top_k == 1
-    }
-
-    #[getter]
-    fn seed(&self) -> Option<u64> {
-        self.inner.seed
-    }
-
-    #[getter]
-    fn logit_bias<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(
-            py,
-            self.inner.logit_bias.iter().map(|&(t, b)| (t, shortest(b))),
-        )
-    }
-
-    #[getter]
-    fn dry_sequence_breakers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, &self.inner.dry_sequence_breakers)
     }
 
     /// A copy with some fields changed.
@@ -285,78 +301,6 @@ impl PySamplingParams {
         }
         Ok(format!("SamplingParams({})", parts.join(", ")))
     }
-}
-
-macro_rules! plain_getters {
-    ($($name:ident: $ty:ty),* $(,)?) => {
-        #[pymethods]
-        impl PySamplingParams {
-            $(
-                #[getter]
-                fn $name(&self) -> $ty {
-                    self.inner.$name
-                }
-            )*
-        }
-    };
-}
-
-plain_getters!(
-    temperature: f64,
-    top_k: i32,
-    top_p: f64,
-    min_p: f64,
-    typical_p: f64,
-    repeat_penalty: f64,
-    frequency_penalty: f64,
-    presence_penalty: f64,
-    penalty_last_n: i32,
-    top_n_sigma: f64,
-    xtc_probability: f64,
-    xtc_threshold: f64,
-    mirostat: u8,
-    mirostat_tau: f64,
-    mirostat_eta: f64,
-    dry_multiplier: f64,
-    dry_base: f64,
-    dry_allowed_length: i32,
-    dry_penalty_last_n: i32,
-);
-
-/// Keyword arguments for `lloyal.SamplingParams`, in field order.
-pub fn params_to_dict<'py>(py: Python<'py>, p: &SamplingParams) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("temperature", p.temperature)?;
-    d.set_item("top_k", p.top_k)?;
-    d.set_item("top_p", p.top_p)?;
-    d.set_item("min_p", p.min_p)?;
-    d.set_item("typical_p", p.typical_p)?;
-    d.set_item("repeat_penalty", p.repeat_penalty)?;
-    d.set_item("frequency_penalty", p.frequency_penalty)?;
-    d.set_item("presence_penalty", p.presence_penalty)?;
-    d.set_item("penalty_last_n", p.penalty_last_n)?;
-    d.set_item("seed", p.seed)?;
-    let bias: Vec<(i32, f64)> = p
-        .logit_bias
-        .iter()
-        .map(|&(t, b)| (t, shortest(b)))
-        .collect();
-    d.set_item("logit_bias", PyTuple::new(py, bias)?)?;
-    d.set_item("top_n_sigma", p.top_n_sigma)?;
-    d.set_item("xtc_probability", p.xtc_probability)?;
-    d.set_item("xtc_threshold", p.xtc_threshold)?;
-    d.set_item("mirostat", p.mirostat)?;
-    d.set_item("mirostat_tau", p.mirostat_tau)?;
-    d.set_item("mirostat_eta", p.mirostat_eta)?;
-    d.set_item("dry_multiplier", p.dry_multiplier)?;
-    d.set_item("dry_base", p.dry_base)?;
-    d.set_item("dry_allowed_length", p.dry_allowed_length)?;
-    d.set_item("dry_penalty_last_n", p.dry_penalty_last_n)?;
-    d.set_item(
-        "dry_sequence_breakers",
-        PyTuple::new(py, &p.dry_sequence_breakers)?,
-    )?;
-    Ok(d)
 }
 
 /// Native half of `lloyal.PerplexityTracker`.
