@@ -11,9 +11,13 @@ from hypothesis import strategies as st
 
 # Printable text: letters, digits, punctuation, symbols and spaces from all
 # of Unicode (no control characters or lone surrogates, which no tokenizer
-# promises to round-trip).
+# promises to round-trip). U+2581 is left out too: it is SentencePiece's own
+# word-boundary mark, so Gemma's vocabulary reads it back as a space (as
+# llama.cpp and the original tokenizer do); hypothesis found it once.
 _printable = st.characters(
-    codec="utf-8", categories=("L", "M", "N", "P", "S", "Zs"), exclude_characters="\u00a0"
+    codec="utf-8",
+    categories=("L", "M", "N", "P", "S", "Zs"),
+    exclude_characters="\u00a0\u2581",
 )
 
 
