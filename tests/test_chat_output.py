@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lloyal import chat_output
-from lloyal.chat_output import CHAT_FORMATS, ChatOutput, ToolCall, parse_chat_output
+from lloyal.chat import _blocks, output
+from lloyal.chat.output import CHAT_FORMATS, ChatOutput, ToolCall, parse_chat_output
 
 # DeepSeek's markers (full-width bars, U+2581 for spaces).
 DS_CALLS = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
@@ -527,8 +527,8 @@ def test_random_text_never_raises(text: str, thinking_started: bool) -> None:
     for fmt in CHAT_FORMATS:
         for partial in (False, True):
             # The parser proper, without parse_chat_output's last-resort guard.
-            out = chat_output._parse(
-                text, chat_output._SPECS[fmt], partial=partial, thinking_started=thinking_started
+            out = output._parse(
+                text, _blocks._SPECS[fmt], partial=partial, thinking_started=thinking_started
             )
             assert out == parse_chat_output(
                 text, format=fmt, partial=partial, thinking_started=thinking_started

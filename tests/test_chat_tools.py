@@ -210,7 +210,7 @@ async def test_a_fork_that_fires_the_trigger_leaves_its_parent_waiting(smollm2: 
 
 
 def test_grammars_of_every_family_compile(smollm2: Path) -> None:
-    from lloyal.chat_format import _functions, _grammar
+    from lloyal.chat.format import _functions, _grammar
 
     ctx = open_sync(smollm2, n_ctx=256)
     try:

@@ -19,7 +19,7 @@ from lloyal._lloyal import PerplexityTracker, supports_gpu_offload
 from lloyal._lloyal import __version__ as __version__
 from lloyal.backend import LLAMA_CPP_2_VERSION, BackendInfo, Device, backend_info
 from lloyal.branch import Branch, BranchStore, Produced, Token, TokenTree
-from lloyal.chat_output import (
+from lloyal.chat.output import (
     CHAT_FORMATS,
     ChatOutput,
     ChatOutputStream,

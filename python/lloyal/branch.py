@@ -1,4 +1,12 @@
-"""Forkable decode state: Branch and BranchStore."""
+"""Forkable decode state: Branch and BranchStore.
+
+Length: :class:`Branch` and :class:`BranchStore` are the two halves of one
+concept (a branch's own verbs, and the same verbs for many branches in one
+decode); each method is a thin wrapper of one native call with its
+documented, runnable example, and the examples are most of the file. Issue
+28's native branch object is what will shrink it: a ``#[pyclass]`` per
+branch instead of handles on the context.
+"""
 
 from __future__ import annotations
 

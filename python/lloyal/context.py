@@ -1,4 +1,11 @@
-"""The context: a loaded model, one KV cache and the worker that drives it."""
+"""The context: a loaded model, one KV cache and the worker that drives it.
+
+Length: :class:`Context` is the flat API in one class, as llama.cpp's own
+context is: tokenizing, chat templates, decoding into sequences, logits,
+sampling and the KV calls. Each method is a thin wrapper of one native call
+with its documented, runnable example; the examples are most of the file,
+and splitting the class over modules would hide where a method lives.
+"""
 
 from __future__ import annotations
 
@@ -20,8 +27,8 @@ import numpy.typing as npt
 
 from lloyal import _check, _lloyal
 from lloyal._bridge import call_native
-from lloyal.chat_format import prepare_chat
-from lloyal.chat_output import ChatOutput, parse_chat_output
+from lloyal.chat.format import prepare_chat
+from lloyal.chat.output import ChatOutput, parse_chat_output
 from lloyal.errors import ContextClosedError
 from lloyal.grammar import Grammar, _compile
 from lloyal.sampling import SamplingParams
@@ -387,7 +394,7 @@ class Context:
         Extra keyword arguments become template variables.
 
         ``tools`` (OpenAI-style function specs) are shown to the model and
-        the result carries a grammar for the calls (:mod:`lloyal.chat_format`):
+        the result carries a grammar for the calls (:mod:`lloyal.chat.format`):
         lazy with ``tool_choice="auto"`` (it waits for the call opener),
         from the first token with ``"required"`` or
         ``{"type": "function", "function": {"name": ...}}``; ``"none"``

@@ -33,16 +33,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from lloyal import _lloyal
 
-if TYPE_CHECKING:
-    from lloyal.context import Context
-
 __all__ = ["Grammar", "json_schema_to_grammar"]
+
+
+class _Compiler(Protocol):
+    """What compiling needs of a :class:`~lloyal.Context` (structural, so
+    this module does not import the context's)."""
+
+    _native: _lloyal.NativeContext
+
+    def _check_open(self) -> None: ...
 
 
 def json_schema_to_grammar(schema: Mapping[str, Any] | str) -> str:
@@ -89,7 +95,7 @@ def _source(
 
 
 def _compile(
-    ctx: Context,
+    ctx: _Compiler,
     grammar: str | Grammar | None,
     json_schema: Mapping[str, Any] | str | bool | None,
     lark: str | None,

@@ -17,20 +17,18 @@ full (:meth:`PrefixCache.evict_one` gives cells back on demand too).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import os
-import stat
-import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
 
+from lloyal._state_file import open_regular, read_head, read_state, write_state
 from lloyal.branch import Branch, BranchStore
 from lloyal.context import _token_list
 from lloyal.errors import KVCacheFullError, NoLeaseError, StateError
@@ -469,9 +467,9 @@ class PrefixCache:
                 try:
                     if not item.is_file(follow_symlinks=False):
                         continue
-                    with _open_regular(path) as f:
+                    with open_regular(path) as f:
                         st = os.fstat(f.fileno())
-                        tokens, _ = _read_head(f, st.st_size)
+                        tokens, _ = read_head(f, st.st_size)
                 except (OSError, StateError):
                     continue
                 found.append((st.st_mtime_ns, tokens, path))
@@ -486,7 +484,7 @@ class PrefixCache:
         state = await entry.branch.save()
         path = self._disk / f"{time.time_ns()}-{len(entry.tokens)}.state"
         try:
-            await anyio.to_thread.run_sync(_write_state, path, entry.tokens, state)
+            await anyio.to_thread.run_sync(write_state, path, entry.tokens, state)
         except OSError:
             self._disk_write_errors += 1
             return
@@ -509,7 +507,7 @@ class PrefixCache:
             return False
         path = self._on_disk.pop(best)
         try:
-            state = await anyio.to_thread.run_sync(_read_state, path, best)
+            state = await anyio.to_thread.run_sync(read_state, path, best)
             restored = await self._with_lease(
                 lambda: Branch.restore(self._ctx, state, params=params)
             )
@@ -591,97 +589,6 @@ def _shared(edge: tuple[int, ...], tokens: tuple[int, ...], at: int) -> int:
 
 async def _create(ctx: Context, params: SamplingParams | None) -> Branch:
     return Branch.create(ctx, params)
-
-
-# A state file: _HEAD (magic, format version, token count, state bytes),
-# the tokens, a checksum of all that (checked when indexing), the branch
-# state, and a checksum of everything before it (checked when restoring).
-_HEAD = struct.Struct("<8sIIQ")
-_MAGIC = b"LLOYALPC"
-_VERSION = 2
-_DIGEST = 32
-# Never through a symlink, never waiting on a FIFO (flags an OS lacks are 0).
-_OPEN_FLAGS = (
-    os.O_RDONLY
-    | getattr(os, "O_BINARY", 0)
-    | getattr(os, "O_NOFOLLOW", 0)
-    | getattr(os, "O_NONBLOCK", 0)
-    | getattr(os, "O_NOCTTY", 0)
-)
-
-
-def _digest(*parts: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=_DIGEST)
-    for part in parts:
-        h.update(part)
-    return h.digest()
-
-
-def _open_regular(path: Path) -> BinaryIO:
-    """``path`` opened for reading, if it is a regular file itself;
-    ``OSError`` otherwise (the check is on what was opened: no race)."""
-    fd = os.open(path, _OPEN_FLAGS)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _read_head(f: BinaryIO, size: int) -> tuple[tuple[int, ...], bytes]:
-    """The tokens of a state file of ``size`` bytes, and the bytes up to
-    its state, read only once the lengths they give add up to ``size``;
-    ``StateError`` for another format or a damaged header."""
-    fixed = f.read(_HEAD.size)
-    if len(fixed) != _HEAD.size:
-        raise StateError("not a prefix-cache state file")
-    magic, version, n, n_state = _HEAD.unpack(fixed)
-    if magic != _MAGIC or version != _VERSION or n == 0:
-        raise StateError("not a prefix-cache state file of this version")
-    if size != _HEAD.size + 4 * n + _DIGEST + n_state + _DIGEST:
-        raise StateError("the state file's lengths do not add up to its size")
-    rest = f.read(4 * n + _DIGEST)
-    head = fixed + rest[: 4 * n]
-    if len(rest) != 4 * n + _DIGEST or _digest(head) != rest[4 * n :]:
-        raise StateError("the state file's header is damaged")
-    return struct.unpack(f"<{n}I", rest[: 4 * n]), fixed + rest
-
-
-def _read_state(path: Path, tokens: tuple[int, ...]) -> bytes:
-    """The branch state in ``path``, if the whole file is intact and
-    holds ``tokens``; ``StateError`` otherwise."""
-    with _open_regular(path) as f:
-        size = os.fstat(f.fileno()).st_size
-        held, head = _read_head(f, size)
-        state = f.read(size - len(head) - _DIGEST)
-        digest = f.read(_DIGEST + 1)
-    if digest != _digest(head, state):
-        raise StateError("the state file is damaged")
-    if held != tokens:
-        raise StateError("the state file holds another prompt")
-    return state
-
-
-def _write_state(path: Path, tokens: tuple[int, ...], state: bytes) -> None:
-    """Write a state file whole or not at all: into a file beside it
-    (not a ``*.state``), renamed over it once complete."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    head = _HEAD.pack(_MAGIC, _VERSION, len(tokens), len(state))
-    head += struct.pack(f"<{len(tokens)}I", *tokens)
-    head += _digest(head)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "xb", opener=lambda p, flags: os.open(p, flags, 0o600)) as f:
-            f.write(head)
-            f.write(state)
-            f.write(_digest(head, state))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 async def _unlink(path: Path) -> None:

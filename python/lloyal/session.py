@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from lloyal.branch import Branch
-from lloyal.chat_format import check_messages
-from lloyal.chat_output import ChatOutput
+from lloyal.chat.format import check_messages
+from lloyal.chat.output import ChatOutput
 from lloyal.errors import StateError
 from lloyal.sampling import SamplingParams
 from lloyal.text import TextStream
@@ -174,7 +174,7 @@ class Session:
         """Append ``messages`` and sync the branch (decoding only the new
         text). The generation prompt is added unless the last message is
         the assistant's. On an error the session is unchanged: a malformed
-        message is refused (:func:`lloyal.chat_format.check_messages`)
+        message is refused (:func:`lloyal.chat.check_messages`)
         before anything is rendered."""
         check_messages(messages)
         new = [dict(m) for m in messages]

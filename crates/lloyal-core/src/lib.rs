@@ -58,16 +58,18 @@ pub mod chat;
 pub mod embed;
 pub mod engine;
 pub mod error;
+pub mod flat;
 pub mod gbnf;
 pub mod gguf;
 pub mod grammar;
 mod isolate;
-pub mod kv;
+mod kv;
 pub mod metrics;
 pub mod model;
 mod omp;
 pub mod params;
 pub mod sampling;
+pub mod state;
 mod sync;
 mod sysmem;
 
@@ -79,14 +81,14 @@ pub mod fuzzing {
     /// the frame (fingerprint `fingerprint`), then llama.cpp's payload
     /// against a context of `n_cells` cells.
     pub fn check_state(fingerprint: u64, data: &[u8], n_cells: u32) -> crate::Result<Vec<i32>> {
-        let (tokens, payload) = crate::kv::state::decode(fingerprint, data)?;
-        crate::kv::state::check_payload(payload, n_cells)?;
+        let (tokens, payload) = crate::kv::decode(fingerprint, data)?;
+        crate::kv::check_payload(payload, n_cells)?;
         Ok(tokens)
     }
 
     /// Frame `payload` as a saved state holding `tokens`.
     pub fn frame_state(fingerprint: u64, tokens: &[i32], payload: &[u8]) -> Vec<u8> {
-        crate::kv::state::encode(fingerprint, tokens, payload)
+        crate::kv::encode(fingerprint, tokens, payload)
     }
 
     /// The longest tag of a chat template, in tokens (its pre-check).
@@ -98,7 +100,7 @@ pub mod fuzzing {
 pub use backend::{
     backend, backend_info, supports_gpu_offload, BackendInfo, Device, LLAMA_CPP_2_VERSION,
 };
-pub use branch::{BranchId, BranchState, Branches, LogitsView, TreeOutcome};
+pub use branch::TreeOutcome;
 pub use engine::{
     after_job, join_workers, Context, Embeddings, Hold, ItemResults, Reply, Stats, StepGroup,
     StepInput, WORKER_THREAD_NAME,
@@ -109,3 +111,4 @@ pub use metrics::{Base, PerplexityTracker};
 pub use model::{Model, ModelInfo};
 pub use params::{ContextParams, KvType, Pooling};
 pub use sampling::{Sampler, SamplingParams};
+pub use state::{BranchId, BranchState, Branches, LogitsView};

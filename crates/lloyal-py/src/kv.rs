@@ -1,4 +1,4 @@
-//! KV cache methods of `NativeContext` (engine: `lloyal_core::kv::flat`).
+//! KV cache methods of `NativeContext` (engine: `lloyal_core::flat::kv`).
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -14,8 +13,8 @@ import numpy.typing as npt
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
-from lloyal import errors
 from lloyal.branch import Produced, Token
+from lloyal.cluster._calls import Item, Pending, quiet, settle
 from lloyal.cluster._worker import ContextWorker
 from lloyal.errors import KVCacheFullError, LloyalError, NoLeaseError, WorkerLostError
 from lloyal.sampling import SamplingParams
@@ -23,37 +22,6 @@ from lloyal.sampling import SamplingParams
 __all__ = ["ContextPool", "RemoteBranch", "Worker"]
 
 _LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
-
-
-_Item = tuple[tuple[Any, ...], int, "asyncio.Future[Any]"]
-"""A queued call: its arguments, the worker generation it was made for,
-and the future its result goes to."""
-
-
-@dataclass
-class _Pending:
-    prunes: list[_Item] = field(default_factory=list)
-    commits: list[_Item] = field(default_factory=list)
-    produces: list[_Item] = field(default_factory=list)
-    tops: list[_Item] = field(default_factory=list)
-
-    def queues(self) -> list[list[_Item]]:
-        return [self.prunes, self.commits, self.produces, self.tops]
-
-    def futures(self) -> list[asyncio.Future[Any]]:
-        return [f for queue in self.queues() for _, _, f in queue]
-
-    def empty(self) -> bool:
-        return not any(self.queues())
-
-    def drop_stale(self, generation: int) -> list[asyncio.Future[Any]]:
-        """Take out the calls made for an actor that has died since (the
-        replacement does not know their branches); their futures."""
-        stale = []
-        for queue in self.queues():
-            stale += [f for _, g, f in queue if g != generation]
-            queue[:] = [item for item in queue if item[1] == generation]
-        return stale
 
 
 class Worker:
@@ -72,7 +40,7 @@ class Worker:
         self.pid = 0
         self.vocab = 0
         self.generation = 0
-        self._pending = _Pending()
+        self._pending = Pending()
         self._flush: asyncio.Task[None] | None = None
         self._starting: asyncio.Future[None] | None = None
         self.round_trips = 0
@@ -139,7 +107,7 @@ class Worker:
         made = task.result()
         bids = [m[0] for m in made if m is not None] if method == "fork" else [made[0]]
         for bid in bids:
-            self.prune(bid).add_done_callback(_quiet)
+            self.prune(bid).add_done_callback(quiet)
 
     def _schedule(self) -> None:
         if self._flush is None or self._flush.done():
@@ -151,7 +119,7 @@ class Worker:
         (one step in flight per actor keeps each branch's calls in order)."""
         await asyncio.sleep(0)  # let every task of this tick queue its call
         while not self._pending.empty():
-            batch, self._pending = self._pending, _Pending()
+            batch, self._pending = self._pending, Pending()
             for f in batch.drop_stale(self.generation):
                 if not f.done():
                     f.set_exception(WorkerLostError(f"worker {self.index} was lost"))
@@ -174,20 +142,20 @@ class Worker:
                     for f in self._pending.futures():  # nobody is left to send them
                         if not f.done():
                             f.set_exception(error)
-                    self._pending = _Pending()
+                    self._pending = Pending()
                     raise
                 continue
             for _, _, f in batch.prunes:
-                _settle(f, None)
+                settle(f, None)
             for results, queue in (
                 (done, batch.commits),
                 (made, batch.produces),
                 (top, batch.tops),
             ):
                 for (_, _, f), result in zip(queue, results, strict=True):
-                    _settle(f, result)
+                    settle(f, result)
 
-    def _queue(self, queue: list[_Item], *args: Any) -> asyncio.Future[Any]:
+    def _queue(self, queue: list[Item], *args: Any) -> asyncio.Future[Any]:
         f: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         queue.append((args, self.generation, f))
         self._schedule()
@@ -213,35 +181,6 @@ class Worker:
         """Branches held, leases free and KV cells free on the actor."""
         load: dict[str, int] = await self.call("load")
         return load
-
-
-def _settle(f: asyncio.Future[Any], result: Any) -> None:
-    if f.done():
-        return
-    if isinstance(result, str):
-        f.set_exception(_error(result))
-    else:
-        f.set_result(result)
-
-
-def _quiet(f: asyncio.Future[Any]) -> None:
-    """Retrieve a future's outcome nobody waits for (no warning)."""
-    if not f.cancelled():
-        f.exception()
-
-
-def _error(message: str) -> Exception:
-    """The worker's "KVCacheFullError: ..." as that lloyal exception (or
-    the builtin ValueError, TypeError, IndexError it names)."""
-    name, _, rest = message.partition(": ")
-    kind = getattr(errors, name, None)
-    if isinstance(kind, type) and issubclass(kind, LloyalError):
-        return kind(rest)
-    if name in ("ValueError", "TypeError", "IndexError"):
-        return {"ValueError": ValueError, "TypeError": TypeError, "IndexError": IndexError}[name](
-            rest
-        )
-    return LloyalError(message)
 
 
 class RemoteBranch:

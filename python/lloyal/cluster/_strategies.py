@@ -1,4 +1,11 @@
-"""Strategies spread over a :class:`ContextPool`."""
+"""Strategies spread over a :class:`ContextPool`.
+
+Length: for now these are a second writing of :mod:`lloyal.strategies`
+(``best_of_n``, ``beam_search``, ``mcts``) over remote branches, with
+workers that may be lost; issue 28 (item 2) writes each strategy once over
+a backend protocol, and this file goes. Until then the remote-equals-local
+tests (tests/test_cluster.py) hold the two writings to the same results.
+"""
 
 from __future__ import annotations
 

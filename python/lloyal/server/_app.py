@@ -21,10 +21,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from lloyal.branch import BranchStore
-from lloyal.chat_output import ChatOutput, ChatOutputStream
 from lloyal.context import ChatPrompt, Context, create_context
 from lloyal.errors import ChatTemplateError, GrammarError, LloyalError
 from lloyal.grammar import Grammar
+from lloyal.server._chat import ChatChoice
 from lloyal.server._engine import Engine, Event
 from lloyal.server._protocol import (
     ApiError,
@@ -239,66 +239,6 @@ def _event_stream(
 # -- chat completions -------------------------------------------------------------
 
 
-class _ChatChoice:
-    """One chat choice's text, parsed as it grows into OpenAI deltas."""
-
-    def __init__(self, prompt: ChatPrompt) -> None:
-        self.prompt = prompt
-        self.text = ""  # a collected reply: the caller appends to it
-        # A streamed reply goes through delta(), which parses only what each
-        # piece can change.
-        self.stream = ChatOutputStream(prompt.chat_format, thinking_started=prompt.thinking_started)
-        self.seen = ChatOutput(content="")
-        self.logprobs: list[dict[str, Any]] = []
-        self.tokens = 0
-
-    def delta(self, more: str) -> dict[str, Any]:
-        now = self.stream.feed(more)
-        out: dict[str, Any] = {}
-        if now.content.startswith(self.seen.content) and len(now.content) > len(self.seen.content):
-            out["content"] = now.content[len(self.seen.content) :]
-        if now.reasoning.startswith(self.seen.reasoning) and len(now.reasoning) > len(
-            self.seen.reasoning
-        ):
-            out["reasoning_content"] = now.reasoning[len(self.seen.reasoning) :]
-        calls = []
-        for j, call in enumerate(now.tool_calls):
-            before = self.seen.tool_calls[j] if j < len(self.seen.tool_calls) else None
-            if before is None:
-                calls.append(
-                    {
-                        "index": j,
-                        "id": call.id or f"call_{uuid.uuid4().hex[:24]}",
-                        "type": "function",
-                        "function": {"name": call.name, "arguments": call.arguments},
-                    }
-                )
-            elif len(call.arguments) > len(before.arguments):
-                extra = call.arguments[len(before.arguments) :]
-                calls.append({"index": j, "function": {"arguments": extra}})
-        if calls:
-            out["tool_calls"] = calls
-        self.seen = now
-        return out
-
-    def final(self, finish: str) -> tuple[dict[str, Any], str]:
-        out = self.stream.finish() if self.stream.text else self.prompt.parse(self.text)
-        message: dict[str, Any] = {"role": "assistant", "content": out.content or None}
-        if out.reasoning:
-            message["reasoning_content"] = out.reasoning
-        if out.tool_calls:
-            message["tool_calls"] = [
-                {
-                    "id": c.id or f"call_{uuid.uuid4().hex[:24]}",
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments},
-                }
-                for c in out.tool_calls
-            ]
-            finish = "tool_calls" if finish == "stop" else finish
-        return message, finish
-
-
 def _chat_prompt(state: _State, req: ChatRequest) -> ChatPrompt:
     try:
         return state.ctx.format_chat(
@@ -336,7 +276,7 @@ async def chat_completions(request: Request, state: _State) -> Response:
         "created": int(time.time()),
         "model": state.name,
     }
-    choices = [_ChatChoice(prompt) for _ in range(gen.n)]
+    choices = [ChatChoice(prompt) for _ in range(gen.n)]
 
     def usage() -> dict[str, int]:
         done = sum(c.tokens for c in choices)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lloyal.chat_format import check_messages, check_tools
+from lloyal.chat.format import check_messages, check_tools
 from lloyal.sampling import SamplingParams
 
 __all__ = [

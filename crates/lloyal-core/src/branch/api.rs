@@ -7,14 +7,14 @@ use std::sync::{Arc, Mutex};
 
 use super::job::{mark_busy, BranchJob};
 use super::ops::make_fork;
-use super::state::{BranchId, BranchState};
 use super::tree::{check_tree, TreeOutcome};
-use super::view::LogitsView;
 use crate::engine::{panic_text, unanswered};
 use crate::engine::{Context, Job, Reply, Shared, Task};
 use crate::error::{invalid, Error, Result};
 use crate::grammar::Grammar;
 use crate::sampling::SamplingParams;
+use crate::state::LogitsView;
+use crate::state::{BranchId, BranchState};
 use crate::sync::lock;
 
 impl Context {

@@ -5,10 +5,10 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex};
 
-use super::state::{BranchId, BranchState};
 use crate::engine::step::{Group, Input, ItemResults, Step, StepGroup};
 use crate::engine::{Context, Job, Reply, Shared};
 use crate::error::{invalid, Error, Result};
+use crate::state::{BranchId, BranchState};
 use crate::sync::lock;
 
 impl Context {

@@ -8,11 +8,11 @@ use llama_cpp_2::token::LlamaToken;
 
 use super::job::clear_busy;
 use super::scan::{copy_and_scan, log_sum_exps, reuse, BACKGROUND_SUMS_UP_TO};
-use super::state::BranchId;
 use crate::engine::step::{Group, Input, ItemResults, Progress, Step, Undo, Work};
 use crate::engine::{Reply, Worker};
 use crate::error::{Error, Result};
 use crate::metrics::LogitStats;
+use crate::state::BranchId;
 use crate::sync::lock;
 
 /// The tokens `from..to` of one work item of one group, decoded this round.

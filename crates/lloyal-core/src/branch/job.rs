@@ -2,11 +2,11 @@
 //! decoding tokens (commits and prefills are steps: `engine::step`), and the
 //! busy marks that keep a branch to one job at a time.
 
-use super::state::{BranchId, Branches};
 use super::tree::TreeOutcome;
 use crate::engine::{Recover, Reply, Task, Worker};
 use crate::error::{Error, Result};
 use crate::sampling::SamplingParams;
+use crate::state::{BranchId, Branches};
 use crate::sync::lock;
 
 pub(crate) enum BranchJob {

@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
-use super::state::{BranchId, BranchState, Branches};
 use crate::engine::step::Input;
 use crate::engine::{Shared, Worker};
 use crate::error::{invalid, Error, Result};
+use crate::state::{BranchId, BranchState, Branches};
 use crate::sync::lock;
 
 impl Worker<'_> {

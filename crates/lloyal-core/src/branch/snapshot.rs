@@ -2,10 +2,10 @@
 
 use std::sync::Arc;
 
-use super::state::{BranchId, BranchState};
 use crate::engine::Worker;
 use crate::error::{Error, Result};
 use crate::sampling::SamplingParams;
+use crate::state::{BranchId, BranchState};
 use crate::sync::lock;
 
 /// Branch snapshot payload: `[u64 n_logits][f32 logits...][llama bytes]`.
@@ -48,9 +48,9 @@ impl Worker<'_> {
             let b = branches.get(id)?;
             (b.seq, b.logits.clone())
         };
-        let llama = crate::kv::state::read_seq(&self.ctx, seq)?;
-        let fp = crate::kv::state::fingerprint(&self.model, &self.params);
-        Ok(crate::kv::state::encode(
+        let llama = crate::kv::read_seq(&self.ctx, seq)?;
+        let fp = crate::kv::fingerprint(&self.model, &self.params);
+        Ok(crate::kv::encode(
             fp,
             &[],
             &pack_branch(logits.as_deref(), &llama),
@@ -62,14 +62,14 @@ impl Worker<'_> {
         data: &[u8],
         params: SamplingParams,
     ) -> Result<BranchId> {
-        let fp = crate::kv::state::fingerprint(&self.model, &self.params);
-        let (_, payload) = crate::kv::state::decode(fp, data)?;
+        let fp = crate::kv::fingerprint(&self.model, &self.params);
+        let (_, payload) = crate::kv::decode(fp, data)?;
         let (logits, llama) = unpack_branch(payload, self.model.vocab_size() as usize)?;
         let mut state = BranchState::new(0, params)?;
         self.model.bind_sampler(state.sampler_mut());
-        let llama = crate::kv::state::check_payload(llama, self.ctx.n_ctx())?;
+        let llama = crate::kv::check_payload(llama, self.ctx.n_ctx())?;
         let seq = lock(&self.shared.branches).lease(|s| self.shared.holds_flat_data(s))?;
-        if let Err(e) = crate::kv::state::write_seq(&mut self.ctx, seq, llama) {
+        if let Err(e) = crate::kv::write_seq(&mut self.ctx, seq, llama) {
             lock(&self.shared.branches).release(seq);
             self.refresh_seq(seq);
             return Err(e);

@@ -4,9 +4,9 @@ use std::sync::Arc;
 
 use llama_cpp_2::token::LlamaToken;
 
-use super::state::BranchId;
 use crate::engine::Worker;
 use crate::error::{invalid, Error, Result};
+use crate::state::BranchId;
 use crate::sync::lock;
 
 /// What [`Context::branch_prefill_tree`] gives back.

@@ -1,25 +1,21 @@
-//! Jobs: what callers send the worker. The engine's own jobs are variants;
-//! branch, KV and embedding work is a [`Task`] that the module doing it
-//! defines, so the engine knows nothing of it beyond this trait.
+//! Jobs: what callers send the worker. The engine's own jobs are variants:
+//! steps (see `step`), the close and the test device `Hold`. Everything
+//! else -- branch operations, the flat API, embeddings -- is a [`Task`]
+//! that the module doing it defines, so the engine knows nothing of it
+//! beyond this trait.
 
 use crossbeam_channel::{Receiver, Sender};
 
 use super::reply::Reply;
 use super::step::Step;
 use super::worker::Worker;
-use crate::branch::state::BranchId;
 use crate::error::Error;
+use crate::state::BranchId;
 
 pub(crate) enum Job {
-    Decode {
-        tokens: Vec<i32>,
-        pos: i32,
-        seq: i32,
-        reply: Reply<()>,
-    },
     /// Branch tokens to decode: commits and prefills (see `step`).
     Step(Step),
-    /// Work another module defines (branches, the flat KV API, embeddings).
+    /// Work another module defines (branches, the flat API, embeddings).
     Task(Box<dyn Task>),
     Close {
         reply: Reply<()>,
@@ -65,7 +61,7 @@ impl Job {
 
     pub(crate) fn fail(self, error: Error) {
         match self {
-            Job::Decode { reply, .. } | Job::Close { reply } => reply.send(Err(error)),
+            Job::Close { reply } => reply.send(Err(error)),
             Job::Step(step) => step.fail(error),
             Job::Task(task) => task.fail(error),
             Job::Hold { .. } => {}

@@ -16,15 +16,19 @@
 //! the worker thread holds it while it runs a job, so the context is still
 //! used by one thread at a time, and in submission order.
 //!
+//! Layers: the engine uses the leaf modules (model, params, sampling,
+//! metrics, grammar) and `state` (the branch arena it guards, and whose
+//! branches its steps decode into); `branch`, `flat`, `embed` and `aio`
+//! use the engine, never the other way round: their work reaches the
+//! worker as a [`Task`] or a step.
+//!
 //! Files: `handle` (the `Context` handle: submit, inline, hold, close),
 //! `start` (loading, creating the llama.cpp context, the worker thread),
-//! `worker` (its loop and the decode primitives), `job` (the jobs and the
-//! `Task` trait other modules implement), `step` (the one batching
-//! mechanism: groups of commits and prefills, their failure rules; the
-//! rounds themselves run in `branch::decode`), `reply`, `shared`, `flat`
-//! (the flat API's decode, logits and sampler).
+//! `run` (the worker's loop), `worker` (the decode primitives), `job` (the
+//! jobs and the `Task` trait other modules implement), `step` (the one
+//! batching mechanism: groups of commits and prefills, their failure
+//! rules; the rounds themselves run in `branch::decode`), `reply`, `shared`.
 
-mod flat;
 mod handle;
 mod job;
 mod reply;

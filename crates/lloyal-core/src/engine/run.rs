@@ -185,15 +185,6 @@ impl Worker<'_> {
         #[cfg(feature = "testing")]
         self.maybe_panic();
         match job {
-            Job::Decode {
-                tokens,
-                pos,
-                seq,
-                reply,
-            } => {
-                let result = self.decode(&tokens, pos, seq);
-                reply.send(result);
-            }
             Job::Task(task) => task.run(self),
             Job::Hold { until } => {
                 // Ends when the `Hold` is dropped (disconnected), or when

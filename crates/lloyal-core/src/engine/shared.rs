@@ -3,9 +3,9 @@
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::branch::state::Branches;
 use crate::error::{invalid, Result};
 use crate::sampling::Sampler;
+use crate::state::Branches;
 
 /// Counters a user can reason with; tests use them to prove batching.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

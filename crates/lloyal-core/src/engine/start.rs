@@ -147,7 +147,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         pos_max: (0..params.n_seq_max).map(|_| AtomicI32::new(-1)).collect(),
         logits: Mutex::new(None),
         sampler: Mutex::new(None),
-        branches: Mutex::new(crate::branch::state::Branches::new(params.n_seq_max)),
+        branches: Mutex::new(crate::state::Branches::new(params.n_seq_max)),
         embeddings: Mutex::new(None),
         #[cfg(feature = "testing")]
         panic_next: AtomicBool::new(false),

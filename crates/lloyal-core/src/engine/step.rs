@@ -23,11 +23,11 @@
 use std::sync::Arc;
 
 use super::reply::Reply;
-use crate::branch::state::{BranchId, BranchState};
 use crate::error::{Error, Result};
 use crate::grammar::Grammar;
 use crate::metrics::{LogitStats, PerplexityTracker};
 use crate::sampling::Sampler;
+use crate::state::{BranchId, BranchState};
 
 /// One result per item of a group.
 pub type ItemResults = Vec<Result<()>>;

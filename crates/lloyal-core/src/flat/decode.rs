@@ -1,12 +1,10 @@
-//! The flat API: decoding into sequence ids the caller chooses, the
+//! The flat API's decoding: into sequence ids the caller chooses, the
 //! context's last logits and its own sampler.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::handle::Context;
-use super::job::Job;
-use super::reply::Reply;
+use crate::engine::{Context, Job, Reply, Task, Worker};
 use crate::error::{invalid, Error, Result};
 use crate::metrics::{self, Base};
 use crate::sampling::{Sampler, SamplingParams};
@@ -18,12 +16,12 @@ impl Context {
     /// `n_batch` are split across several `llama_decode` calls; if any of
     /// them fails, what this call added to the KV cache is removed again.
     pub fn decode(&self, tokens: Vec<i32>, pos: i32, seq: i32, reply: Reply<()>) {
-        self.submit(Job::Decode {
+        self.submit(Job::task(DecodeJob {
             tokens,
             pos,
             seq,
             reply,
-        });
+        }));
     }
 
     /// Blocking [`Context::decode`].
@@ -80,13 +78,13 @@ impl Context {
             Some(s) => {
                 if s.params() != params {
                     s.set_params(params.clone())?;
-                    self.model.bind_sampler(s);
+                    self.model().bind_sampler(s);
                 }
                 s
             }
             None => {
                 let s = guard.insert(Sampler::new(params.clone())?);
-                self.model.bind_sampler(s);
+                self.model().bind_sampler(s);
                 s
             }
         };
@@ -106,7 +104,7 @@ impl Context {
     }
 
     pub fn check_logits_len(&self, logits: &[f32]) -> Result<()> {
-        let n = self.model.vocab_size() as usize;
+        let n = self.model().vocab_size() as usize;
         if logits.len() != n {
             return Err(invalid(format!(
                 "logits must have shape ({n},), got ({},)",
@@ -131,7 +129,26 @@ impl Context {
     }
 
     pub fn model_surprisal(&self, token: i32, base: Base, logits: Option<&[f32]>) -> Result<f64> {
-        self.model.check_token(token)?;
+        self.model().check_token(token)?;
         metrics::surprisal(&self.logits_or_current(logits)?, token, base)
+    }
+}
+
+/// [`Context::decode`] on the worker.
+struct DecodeJob {
+    tokens: Vec<i32>,
+    pos: i32,
+    seq: i32,
+    reply: Reply<()>,
+}
+
+impl Task for DecodeJob {
+    fn run(self: Box<Self>, worker: &mut Worker<'_>) {
+        let result = worker.decode(&self.tokens, self.pos, self.seq);
+        self.reply.send(result);
+    }
+
+    fn fail(self: Box<Self>, error: crate::error::Error) {
+        self.reply.send(Err(error));
     }
 }

@@ -4,7 +4,7 @@
 
 use crate::engine::{Context, Job, Reply, Task, Worker};
 use crate::error::{invalid, Error, Result};
-use crate::kv::state as kv;
+use crate::kv;
 use crate::sync::lock;
 
 pub(crate) enum KvJob {

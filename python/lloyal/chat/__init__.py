@@ -1,0 +1,38 @@
+"""Chat: prompts in a model's template, tool calls and structured replies,
+and reading the reply back.
+
+- :mod:`lloyal.chat.format`: what :meth:`Context.format_chat` renders with
+  tools or a JSON schema (the family's grammar, lazy triggers, messages a
+  template without tools can show), and the message and tool checks.
+- :mod:`lloyal.chat.output`: :func:`parse_chat_output` and
+  :class:`ChatOutputStream` split a reply into content, reasoning and tool
+  calls.
+- ``_markers`` (each family's markers, written once), ``_types`` (what a
+  parsed reply is), ``_scan`` (the partial-JSON scanner and call objects)
+  and ``_blocks`` (each family's block parser) are the parser's parts.
+
+>>> from lloyal.chat import parse_chat_output
+>>> parse_chat_output("<think>Easy.</think>Paris.").reasoning
+'Easy.'
+"""
+
+from lloyal.chat.format import ToolSpec, check_messages, check_tools, prepare_chat
+from lloyal.chat.output import (
+    CHAT_FORMATS,
+    ChatOutput,
+    ChatOutputStream,
+    ToolCall,
+    parse_chat_output,
+)
+
+__all__ = [
+    "CHAT_FORMATS",
+    "ChatOutput",
+    "ChatOutputStream",
+    "ToolCall",
+    "ToolSpec",
+    "check_messages",
+    "check_tools",
+    "parse_chat_output",
+    "prepare_chat",
+]

@@ -1,0 +1,373 @@
+"""Tool calls and structured replies for :meth:`Context.format_chat`.
+
+A chat template either knows how to show tools to its model (its source
+mentions ``tools``) or it does not. When it does, the tools go to the
+template as the ``tools`` variable and the model is expected to answer in
+its family's tool-call syntax; the family is recognised from markers in the
+template source:
+
+========== ============================================ ===================
+family     recognised by                                a call looks like
+========== ============================================ ===================
+hermes     ``<tool_call>`` (Hermes 2 Pro, Qwen 2.5/3)   ``<tool_call>{json}</tool_call>``
+llama3     ``<|python_tag|>`` or Llama 3 headers        ``{"name": ..., "parameters": ...}``
+mistral    ``[TOOL_CALLS]``                             ``[TOOL_CALLS][{json}, ...]``
+deepseek   DeepSeek's tool-calls-begin marker           DeepSeek's tagged blocks
+========== ============================================ ===================
+
+A template that does not mention tools (SmolLM2's, the built-in ``gemma``
+and ``chatml`` ones) gets the tools described in its system message with
+the hermes convention, and earlier tool calls and results in ``messages``
+are rewritten into text the template can show (results become a user turn
+in ``<tool_response>`` tags).
+
+The returned grammar is Lark text with inline JSON schemas: with
+``tool_choice="auto"`` it is *lazy* (it waits for the family's opener, then
+forces a call whose name and arguments match one tool's schema); with
+``"required"`` or a named function it constrains from the first token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lloyal.chat._markers import (
+    DEEPSEEK,
+    DEEPSEEK_CALL,
+    HERMES,
+    LLAMA3_HEADER,
+    PYTHON_TAG,
+    THINK,
+    THINKING,
+    TOOL_CALL,
+    TOOL_CALLS,
+)
+
+__all__ = ["ToolSpec", "check_messages", "check_tools", "prepare_chat"]
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """What :func:`prepare_chat` decided: the messages and template
+    variables to render, and the grammar that goes with the prompt."""
+
+    messages: list[dict[str, Any]]
+    variables: dict[str, Any]
+    chat_format: str
+    grammar: str | None
+    triggers: tuple[str, ...]
+    markers: tuple[str, ...]
+
+
+def family(template: str) -> str | None:
+    """The tool-call family a template's source speaks (``None`` when the
+    template does not mention tools)."""
+    if TOOL_CALL in template:
+        return "hermes"
+    if TOOL_CALLS in template:
+        return "mistral"
+    if DEEPSEEK[0] in template:
+        return "deepseek"
+    if "tools" not in template:
+        return None
+    if PYTHON_TAG in template or LLAMA3_HEADER in template:
+        return "llama3"
+    return "hermes"
+
+
+def _functions(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The ``function`` objects of OpenAI-style tools (bare function objects
+    are accepted too), checked enough to build a grammar from."""
+    out = []
+    for tool in tools:
+        if not isinstance(tool, Mapping):
+            raise TypeError(f"each tool is a dict, got {type(tool).__name__}")
+        fn = tool.get("function", tool) if tool.get("type", "function") == "function" else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(
+                'each tool needs {"type": "function", "function": {"name": ..., "parameters": ...}}'
+            )
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, Mapping):
+            raise ValueError(f"tool {fn['name']!r}: parameters must be a JSON schema object")
+        out.append({**fn, "parameters": dict(params)})
+    names = [f["name"] for f in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"tool names must be unique, got {names}")
+    return out
+
+
+def check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Raise for the first message :meth:`Context.format_chat` cannot
+    render: ``TypeError`` for one that is not a dict, ``ValueError``
+    naming the message and field for a malformed one (a role that is not
+    a string; content that is not a string, ``None`` or a list of content
+    parts; ``tool_calls`` that are not a list of calls, each with a
+    function name and string or object arguments; a ``name`` or
+    ``tool_call_id`` that is not a string).
+
+    >>> check_messages([{"role": "assistant", "tool_calls": "get_weather"}])
+    Traceback (most recent call last):
+    ...
+    ValueError: messages[0].tool_calls must be a list of calls, got str
+    """
+    for i, m in enumerate(messages):
+        at = f"messages[{i}]"
+        if not isinstance(m, Mapping):
+            raise TypeError(f"{at} must be a dict with a role, got {type(m).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"{at} needs a 'role' that is a string")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(part, Mapping) for part in content):
+                raise ValueError(f"{at}.content: each content part must be an object")
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(
+                f"{at}.content must be a string, null or a list of content parts, "
+                f"got {type(content).__name__}"
+            )
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise ValueError(f"{at}.{key} must be a string")
+        calls = m.get("tool_calls")
+        if calls is None:
+            continue
+        if not isinstance(calls, list):
+            raise ValueError(f"{at}.tool_calls must be a list of calls, got {type(calls).__name__}")
+        for j, call in enumerate(calls):
+            fn = call.get("function", call) if isinstance(call, Mapping) else None
+            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+                raise ValueError(
+                    f"{at}.tool_calls[{j}] must be an object with a function name "
+                    '({"function": {"name": ..., "arguments": ...}})'
+                )
+            if not isinstance(fn.get("arguments", {}), (str, Mapping)):
+                raise ValueError(f"{at}.tool_calls[{j}] arguments must be a JSON string or object")
+
+
+def check_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any) -> None:
+    """Raise what :meth:`Context.format_chat` would for ``tools`` and
+    ``tool_choice``: ``TypeError`` for a tool that is not a dict,
+    ``ValueError`` for a malformed tool or a ``tool_choice`` that is not
+    ``"auto"``, ``"none"``, ``"required"`` or one of the tools.
+
+    >>> check_tools([], "sometimes")
+    Traceback (most recent call last):
+    ...
+    ValueError: tool_choice must be 'auto', 'none', 'required' or a function, got 'sometimes'
+    """
+    functions = _functions(tools) if tools else []
+    if tool_choice != "none":
+        _chosen(functions, tool_choice)
+
+
+def _chosen(functions: list[dict[str, Any]], tool_choice: Any) -> tuple[list[dict[str, Any]], bool]:
+    """The functions a call may name, and whether a call is required."""
+    if tool_choice in ("auto", None):
+        return functions, False
+    if tool_choice == "required":
+        return functions, True
+    if isinstance(tool_choice, Mapping):
+        fn = tool_choice.get("function", tool_choice)
+        name = fn.get("name") if isinstance(fn, Mapping) else None
+        picked = [f for f in functions if f["name"] == name]
+        if not picked:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+        return picked, True
+    raise ValueError(
+        f"tool_choice must be 'auto', 'none', 'required' or a function, got {tool_choice!r}"
+    )
+
+
+# Compact JSON, as for json_schema= grammars: small models given free
+# whitespace tend to emit runs of newlines.
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _json(schema: Mapping[str, Any] | bool) -> str:
+    """``schema`` as inline ``%json`` text, compact unless it says otherwise."""
+    if isinstance(schema, Mapping) and "x-guidance" not in schema:
+        schema = {**schema, "x-guidance": _COMPACT}
+    return json.dumps(schema)
+
+
+def _call_schema(functions: list[dict[str, Any]], args_key: str) -> dict[str, Any]:
+    """JSON schema of one call: a name and arguments matching that tool."""
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, args_key: f["parameters"]},
+            "required": ["name", args_key],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _grammar(
+    chat_format: str, functions: list[dict[str, Any]], parallel: bool
+) -> tuple[str, tuple[str, ...]]:
+    """Lark grammar for the calls of ``chat_format``, and its trigger words."""
+
+    def calls(sep: str) -> str:
+        return f"start: call ({sep} call)*\n" if parallel else "start: call\n"
+
+    if chat_format == "hermes":
+        schema = _json(_call_schema(functions, "arguments"))
+        opener, closer = (_lark_string(m) for m in HERMES)
+        return (
+            calls("WS") + f"call: {opener} WS? %json {schema} WS? {closer}\nWS: /[ \\t\\r\\n]+/\n",
+            (HERMES[0],),
+        )
+    if chat_format == "llama3":
+        schema = _json(_call_schema(functions, "parameters"))
+        return (
+            calls("SEP") + f"call: %json {schema}\nSEP: /; ?|\\n/\n",
+            ('{"name"', '{ "name"'),
+        )
+    if chat_format == "mistral":
+        item = _call_schema(functions, "arguments")
+        array = {"type": "array", "items": item, "minItems": 1}
+        if not parallel:
+            array["maxItems"] = 1
+        return f"start: {_lark_string(TOOL_CALLS)} %json {_json(array)}\n", (TOOL_CALLS,)
+    if chat_format == "deepseek":
+        names = " | ".join(
+            f'{_lark_string(f["name"])} "\\n```json\\n" %json {_json(f["parameters"])} "\\n```"'
+            for f in functions
+        )
+        return (
+            f"start: {_lark_string(DEEPSEEK[0])} call{'+' if parallel else ''} "
+            f"{_lark_string(DEEPSEEK[1])}\n"
+            f"call: {_lark_string(DEEPSEEK_CALL[0])} ({names}) "
+            f"{_lark_string(DEEPSEEK_CALL[1])}\n",
+            (DEEPSEEK[0],),
+        )
+    raise ValueError(f"no tool-call grammar for chat format {chat_format!r}")
+
+
+def _system_text(functions: list[dict[str, Any]], parallel: bool) -> str:
+    """Describe the tools to a model whose template cannot (hermes style)."""
+    listing = "\n".join(json.dumps({"type": "function", "function": f}) for f in functions)
+    many = " You may make several calls, one block each." if parallel else ""
+    return (
+        "You can call the functions described below, one JSON object per line:\n"
+        f"<tools>\n{listing}\n</tools>\n"
+        "To call one, answer with its name and arguments as JSON between "
+        "<tool_call> and </tool_call>, for example:\n"
+        '<tool_call>\n{"name": "the_function", "arguments": {"argument": "value"}}\n</tool_call>'
+        f"{many}"
+    )
+
+
+def _text(content: Any) -> str:
+    """A message's content as text: its text parts joined, ``""`` for none."""
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if isinstance(p.get("text"), str))
+    return content or ""
+
+
+def _as_text(messages: Sequence[Mapping[str, Any]], system: str | None) -> list[dict[str, Any]]:
+    """Rewrite tool calls and tool results as plain text turns (for
+    templates that know nothing of tools), merging consecutive results into
+    one user turn so that templates insisting on alternating roles accept
+    them."""
+    out: list[dict[str, Any]] = []
+    results = False  # whether out[-1] is a turn of merged tool results
+    for m in messages:
+        role = m.get("role")
+        content = _text(m.get("content"))
+        if role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if results:
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block})
+            results = True
+            continue
+        results = False
+        if role == "assistant" and m.get("tool_calls"):
+            blocks = []
+            for call in m["tool_calls"]:
+                fn = call.get("function", call)
+                args = fn.get("arguments", {})
+                if isinstance(args, str):
+                    # Not JSON (or nested past the parser's depth): kept as text.
+                    with contextlib.suppress(ValueError, RecursionError):
+                        args = json.loads(args)
+                body = json.dumps({"name": fn.get("name"), "arguments": args})
+                blocks.append(f"<tool_call>\n{body}\n</tool_call>")
+            text = "\n".join(([content] if content else []) + blocks)
+            out.append({"role": "assistant", "content": text})
+        else:
+            out.append({**m, "content": content})
+    if system is not None:
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def prepare_chat(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None,
+    tool_choice: Any,
+    parallel_tool_calls: bool,
+    json_schema: Mapping[str, Any] | bool | None,
+    enable_thinking: bool | None,
+) -> ToolSpec:
+    """Decide how to render ``messages`` with ``template`` and which grammar
+    constrains the reply (see the module docs)."""
+    check_messages(messages)
+    variables: dict[str, Any] = {}
+    if enable_thinking is not None:
+        variables["enable_thinking"] = bool(enable_thinking)
+    native = family(template)
+    functions = _functions(tools) if tools else []
+    if tool_choice == "none":
+        functions = []
+    chat_format = native or "hermes"
+    think = THINKING if THINK in template else ()
+    if not functions:
+        grammar = None
+        if json_schema is not None:
+            grammar = f"start: %json {_json(json_schema)}\n"
+        rendered = [dict(m) for m in messages] if native else _as_text(messages, None)
+        return ToolSpec(
+            rendered, variables, chat_format if tools else "content", grammar, (), think
+        )
+    if json_schema is not None:
+        raise ValueError("give json_schema= or tools=, not both")
+    allowed, required = _chosen(functions, tool_choice)
+    grammar, triggers = _grammar(chat_format, allowed, parallel_tool_calls)
+    if native:
+        variables["tools"] = [{"type": "function", "function": f} for f in functions]
+        rendered = [dict(m) for m in messages]
+    else:
+        rendered = _as_text(messages, _system_text(functions, parallel_tool_calls))
+    markers = {
+        "hermes": HERMES,
+        "mistral": (TOOL_CALLS,),
+        "deepseek": DEEPSEEK,
+        "llama3": (PYTHON_TAG,),
+    }[chat_format]
+    return ToolSpec(
+        rendered,
+        variables,
+        chat_format,
+        grammar,
+        () if required else triggers,
+        markers + think,
+    )

@@ -1,0 +1,71 @@
+"""A chat choice's reply as OpenAI shapes it: the deltas of a stream (each
+token's piece parsed once, by :class:`~lloyal.ChatOutputStream`) and the
+final message with its tool calls."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from lloyal.chat.output import ChatOutput, ChatOutputStream
+from lloyal.context import ChatPrompt
+
+
+class ChatChoice:
+    """One chat choice's text, parsed as it grows into OpenAI deltas."""
+
+    def __init__(self, prompt: ChatPrompt) -> None:
+        self.prompt = prompt
+        self.text = ""  # a collected reply: the caller appends to it
+        # A streamed reply goes through delta(), which parses only what each
+        # piece can change.
+        self.stream = ChatOutputStream(prompt.chat_format, thinking_started=prompt.thinking_started)
+        self.seen = ChatOutput(content="")
+        self.logprobs: list[dict[str, Any]] = []
+        self.tokens = 0
+
+    def delta(self, more: str) -> dict[str, Any]:
+        now = self.stream.feed(more)
+        out: dict[str, Any] = {}
+        if now.content.startswith(self.seen.content) and len(now.content) > len(self.seen.content):
+            out["content"] = now.content[len(self.seen.content) :]
+        if now.reasoning.startswith(self.seen.reasoning) and len(now.reasoning) > len(
+            self.seen.reasoning
+        ):
+            out["reasoning_content"] = now.reasoning[len(self.seen.reasoning) :]
+        calls = []
+        for j, call in enumerate(now.tool_calls):
+            before = self.seen.tool_calls[j] if j < len(self.seen.tool_calls) else None
+            if before is None:
+                calls.append(
+                    {
+                        "index": j,
+                        "id": call.id or f"call_{uuid.uuid4().hex[:24]}",
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                )
+            elif len(call.arguments) > len(before.arguments):
+                extra = call.arguments[len(before.arguments) :]
+                calls.append({"index": j, "function": {"arguments": extra}})
+        if calls:
+            out["tool_calls"] = calls
+        self.seen = now
+        return out
+
+    def final(self, finish: str) -> tuple[dict[str, Any], str]:
+        out = self.stream.finish() if self.stream.text else self.prompt.parse(self.text)
+        message: dict[str, Any] = {"role": "assistant", "content": out.content or None}
+        if out.reasoning:
+            message["reasoning_content"] = out.reasoning
+        if out.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id or f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in out.tool_calls
+            ]
+            finish = "tool_calls" if finish == "stop" else finish
+        return message, finish
