@@ -243,6 +243,43 @@ def test_mcts_scores_rollouts_and_returns_the_best(smol: lloyal.Context) -> None
     assert all_leases_free(smol)
 
 
+def test_parallel_mcts_on_one_context(smol: lloyal.Context) -> None:
+    """Tree parallelism on one context: two iterations at once, each
+    scored and backed up; the lease need grows by ``width`` per extra
+    runner and is checked before anything runs."""
+    seen: list[str] = []
+
+    def score(text: str) -> float:
+        seen.append(text)
+        return float(text.count("e"))
+
+    result = run(
+        strategies.mcts(
+            smol,
+            "My favourite word is",
+            score,
+            iterations=3,
+            width=2,
+            rollout_tokens=3,
+            parallel=2,
+        )
+    )
+    assert result.iterations == 3
+    assert result.rollouts == len(seen)
+    assert sum(r.visits for r in result.roots) == len(seen)
+    assert result.score == max(s.count("e") for s in seen)
+    assert all_leases_free(smol)
+    with pytest.raises(ValueError, match=r"mcts\(iterations=4, parallel=2\) needs 9 free"):
+        run(strategies.mcts(smol, "Hi", len, iterations=4, width=2, parallel=2))
+    assert all_leases_free(smol)
+
+
+@pytest.mark.parametrize("name", ["best_of_n", "beam_search"])
+def test_a_strategy_runs_on_a_context_or_a_pool_only(name: str) -> None:
+    with pytest.raises(TypeError, match=r"runs on a lloyal\.Context or a lloyal\.cluster"):
+        run(getattr(strategies, name)(object(), "Hi"))
+
+
 AFTER = (1, 3)  # cancel after this many decodes
 
 

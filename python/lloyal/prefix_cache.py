@@ -69,16 +69,16 @@ class PrefixCacheStats:
         return self.hits / self.requests if self.requests else 0.0
 
 
-class _Node:
+class _Edge:
     """A radix-tree node: the tokens on the edge into it, its children by
     their edge's first token, and the entry for the path ending here."""
 
     __slots__ = ("children", "edge", "entry", "parent")
 
-    def __init__(self, edge: tuple[int, ...], parent: _Node | None) -> None:
+    def __init__(self, edge: tuple[int, ...], parent: _Edge | None) -> None:
         self.edge = edge
         self.parent = parent
-        self.children: dict[int, _Node] = {}
+        self.children: dict[int, _Edge] = {}
         self.entry: _Entry | None = None
 
 
@@ -86,7 +86,7 @@ class _Node:
 class _Entry:
     tokens: tuple[int, ...]
     branch: Branch
-    node: _Node
+    node: _Edge
     used: int
 
 
@@ -147,7 +147,7 @@ class PrefixCache:
         self._max_branches = max_branches
         self._max_cells = max_cells
         self._params = params
-        self._root = _Node((), None)
+        self._root = _Edge((), None)
         self._entries: list[_Entry] = []
         self._by_tokens: dict[tuple[int, ...], _Entry] = {}
         self._lock = anyio.Lock()
@@ -165,7 +165,7 @@ class PrefixCache:
 
     # -- the radix tree ----------------------------------------------------------
 
-    def _walk(self, tokens: tuple[int, ...]) -> tuple[_Node, int]:
+    def _walk(self, tokens: tuple[int, ...]) -> tuple[_Edge, int]:
         """The deepest node whose path ``tokens`` starts with (or runs into,
         ending inside its edge), and how many tokens matched."""
         node, at = self._root, 0
@@ -180,7 +180,7 @@ class PrefixCache:
                 break
         return node, at
 
-    def _any_entry(self, node: _Node) -> _Entry | None:
+    def _any_entry(self, node: _Edge) -> _Entry | None:
         """The most recently used entry at or below ``node``."""
         best: _Entry | None = None
         stack = [node]
@@ -191,18 +191,18 @@ class PrefixCache:
             stack.extend(n.children.values())
         return best
 
-    def _insert(self, tokens: tuple[int, ...]) -> _Node:
+    def _insert(self, tokens: tuple[int, ...]) -> _Edge:
         node, at = self._root, 0
         while at < len(tokens):
             child = node.children.get(tokens[at])
             if child is None:
-                leaf = _Node(tokens[at:], node)
+                leaf = _Edge(tokens[at:], node)
                 node.children[tokens[at]] = leaf
                 return leaf
             edge = child.edge
             n = _shared(edge, tokens, at)
             if n < len(edge):  # split the edge
-                middle = _Node(edge[:n], node)
+                middle = _Edge(edge[:n], node)
                 node.children[tokens[at]] = middle
                 child.edge = edge[n:]
                 child.parent = middle

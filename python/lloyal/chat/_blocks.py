@@ -35,10 +35,10 @@ from lloyal.chat._scan import (
     _WS,
     _calls_of,
     _Memo,
-    _Node,
     _pending,
     _scan,
     _skip,
+    _Value,
 )
 from lloyal.chat._types import ToolCall
 
@@ -416,7 +416,7 @@ def _bare(
     return None
 
 
-def _generic(text: str, node: _Node, partial: bool) -> tuple[_Block, str] | None:
+def _generic(text: str, node: _Value, partial: bool) -> tuple[_Block, str] | None:
     calls: list[ToolCall] = []
     content = ""
     seen: set[str] = set()

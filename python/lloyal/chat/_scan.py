@@ -89,7 +89,7 @@ _NUMBER_CUT = re.compile(
 )
 
 
-class _Node:
+class _Value:
     """A JSON value in the text: ``text[start:end]``; ``complete`` is False
     when the text ends inside it (then ``end`` is the end of the text)."""
 
@@ -101,7 +101,7 @@ class _Node:
         self.end = start
         self.complete = False
         self.members: list[_Member] = []  # objects: keys seen whole, in order
-        self.items: list[_Node] = []  # arrays
+        self.items: list[_Value] = []  # arrays
         self.text = ""  # strings: the decoded text so far
 
 
@@ -110,10 +110,10 @@ class _Member:
 
     def __init__(self, key: str) -> None:
         self.key = key
-        self.value: _Node | None = None
+        self.value: _Value | None = None
 
 
-def _scan(text: str, i: int, depth: int = 0) -> _Node | None:
+def _scan(text: str, i: int, depth: int = 0) -> _Value | None:
     """The JSON value at ``text[i]``, or None if the text there cannot be
     (the start of) one."""
     if depth > _MAX_DEPTH or i >= len(text):
@@ -130,8 +130,8 @@ def _scan(text: str, i: int, depth: int = 0) -> _Node | None:
     return _scan_literal(text, i)
 
 
-def _scan_object(text: str, i: int, depth: int) -> _Node | None:
-    node = _Node("object", i)
+def _scan_object(text: str, i: int, depth: int) -> _Value | None:
+    node = _Value("object", i)
     n = len(text)
     j = _skip(text, i + 1)
     if j < n and text[j] == "}":
@@ -174,8 +174,8 @@ def _scan_object(text: str, i: int, depth: int) -> _Node | None:
     return node
 
 
-def _scan_array(text: str, i: int, depth: int) -> _Node | None:
-    node = _Node("array", i)
+def _scan_array(text: str, i: int, depth: int) -> _Value | None:
+    node = _Value("array", i)
     n = len(text)
     j = _skip(text, i + 1)
     if j < n and text[j] == "]":
@@ -201,8 +201,8 @@ def _scan_array(text: str, i: int, depth: int) -> _Node | None:
     return node
 
 
-def _scan_string(text: str, i: int) -> _Node | None:
-    node = _Node("string", i)
+def _scan_string(text: str, i: int) -> _Value | None:
+    node = _Value("string", i)
     n = len(text)
     parts: list[str] = []
     j = i + 1
@@ -247,8 +247,8 @@ def _scan_string(text: str, i: int) -> _Node | None:
     return node
 
 
-def _scan_number(text: str, i: int) -> _Node | None:
-    node = _Node("scalar", i)
+def _scan_number(text: str, i: int) -> _Value | None:
+    node = _Value("scalar", i)
     run = _NUMBER_RUN.match(text, i)
     assert run is not None  # text[i] is a digit or "-"
     if run.end() == len(text):  # it may still grow
@@ -262,8 +262,8 @@ def _scan_number(text: str, i: int) -> _Node | None:
     return node
 
 
-def _scan_literal(text: str, i: int) -> _Node | None:
-    node = _Node("scalar", i)
+def _scan_literal(text: str, i: int) -> _Value | None:
+    node = _Value("scalar", i)
     for word in ("true", "false", "null"):
         if text.startswith(word, i):
             node.complete, node.end = True, i + len(word)
@@ -277,14 +277,14 @@ def _scan_literal(text: str, i: int) -> _Node | None:
 # --- call objects --------------------------------------------------------------
 
 
-def _member(node: _Node, *keys: str) -> _Member | None:
+def _member(node: _Value, *keys: str) -> _Member | None:
     for member in node.members:
         if member.key in keys:
             return member
     return None
 
 
-def _call_of(text: str, obj: _Node, require_args: bool) -> tuple[bool, ToolCall | None]:
+def _call_of(text: str, obj: _Value, require_args: bool) -> tuple[bool, ToolCall | None]:
     """(valid, call) for a call object: valid False when it can never be a
     call, call None while its name (or, with ``require_args``, the key of
     its arguments) has not arrived yet."""
@@ -328,7 +328,7 @@ def _call_of(text: str, obj: _Node, require_args: bool) -> tuple[bool, ToolCall 
     return True, ToolCall(name.value.text, text[value.start : value.end], call_id)
 
 
-def _calls_of(text: str, node: _Node, require_args: bool) -> tuple[bool, list[ToolCall]]:
+def _calls_of(text: str, node: _Value, require_args: bool) -> tuple[bool, list[ToolCall]]:
     """(valid, the calls visible so far) for a call object or an array of them."""
     if node.kind == "object":
         elements = [node]

@@ -8,19 +8,23 @@ decoding surface. Calls from many tasks in one tick go to a worker as one
 round trip and one decode. :meth:`RemoteBranch.migrate` moves a branch by
 its state bytes, and a branch moves by itself when its worker runs out of
 KV leases or cells; a worker that dies fails its branches with
-:class:`lloyal.WorkerLostError` and is replaced. :func:`best_of_n`,
-:func:`beam_search` and :func:`mcts` spread a search over the pool and go
+:class:`lloyal.WorkerLostError` and is replaced. The strategies of
+:mod:`lloyal.strategies` take a pool where they take a context
+(:func:`best_of_n`, :func:`beam_search` and :func:`mcts`, re-exported
+here, are the same functions): they spread a search over the pool and go
 on with what survives a dead worker. See ``docs/cluster.md``.
 """
 
 from __future__ import annotations
 
+from lloyal.cluster._backend import PoolBackend
 from lloyal.cluster._pool import ContextPool, RemoteBranch, Worker
-from lloyal.cluster._strategies import beam_search, best_of_n, mcts
 from lloyal.errors import WorkerLostError
+from lloyal.strategies import beam_search, best_of_n, mcts
 
 __all__ = [
     "ContextPool",
+    "PoolBackend",
     "RemoteBranch",
     "Worker",
     "WorkerLostError",

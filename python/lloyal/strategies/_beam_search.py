@@ -5,22 +5,28 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from lloyal.branch import Branch, BranchStore
 from lloyal.context import Context
+from lloyal.errors import WorkerLostError
 from lloyal.sampling import GREEDY
 from lloyal.strategies._common import (
     Continuation,
     Progress,
     Prompt,
     _check_positive,
-    _need_leases,
     _Output,
-    _prompt_tokens,
-    _prune_all,
     _Recorder,
-    _stopper,
+)
+from lloyal.strategies._lanes import (
+    Backend,
+    Lane,
+    Pool,
+    Top,
+    backend_of,
+    begin,
+    gather,
 )
 
 
@@ -48,19 +54,23 @@ class BeamSearch(_Output):
 
 @dataclass
 class _Beam:
-    branch: Branch
+    branch: Lane
     rec: _Recorder
-    score: float = 0.0
+    score: float
+    top: Top  # its next-token candidates
+    spares: dict[Any, Lane] = field(default_factory=dict)
+    """Other lanes in the same state (the prompt on each worker)."""
 
 
 async def beam_search(
-    ctx: Context,
+    ctx: Context | Pool,
     prompt: Prompt,
     width: int = 4,
     *,
     max_tokens: int = 32,
     length_penalty: float = 0.0,
     stop: Iterable[int] = (),
+    spread: bool = True,
     progress: Progress | None = None,
 ) -> BeamSearch:
     """Beam search: keep the ``width`` most likely continuations.
@@ -82,6 +92,22 @@ async def beam_search(
     (``n_seq_max`` of ``2 * width`` or more); running out raises
     :class:`NoLeaseError`.
 
+    On a :class:`lloyal.cluster.ContextPool` the beams are spread over the
+    workers, at most ``ceil(width / workers)`` on each; every worker decodes
+    the prompt once (through its prefix cache). A beam chosen more than once
+    forks on its own worker while that worker is under its share; past it,
+    the child is made on the worker with the fewest beams from the parent's
+    state bytes (counted in ``migrations``). Each step is one round trip
+    and one decode per worker for all its beams, plus one for forks; the
+    choices are the ones made here, so on contexts created with
+    ``deterministic=True`` the result is this one. Beams whose worker dies
+    are dropped (``lost``) and the search goes on with the rest.
+    ``spread=False`` runs the whole search on one worker (placed by prefix
+    and load, as :meth:`~lloyal.cluster.ContextPool.place`), with no moves:
+    the way to run many beam searches at once over a pool. Spreading pays
+    when a step's decode costs much more than moving a beam's KV cells.
+    On a context, ``spread`` changes nothing.
+
     >>> import asyncio, lloyal
     >>> from lloyal.strategies import beam_search
     >>> async def main():
@@ -91,76 +117,108 @@ async def beam_search(
     >>> result.text, len(result.beams)
     (' Paris', 2)
     """
+    return await _beam_search(
+        backend_of(ctx), prompt, width, max_tokens, length_penalty, stop, spread, progress
+    )
+
+
+async def _beam_search(
+    backend: Backend,
+    prompt: Prompt,
+    width: int,
+    max_tokens: int,
+    length_penalty: float,
+    stop: Iterable[int],
+    spread: bool,
+    progress: Progress | None,
+) -> BeamSearch:
+    """:func:`beam_search` on any backend: with ``spread``, the beams go
+    over its workers, at most ``ceil(width / workers)`` on each (a child
+    past its parent's worker's share is copied to the worker with the
+    fewest, counted in ``migrations``); beams whose worker dies are dropped
+    (``lost``)."""
     _check_positive(width=width, max_tokens=max_tokens)
-    tokens = await _prompt_tokens(ctx, prompt)
-    is_stop = _stopper(ctx, stop)
-    store = BranchStore(ctx)
-    _need_leases(store, ctx, width, f"beam_search(width={width})")
-    calls, started = ctx.stats.decode_calls, time.perf_counter()
+    tokens, extra, before, started = await begin(backend, prompt, stop)
+    workers = backend.workers
+    used = list(workers[: min(width, len(workers))]) if spread else [await backend.place(tokens)]
+    # The beams, and the prompt's copy on each other worker used.
+    await backend.need_leases(width + len(used) - 1, f"beam_search(width={width})")
+    share = -(-width // len(used))
 
-    finished: list[tuple[float, _Recorder]] = []
-    root = Branch.create(ctx, params=GREEDY)
-    held = {root}  # branches whose lease we hold: live beams and dead ancestors
-    alive: set[Branch] = {root}  # branches that carry a live beam
-    peak = 1
+    stop_ids = set(extra)  # and the model's stop tokens, as the lanes flag them
 
-    async def release(b: Branch) -> None:
-        # Prune ``b`` and then every dead ancestor it was the last live child of.
-        node: Branch | None = b
-        while node is not None and node in held and node not in alive and node.is_leaf:
-            parent = node.parent
-            await node.prune()
-            held.discard(node)
-            node = parent
+    def is_stop(t: int) -> bool:
+        return t in stop_ids
 
-    final: list[tuple[float, _Recorder]] = []
+    held: set[Lane] = set()
+    peak = moved = lost = 0
+    finished: list[_Hypothesis] = []
+    final: list[_Hypothesis] = []
     try:
-        await root.prefill(tokens)
-        beams = [_Beam(root, _Recorder())]
+        roots = await backend.roots(tokens, GREEDY, used)
+        held.update(roots)
+        peak = len(held)
+        first = await roots[0]._top(2 * width)
+        beams = [_Beam(roots[0], _Recorder(), 0.0, first, {r.worker: r for r in roots[1:]})]
         for step in range(max_tokens):
             options = []
             for beam in beams:
-                # Native: the best 2w tokens and the entropy, no row copied.
-                top, logp = beam.branch.top_logprobs(2 * width)
-                ent = beam.branch.model_entropy()
-                options.append((beam.score, beam.rec, top.tolist(), logp.tolist(), ent))
+                toks, logps, ent, stops = beam.top
+                stop_ids.update(t for t, st in zip(toks, stops, strict=True) if st)
+                options.append((beam.score, beam.rec, toks, logps, ent))
             chosen, recs = _choose_beams(options, width, is_stop, finished)
             if progress is not None:
                 progress(step + 1, max_tokens)
             if _search_ends(chosen, finished, step, max_tokens, length_penalty):
                 final = recs
                 break
-            # Free the beams nobody chose first, then fork the ones chosen
-            # more than once (the first use continues the beam's own branch).
-            used = {bi for _, bi, *_ in chosen}
-            for bi, beam in enumerate(beams):
-                if bi not in used:
-                    alive.discard(beam.branch)
-                    await release(beam.branch)
+            plan = _plan(beams, [c[1] for c in chosen], used, share)
+            # Free what no new beam keeps (forks and copies are made from
+            # kept lanes), then make the new ones.
+            kept = {x for how, x in plan if how == "keep"}
+            await gather(*(b.prune() for b in held - kept))
+            held &= kept
+            made = await _make(plan)
+            moved += sum(1 for how, _ in plan if how == "copy")
+            held.update(b for b in made if not isinstance(b, BaseException))  # before any raise
+            pending: list[tuple[Lane, int, float, _Recorder]] = []
+            for (score, _, t, *_), (_, rec), branch in zip(chosen, recs, made, strict=True):
+                if isinstance(branch, WorkerLostError):
+                    lost += 1
+                elif isinstance(branch, BaseException):
+                    raise branch
+                else:
+                    pending.append((branch, t, score, rec))
+            peak = max(peak, len(held) + backend.deferred())
             new_beams: list[_Beam] = []
-            continued: set[int] = set()
-            for (score, bi, *_), (_, rec) in zip(chosen, recs, strict=True):
-                branch = beams[bi].branch
-                if bi in continued:
-                    branch = await branch.fork()
-                    held.add(branch)
-                    alive.add(branch)
-                continued.add(bi)
-                new_beams.append(_Beam(branch, rec, score))
-            peak = max(peak, len(held))
-            await store.commit([(b.branch, b.rec.tokens[-1]) for b in new_beams])
+            # One decode (per worker) for every beam's token.
+            tops = await gather(*(b._advance(t, top=2 * width) for b, t, *_ in pending))
+            for (branch, _, score, rec), outcome in zip(pending, tops, strict=True):
+                if isinstance(outcome, WorkerLostError):
+                    lost += 1
+                    held.discard(branch)
+                    continue
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                new_beams.append(_Beam(branch, rec, score, outcome[1]))
+            if not new_beams:
+                if finished:
+                    break
+                raise WorkerLostError("every worker holding a beam died")
             beams = new_beams
     finally:
-        await _prune_all(root)
+        await backend.release(held)
     ranked = _ranked(finished + final, width, length_penalty)
-    beams_out = tuple([await rec.finish(ctx) for _, rec in ranked])
+    beams_out = tuple([await rec.finish(backend) for _, rec in ranked])
     return BeamSearch(
         beams_out[0],
         beams_out,
         tuple(score for score, _ in ranked),
-        ctx.stats.decode_calls - calls,
+        max(0, await backend.decodes() - before),
         peak,
         time.perf_counter() - started,
+        moved,
+        lost,
     )
 
 
@@ -233,3 +291,84 @@ def _ranked(hypotheses: list[_Hypothesis], width: int, length_penalty: float) ->
         return score / math.pow(n, length_penalty) if length_penalty and n else score
 
     return sorted(((rank(*h), h[1]) for h in hypotheses), key=lambda h: -h[0])[:width]
+
+
+def _plan(
+    beams: list[_Beam], parents: list[int], used: list[Any], share: int
+) -> list[tuple[str, Any]]:
+    """Where each new beam (a child of ``beams[parents[i]]``) goes:
+    ``("keep", lane)`` continues the parent's own lane (its first child)
+    or a spare copy of it; ``("fork", i)`` forks new beam ``i``'s lane,
+    on the same worker, before it moves; ``("copy", (lane, worker))``
+    copies the parent's lane there by its state bytes. A worker takes
+    children up to its ``share``; the rest go to the worker with the
+    fewest."""
+    count: dict[Any, int] = dict.fromkeys(used, 0)
+    plan: list[tuple[str, Any]] = [("", None)] * len(parents)
+    there: dict[tuple[int, Any], int] = {}  # a new beam holding the parent's state
+    for ci, bi in enumerate(parents):
+        if parents.index(bi) == ci:
+            branch = beams[bi].branch
+            plan[ci] = ("keep", branch)
+            count[branch.worker] = count.get(branch.worker, 0) + 1
+            there[(bi, branch.worker)] = ci
+    for ci, bi in enumerate(parents):
+        if plan[ci][0]:
+            continue
+        beam = beams[bi]
+        home = beam.branch.worker
+        if count.get(home, 0) < share:
+            target = home
+        else:
+            target = min(used, key=lambda w: (count[w], used.index(w)))
+        count[target] = count.get(target, 0) + 1
+        if target in beam.spares:
+            plan[ci] = ("keep", beam.spares.pop(target))
+            there[(bi, target)] = ci
+        elif (bi, target) in there:
+            plan[ci] = ("fork", there[(bi, target)])
+        else:
+            plan[ci] = ("copy", (beam.branch, target))
+            there[(bi, target)] = ci
+    return plan
+
+
+async def _make(plan: list[tuple[str, Any]]) -> list[Lane | BaseException]:
+    """The lanes of a :func:`_plan`: copies (one export per parent), then
+    forks (one round trip per lane forked). A failure stands in the place
+    of each lane it cost."""
+    out: list[Lane | BaseException | None] = [x if how == "keep" else None for how, x in plan]
+    copies: dict[Lane, list[int]] = {}
+    forks: dict[int, list[int]] = {}
+    for ci, (how, x) in enumerate(plan):
+        if how == "copy":
+            copies.setdefault(x[0], []).append(ci)
+        elif how == "fork":
+            forks.setdefault(x, []).append(ci)
+
+    async def copy(source: Lane, cis: list[int]) -> None:
+        made: Sequence[Any]
+        try:
+            targets = [plan[ci][1][1] for ci in cis]
+            made = await source._copies(targets, [None] * len(cis), elsewhere=True)
+        except Exception as e:
+            made = [e] * len(cis)
+        for ci, b in zip(cis, made, strict=True):
+            out[ci] = b
+
+    async def fork(source: int, cis: list[int]) -> None:
+        parent = out[source]
+        made: Sequence[Any]
+        try:
+            if isinstance(parent, BaseException):
+                raise parent
+            assert parent is not None
+            made = await parent.fork_many([None] * len(cis))
+        except Exception as e:
+            made = [e] * len(cis)
+        for ci, b in zip(cis, made, strict=True):
+            out[ci] = b
+
+    await gather(*(copy(s, cis) for s, cis in copies.items()))
+    await gather(*(fork(s, cis) for s, cis in forks.items()))
+    return [b for b in out if b is not None]

@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import anyio
 import numpy as np
@@ -124,6 +125,10 @@ def _top(logp: _F64, k: int) -> list[int]:
     return sorted((int(i) for i in idx), key=lambda t: (-logp[t], t))
 
 
+class _Detokenizer(Protocol):
+    async def detokenize(self, tokens: list[int]) -> str: ...
+
+
 class _Recorder:
     """Accumulates one continuation's tokens and metrics."""
 
@@ -150,9 +155,11 @@ class _Recorder:
         r.stopped = self.stopped
         return r
 
-    async def finish(self, ctx: Context) -> Continuation:
+    async def finish(self, source: _Detokenizer) -> Continuation:
+        """As a :class:`Continuation`, its text from ``source`` (a context,
+        or a strategy backend)."""
         return Continuation(
-            await ctx.detokenize(self.tokens),
+            await source.detokenize(self.tokens),
             tuple(self.tokens),
             tuple(self.surprisals),
             tuple(self.entropies),

@@ -4,8 +4,9 @@ level; and the token-tree nodes it shares with :func:`~lloyal.strategies.mcts`."
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +29,7 @@ from lloyal.strategies._common import (
     _stopper,
     _top,
 )
+from lloyal.strategies._lanes import LocalBackend, Top
 
 
 @dataclass(frozen=True)
@@ -77,16 +79,27 @@ class SampledTree(_Output):
 
 @dataclass(eq=False)
 class _Node:
+    """A token of a search tree (:func:`sample_tree`, :func:`mcts`).
+
+    ``branch`` (a :class:`~lloyal.Branch` in :func:`sample_tree`, a lane in
+    :func:`mcts`) is held by leaves only; the root of an MCTS over several
+    workers holds the prompt on the others in ``spares``."""
+
     token: int
     log_prob: float
     surprisal: float
     entropy: float
     parent: _Node | None = None
     children: list[_Node] = field(default_factory=list)
-    branch: Branch | None = None
+    branch: Any = None
+    top: Top | None = None  # its next-token candidates, once known
     terminal: bool = False
     visits: int = 0
     value_sum: float = 0.0
+    pending: int = 0  # iterations running below this node (virtual visits)
+    busy: bool = False  # being expanded
+    dead: bool = False  # its worker died
+    spares: dict[Any, Any] = field(default_factory=dict)
 
     def path(self) -> list[_Node]:
         out: list[_Node] = []
@@ -96,17 +109,42 @@ class _Node:
             node = node.parent
         return out[::-1]
 
-    def freeze(self, ctx: Context) -> TreeNode:
+    def open(self) -> bool:
+        """Whether a selection may end at or pass through this node."""
+        if self.dead or self.busy:
+            return False
+        return not self.children or self.terminal or any(c.open() for c in self.children)
+
+    def walk(self) -> list[_Node]:
+        """This node and every descendant."""
+        out, stack = [], [self]
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children)
+        return out
+
+    def freeze(self, texts: Mapping[int, str]) -> TreeNode:
+        """As a :class:`TreeNode`, with each token's text from ``texts``."""
         return TreeNode(
             self.token,
-            ctx.token_to_text(self.token),
+            texts[self.token],
             self.log_prob,
             self.surprisal,
             self.entropy,
-            tuple(c.freeze(ctx) for c in self.children),
+            tuple(c.freeze(texts) for c in self.children),
             self.visits,
             self.value_sum / self.visits if self.visits else 0.0,
         )
+
+
+async def _frozen(
+    roots: Sequence[_Node], token_texts: Callable[[list[int]], Awaitable[list[str]]]
+) -> tuple[TreeNode, ...]:
+    """``roots`` as :class:`TreeNode` s (their tokens' texts in one call)."""
+    ids = sorted({n.token for r in roots for n in r.walk()})
+    texts = dict(zip(ids, await token_texts(ids), strict=True))
+    return tuple(r.freeze(texts) for r in roots)
 
 
 def _choose(
@@ -148,7 +186,7 @@ async def _expand(
         # The parent's branch is not needed any more: hand it to the first
         # child instead of keeping a fork (saves a lease per expansion).
         first = next(c for c in node.children if c.branch is not None)
-        await first.branch.prune()  # type: ignore[union-attr]
+        await first.branch.prune()
         first.branch = node.branch
         items[0] = (node.branch, first.token)
         node.branch = None
@@ -222,7 +260,7 @@ async def sample_tree(
             rec.add(n.token, n.surprisal, n.entropy)
     return SampledTree(
         await rec.finish(ctx),
-        tuple(c.freeze(ctx) for c in root.children),
+        await _frozen(root.children, LocalBackend(ctx).token_texts),
         ctx.stats.decode_calls - calls,
         time.perf_counter() - started,
     )
