@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lloyal.chat import _blocks, output
+from lloyal.chat import _families, output
 from lloyal.chat.output import CHAT_FORMATS, ChatOutput, ToolCall, parse_chat_output
 
 # DeepSeek's markers (full-width bars, U+2581 for spaces).
@@ -528,7 +528,10 @@ def test_random_text_never_raises(text: str, thinking_started: bool) -> None:
         for partial in (False, True):
             # The parser proper, without parse_chat_output's last-resort guard.
             out = output._parse(
-                text, _blocks._SPECS[fmt], partial=partial, thinking_started=thinking_started
+                text,
+                _families.FAMILIES[fmt].parser,
+                partial=partial,
+                thinking_started=thinking_started,
             )
             assert out == parse_chat_output(
                 text, format=fmt, partial=partial, thinking_started=thinking_started

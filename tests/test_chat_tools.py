@@ -210,14 +210,15 @@ async def test_a_fork_that_fires_the_trigger_leaves_its_parent_waiting(smollm2: 
 
 
 def test_grammars_of_every_family_compile(smollm2: Path) -> None:
-    from lloyal.chat.format import _functions, _grammar
+    from lloyal.chat._families import tool_grammar
+    from lloyal.chat.format import _functions
 
     ctx = open_sync(smollm2, n_ctx=256)
     try:
         fns = _functions([WEATHER, CLOCK])
         for family in ("hermes", "llama3", "mistral", "deepseek"):
             for parallel in (True, False):
-                lark, triggers = _grammar(family, fns, parallel)
+                lark, triggers = tool_grammar(family, fns, parallel)
                 assert triggers
                 ctx.create_grammar(lark=lark, triggers=list(triggers))
     finally:

@@ -32,7 +32,8 @@ from lloyal.sampling import SamplingParams
 from lloyal.text import TextStream
 
 if TYPE_CHECKING:
-    from lloyal.context import ChatPrompt, Context
+    from lloyal.chat.prompt import ChatPrompt
+    from lloyal.context import Context
 
 __all__ = ["Session"]
 

@@ -4,12 +4,16 @@ and reading the reply back.
 - :mod:`lloyal.chat.format`: what :meth:`Context.format_chat` renders with
   tools or a JSON schema (the family's grammar, lazy triggers, messages a
   template without tools can show), and the message and tool checks.
+- :mod:`lloyal.chat.prompt`: :class:`ChatPrompt`, what
+  :meth:`Context.format_chat` returns.
 - :mod:`lloyal.chat.output`: :func:`parse_chat_output` and
   :class:`ChatOutputStream` split a reply into content, reasoning and tool
   calls.
-- ``_markers`` (each family's markers, written once), ``_types`` (what a
+- ``_families``: each format in one row (how a template that speaks it is
+  recognised, its markers, the grammar that forces a call, its parser);
+  ``_markers`` (each family's markers, written once), ``_types`` (what a
   parsed reply is), ``_scan`` (the partial-JSON scanner and call objects)
-  and ``_blocks`` (each family's block parser) are the parser's parts.
+  and ``_blocks`` (each family's block parser) are its parts.
 
 >>> from lloyal.chat import parse_chat_output
 >>> parse_chat_output("<think>Easy.</think>Paris.").reasoning
@@ -24,11 +28,13 @@ from lloyal.chat.output import (
     ToolCall,
     parse_chat_output,
 )
+from lloyal.chat.prompt import ChatPrompt
 
 __all__ = [
     "CHAT_FORMATS",
     "ChatOutput",
     "ChatOutputStream",
+    "ChatPrompt",
     "ToolCall",
     "ToolSpec",
     "check_messages",

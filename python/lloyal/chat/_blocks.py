@@ -1,5 +1,5 @@
 """What follows a marker, per family: each block parser reads the calls
-after its marker, and ``SPECS`` says which markers each format knows."""
+after its marker (``_families`` says which markers each format knows)."""
 
 from __future__ import annotations
 
@@ -454,28 +454,3 @@ class _Spec:
     blocks: Mapping[str, _BlockParser]
     generic: bool = False  # a leading {"tool_call(s)"/"response": ...}
     llama: bool = False  # a leading {"name": ..., "parameters": ...}
-
-
-_DEEPSEEK = {DS_CALLS: _deepseek_block, DS_CALL: _deepseek_block}
-_SPECS: Mapping[str, _Spec] = {
-    "auto": _Spec(
-        {
-            TOOL_CALL: _hermes_block,
-            PYTHON_TAG: _python_tag_block,
-            TOOL_CALLS: _mistral_block,
-            **_DEEPSEEK,
-            TOOL_CODE: _tool_code_block,
-        },
-        generic=True,
-        llama=True,
-    ),
-    "content": _Spec({}),
-    "hermes": _Spec({TOOL_CALL: _hermes_block}),
-    "llama3": _Spec({PYTHON_TAG: _python_tag_block}, llama=True),
-    "mistral": _Spec({TOOL_CALLS: _mistral_block}),
-    "deepseek": _Spec(_DEEPSEEK),
-    "gemma": _Spec(
-        {TOOL_CODE: _tool_code_block, JSON_FENCE: _json_fence_block, TOOL_CALL: _hermes_block}
-    ),
-    "generic": _Spec({}, generic=True),
-}

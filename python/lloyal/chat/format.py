@@ -35,16 +35,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lloyal.chat._families import FAMILIES, family, inline_json, tool_grammar
 from lloyal.chat._markers import (
-    DEEPSEEK,
-    DEEPSEEK_CALL,
-    HERMES,
-    LLAMA3_HEADER,
-    PYTHON_TAG,
     THINK,
     THINKING,
-    TOOL_CALL,
-    TOOL_CALLS,
 )
 
 __all__ = ["ToolSpec", "check_messages", "check_tools", "prepare_chat"]
@@ -61,22 +55,6 @@ class ToolSpec:
     grammar: str | None
     triggers: tuple[str, ...]
     markers: tuple[str, ...]
-
-
-def family(template: str) -> str | None:
-    """The tool-call family a template's source speaks (``None`` when the
-    template does not mention tools)."""
-    if TOOL_CALL in template:
-        return "hermes"
-    if TOOL_CALLS in template:
-        return "mistral"
-    if DEEPSEEK[0] in template:
-        return "deepseek"
-    if "tools" not in template:
-        return None
-    if PYTHON_TAG in template or LLAMA3_HEADER in template:
-        return "llama3"
-    return "hermes"
 
 
 def _functions(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -183,78 +161,6 @@ def _chosen(functions: list[dict[str, Any]], tool_choice: Any) -> tuple[list[dic
     )
 
 
-# Compact JSON, as for json_schema= grammars: small models given free
-# whitespace tend to emit runs of newlines.
-_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _json(schema: Mapping[str, Any] | bool) -> str:
-    """``schema`` as inline ``%json`` text, compact unless it says otherwise."""
-    if isinstance(schema, Mapping) and "x-guidance" not in schema:
-        schema = {**schema, "x-guidance": _COMPACT}
-    return json.dumps(schema)
-
-
-def _call_schema(functions: list[dict[str, Any]], args_key: str) -> dict[str, Any]:
-    """JSON schema of one call: a name and arguments matching that tool."""
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f["name"]}, args_key: f["parameters"]},
-            "required": ["name", args_key],
-            "additionalProperties": False,
-        }
-        for f in functions
-    ]
-    return options[0] if len(options) == 1 else {"anyOf": options}
-
-
-def _lark_string(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
-
-
-def _grammar(
-    chat_format: str, functions: list[dict[str, Any]], parallel: bool
-) -> tuple[str, tuple[str, ...]]:
-    """Lark grammar for the calls of ``chat_format``, and its trigger words."""
-
-    def calls(sep: str) -> str:
-        return f"start: call ({sep} call)*\n" if parallel else "start: call\n"
-
-    if chat_format == "hermes":
-        schema = _json(_call_schema(functions, "arguments"))
-        opener, closer = (_lark_string(m) for m in HERMES)
-        return (
-            calls("WS") + f"call: {opener} WS? %json {schema} WS? {closer}\nWS: /[ \\t\\r\\n]+/\n",
-            (HERMES[0],),
-        )
-    if chat_format == "llama3":
-        schema = _json(_call_schema(functions, "parameters"))
-        return (
-            calls("SEP") + f"call: %json {schema}\nSEP: /; ?|\\n/\n",
-            ('{"name"', '{ "name"'),
-        )
-    if chat_format == "mistral":
-        item = _call_schema(functions, "arguments")
-        array = {"type": "array", "items": item, "minItems": 1}
-        if not parallel:
-            array["maxItems"] = 1
-        return f"start: {_lark_string(TOOL_CALLS)} %json {_json(array)}\n", (TOOL_CALLS,)
-    if chat_format == "deepseek":
-        names = " | ".join(
-            f'{_lark_string(f["name"])} "\\n```json\\n" %json {_json(f["parameters"])} "\\n```"'
-            for f in functions
-        )
-        return (
-            f"start: {_lark_string(DEEPSEEK[0])} call{'+' if parallel else ''} "
-            f"{_lark_string(DEEPSEEK[1])}\n"
-            f"call: {_lark_string(DEEPSEEK_CALL[0])} ({names}) "
-            f"{_lark_string(DEEPSEEK_CALL[1])}\n",
-            (DEEPSEEK[0],),
-        )
-    raise ValueError(f"no tool-call grammar for chat format {chat_format!r}")
-
-
 def _system_text(functions: list[dict[str, Any]], parallel: bool) -> str:
     """Describe the tools to a model whose template cannot (hermes style)."""
     listing = "\n".join(json.dumps({"type": "function", "function": f}) for f in functions)
@@ -343,7 +249,7 @@ def prepare_chat(
     if not functions:
         grammar = None
         if json_schema is not None:
-            grammar = f"start: %json {_json(json_schema)}\n"
+            grammar = f"start: %json {inline_json(json_schema)}\n"
         rendered = [dict(m) for m in messages] if native else _as_text(messages, None)
         return ToolSpec(
             rendered, variables, chat_format if tools else "content", grammar, (), think
@@ -351,18 +257,13 @@ def prepare_chat(
     if json_schema is not None:
         raise ValueError("give json_schema= or tools=, not both")
     allowed, required = _chosen(functions, tool_choice)
-    grammar, triggers = _grammar(chat_format, allowed, parallel_tool_calls)
+    grammar, triggers = tool_grammar(chat_format, allowed, parallel_tool_calls)
     if native:
         variables["tools"] = [{"type": "function", "function": f} for f in functions]
         rendered = [dict(m) for m in messages]
     else:
         rendered = _as_text(messages, _system_text(functions, parallel_tool_calls))
-    markers = {
-        "hermes": HERMES,
-        "mistral": (TOOL_CALLS,),
-        "deepseek": DEEPSEEK,
-        "llama3": (PYTHON_TAG,),
-    }[chat_format]
+    markers = FAMILIES[chat_format].markers
     return ToolSpec(
         rendered,
         variables,

@@ -64,7 +64,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lloyal.chat._blocks import _SPECS, _bare, _Spec
+from lloyal.chat._blocks import _bare, _Spec
+from lloyal.chat._families import FAMILIES
 from lloyal.chat._markers import THINK, THINK_END
 from lloyal.chat._scan import _WS, _held_from, _Memo, _pending, _skip
 from lloyal.chat._types import CHAT_FORMATS, ChatOutput, ToolCall
@@ -105,7 +106,8 @@ def parse_chat_output(
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
-    spec = _SPECS.get(format) if isinstance(format, str) else None
+    family = FAMILIES.get(format) if isinstance(format, str) else None
+    spec = family.parser if family is not None else None
     if spec is None:
         raise ValueError(f"unknown chat format {format!r}; expected one of {CHAT_FORMATS}")
     try:
@@ -275,7 +277,8 @@ class ChatOutputStream:
     """
 
     def __init__(self, format: str = "auto", *, thinking_started: bool = False) -> None:
-        spec = _SPECS.get(format) if isinstance(format, str) else None
+        family = FAMILIES.get(format) if isinstance(format, str) else None
+        spec = family.parser if family is not None else None
         if spec is None:
             raise ValueError(f"unknown chat format {format!r}; expected one of {CHAT_FORMATS}")
         self._format = format

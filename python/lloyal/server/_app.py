@@ -21,7 +21,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from lloyal.branch import BranchStore
-from lloyal.context import ChatPrompt, Context, create_context
+from lloyal.chat.prompt import ChatPrompt
+from lloyal.context import Context, create_context
 from lloyal.errors import ChatTemplateError, GrammarError, LloyalError
 from lloyal.grammar import Grammar
 from lloyal.server._chat import ChatChoice

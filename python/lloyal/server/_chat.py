@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 from lloyal.chat.output import ChatOutput, ChatOutputStream
-from lloyal.context import ChatPrompt
+from lloyal.chat.prompt import ChatPrompt
 
 
 class ChatChoice:
