@@ -6,6 +6,12 @@
 //! executor-agnostic), and the worker stays one OS thread that owns the
 //! llama.cpp context.
 //!
+//! This is the async surface for Rust callers. The methods on [`Context`]
+//! that take a [`Reply`] are the primitive under it, kept public for the
+//! bindings: they complete a Python awaitable from the worker thread,
+//! where no Rust runtime runs to poll a future, so a callback is what they
+//! need. Each `aio` method is that call with a oneshot reply.
+//!
 //! A request is submitted when its future is first polled. Dropping the
 //! future after that (a cancelled task) does not cancel the work: the
 //! worker runs it to completion, so a branch is wholly before or wholly

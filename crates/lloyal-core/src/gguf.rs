@@ -4,7 +4,7 @@
 //! but a few hyper-parameters it only *asserts* on while loading
 //! (`block_count` of 0 or above 512, expert counts that do not add up, an
 //! unknown RoPE scaling type): a bad value there aborts the whole process.
-//! [`check_header`] reads the key/value section with every length checked
+//! `check_header` reads the key/value section with every length checked
 //! against the bytes left in the file, so a forged count or length can
 //! neither allocate nor loop without bound, and checks those values first.
 //! It never reads tensor data and never panics, whatever the bytes.

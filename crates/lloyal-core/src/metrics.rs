@@ -214,7 +214,7 @@ pub fn surprisal(logits: &[f32], token: i32, base: Base) -> Result<f64> {
 
 /// The `k` most likely tokens under `logits`, best first (ties: the lower
 /// id first), with their log-probabilities in nats; `log_sum_exp` is the
-/// row's (see [`LogitStats`]). NaN logits count as `-inf`. One pass with a
+/// row's (see `LogitStats`). NaN logits count as `-inf`. One pass with a
 /// heap of `k`: no copy of the row.
 pub fn top_logprobs(logits: &[f32], k: usize, log_sum_exp: f64) -> Vec<(i32, f64)> {
     use std::cmp::{Ordering, Reverse};

@@ -20,7 +20,7 @@
 //! metrics, grammar) and `state` (the branch arena it guards, and whose
 //! branches its steps decode into); `branch`, `flat`, `embed` and `aio`
 //! use the engine, never the other way round: their work reaches the
-//! worker as a [`Task`] or a step.
+//! worker as a `Task` or a step.
 //!
 //! Files: `handle` (the `Context` handle: submit, inline, hold, close),
 //! `start` (loading, creating the llama.cpp context, the worker thread),

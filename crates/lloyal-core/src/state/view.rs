@@ -7,7 +7,7 @@ use crate::error::{invalid, Result};
 use crate::metrics::{self, Base, LogitStats};
 
 /// A branch's logits snapshot and the stats the worker computed with it,
-/// read off the branch (see [`BranchState::logits_view`]).
+/// read off the branch (see [`BranchState::logits_view`](super::BranchState::logits_view)).
 #[derive(Debug, Clone)]
 pub struct LogitsView {
     pub(super) logits: Arc<[f32]>,
