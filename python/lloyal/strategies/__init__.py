@@ -2,7 +2,9 @@
 
 Each function takes a :class:`~lloyal.Context` and a prompt (text, or token
 ids), runs its search with :class:`~lloyal.Branch` and
-:class:`~lloyal.BranchStore`, prunes every branch it made before returning
+:class:`~lloyal.BranchStore` (``best_of_n``, ``beam_search`` and ``mcts``
+also take a :class:`lloyal.cluster.ContextPool`: each is written once,
+against the backend in ``_lanes``), prunes every branch it made before returning
 (also on error or cancellation), and returns a small frozen dataclass: the
 chosen :class:`Continuation` (text, tokens, per-token surprisal and entropy)
 plus the numbers a researcher asks for -- how many ``llama_decode`` calls
