@@ -371,4 +371,6 @@ async def _make(plan: list[tuple[str, Any]]) -> list[Lane | BaseException]:
 
     await gather(*(copy(s, cis) for s, cis in copies.items()))
     await gather(*(fork(s, cis) for s, cis in forks.items()))
-    return [b for b in out if b is not None]
+    made = [b for b in out if b is not None]
+    assert len(made) == len(plan), "every planned lane is made or failed"
+    return made
