@@ -71,8 +71,8 @@ async def bench(name: str) -> None:
             b = lloyal.Branch.create(ctx, params)
             await b.prefill(await ctx.tokenize("Once upon a time"))
 
-            async def inline(native: object = ctx._native, handle: int = b._handle) -> object:
-                return native.branch_produce(handle)  # type: ignore[attr-defined]
+            async def inline(b: lloyal.Branch = b) -> object:
+                return b._produce_now(inline=True)
 
             on_loop = await lag_while(inline)
             via = await lag_while(b.produce)

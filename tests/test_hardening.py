@@ -223,7 +223,7 @@ async def test_a_store_refuses_another_contexts_branch(model: Path) -> None:
         theirs = lloyal.Branch.create(b, lloyal.GREEDY)
         await mine.prefill(prompt)
         await theirs.prefill(prompt)
-        assert mine._handle & 0xFFFF == theirs._handle & 0xFFFF  # same slot
+        assert mine._id & 0xFFFF == theirs._id & 0xFFFF  # same slot
         store = lloyal.BranchStore(a)
         token = (await theirs.produce()).token
         with pytest.raises(ValueError, match="another context"):
@@ -232,9 +232,9 @@ async def test_a_store_refuses_another_contexts_branch(model: Path) -> None:
             await store.prefill([(theirs, [token])])
         with pytest.raises(ValueError, match="another context"):
             await store.retain_only(theirs)
-        # Natively too: the handle names its context.
+        # Natively too: the branch's id names its context.
         with pytest.raises(ValueError, match="another context"):
-            a._native.branch_info(theirs._handle)
+            a._native.branch_logprobs_many([(theirs, token)], 0)
         assert mine.position == theirs.position == len(prompt)
         assert not mine.disposed
         assert not theirs.disposed

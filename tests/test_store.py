@@ -141,7 +141,7 @@ async def test_cancelled_commits_leave_branches_before_or_after(smollm2: Path) -
             await anyio.lowlevel.checkpoint()
             tg.cancel_scope.cancel()
         # Let submitted work finish, then check every branch is whole.
-        while any(k._info()["busy"] for k in kids):  # noqa: ASYNC110 - polling the worker
+        while any(k._busy for k in kids):  # noqa: ASYNC110 - polling the worker
             await anyio.sleep(0.01)
         for k in kids:
             assert k.position in (start, start + 1)

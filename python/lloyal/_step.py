@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING, Any
 from lloyal._bridge import _in_trio, call_native
 
 if TYPE_CHECKING:
+    from lloyal._lloyal import NativeBranch
     from lloyal.context import Context
 
 __all__ = ["submit"]
 
-# An item: (branch handle, token) to commit or (branch handle, [tokens]) to
-# prefill. A group: (items, all_rows, done).
-Item = tuple[int, int | list[int]]
+# An item: (branch, token) to commit or (branch, [tokens]) to prefill. A
+# group: (items, all_rows, done).
+Item = tuple["NativeBranch", int | list[int]]
 Group = tuple[Sequence[Item], bool, Any]
 
 

@@ -1,17 +1,21 @@
 """Forkable decode state: Branch and BranchStore.
 
+A :class:`Branch` *is* its native object: it subclasses
+``_lloyal.NativeBranch``, which owns the branch (dropped unpruned, it gives
+the lease back with a ``ResourceWarning``), answers the cheap reads
+(``position``, ``parent``, ``logits``...) as typed getters and knows which
+object each branch has, so ``parent`` and ``children`` return yours. This
+file adds what Python is for: the coroutines, argument checks and the
+runnable examples.
+
 Length: :class:`Branch` and :class:`BranchStore` are the two halves of one
 concept (a branch's own verbs, and the same verbs for many branches in one
 decode); each method is a thin wrapper of one native call with its
-documented, runnable example, and the examples are most of the file. Issue
-28's native branch object is what will shrink it: a ``#[pyclass]`` per
-branch instead of handles on the context.
+documented, runnable example, and the examples are most of the file.
 """
 
 from __future__ import annotations
 
-import warnings
-import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -23,8 +27,9 @@ import numpy.typing as npt
 
 from lloyal import _check, _step
 from lloyal._bridge import call_native
-from lloyal.context import Base, Context, Logits, _logits_arg, _token_id, _token_list
-from lloyal.errors import BranchDisposedError, LloyalError
+from lloyal._lloyal import BranchSeed, NativeBranch
+from lloyal.context import Base, Context, _logits_arg, _token_id, _token_list
+from lloyal.errors import LloyalError
 from lloyal.grammar import Grammar, _compile
 from lloyal.sampling import SamplingParams
 from lloyal.text import TextStream
@@ -47,18 +52,6 @@ class Token:
     text: str
 
 
-def _registry(ctx: Context) -> weakref.WeakValueDictionary[int, Branch]:
-    """The live Branch object of each handle, so ``parent``/``children``
-    return the objects the user holds. Weak: a branch object refers to its
-    context, and a strong registry on the context would be a reference
-    cycle holding a closed context's model until the garbage collector ran."""
-    reg: weakref.WeakValueDictionary[int, Branch] | None = getattr(ctx, "_branch_objects", None)
-    if reg is None:
-        reg = weakref.WeakValueDictionary()
-        ctx._branch_objects = reg  # type: ignore[attr-defined]
-    return reg
-
-
 def _check_context(ctx: object) -> None:
     if not isinstance(ctx, Context):
         raise TypeError(f"ctx must be a lloyal.Context, got {type(ctx).__name__}")
@@ -71,7 +64,7 @@ def _raise_first(errors: Sequence[BaseException | None] | None) -> None:
             raise e
 
 
-class Branch:
+class Branch(NativeBranch):
     """Forkable decode state: a KV sequence plus its own sampler (and random
     stream), logits snapshot, perplexity trackers and logit biases.
 
@@ -92,41 +85,15 @@ class Branch:
     (' Paris', 1)
     """
 
-    __slots__ = ("__weakref__", "_ctx", "_handle", "_up")
+    __slots__ = ("_ctx", "_up")
 
-    def __init__(self, ctx: Context, handle: int, parent: Branch | None = None) -> None:
+    def __init__(self, seed: BranchSeed, ctx: Context, up: Branch | None = None) -> None:
+        # The native __new__ took the branch out of `seed`.
         self._ctx = ctx
-        self._handle = handle
         # A fork keeps its parent's object alive: a parent you only reach
         # through its children is still in use, not garbage.
-        self._up = parent
-        _registry(ctx)[handle] = self
-
-    def __del__(self) -> None:
-        # A branch garbage-collected without prune() still held a KV lease
-        # and its cells: give them back (its children become roots), and
-        # say so, like an unclosed file.
-        ctx = getattr(self, "_ctx", None)
-        if ctx is None or ctx.closed:
-            return
-        try:
-            native = ctx._native
-            if not native.branch_alive(self._handle):
-                return
-            # Another object for the same branch is still alive.
-            if _registry(ctx).get(self._handle) not in (None, self):
-                return
-            native.branch_drop(self._handle)
-        except Exception:  # interpreter shutdown, a context closing meanwhile
-            return
-        # (No `source=self`: a recorded warning would keep this object, and
-        # through it its parent, alive.)
-        warnings.warn(
-            "an unpruned lloyal.Branch was garbage-collected; its lease is given back now. "
-            "Prune branches (or use `async with branch`) to free them when you choose",
-            ResourceWarning,
-            stacklevel=1,
-        )
+        self._up = up
+        self._register()
 
     @classmethod
     def create(
@@ -161,20 +128,10 @@ class Branch:
         _check_context(ctx)
         ctx._check_open()
         compiled = _compile(ctx, grammar, json_schema, lark)
-        handle = ctx._native.branch_create(params or SamplingParams())
+        branch = cls(ctx._native.branch_create(params or SamplingParams()), ctx)
         if compiled is not None:
-            ctx._native.branch_set_grammar(handle, compiled._native)
-        return cls(ctx, handle)
-
-    def _wrap(self, handle: int) -> Branch:
-        obj = _registry(self._ctx).get(handle)
-        return obj if obj is not None else Branch(self._ctx, handle)
-
-    def _info(self) -> dict[str, Any]:
-        try:
-            return self._ctx._native.branch_info(self._handle)
-        except BranchDisposedError:
-            raise BranchDisposedError("the branch was pruned") from None
+            branch._set_grammar(compiled._native)
+        return branch
 
     # -- decoding --------------------------------------------------------------
 
@@ -210,9 +167,8 @@ class Branch:
         ids = _token_list(tokens)
         ctx = self._ctx
         ctx._check_open()
-        handle = self._handle
-        _raise_first(await _step.submit(ctx, [(handle, ids)], all_rows))
-        return _take_rows(ctx._native, handle) if all_rows else None
+        _raise_first(await _step.submit(ctx, [(self, ids)], all_rows))
+        return _take_rows(self) if all_rows else None
 
     async def truncate(self, position: int, logits: npt.ArrayLike | None = None) -> None:
         """Drop this branch's KV from ``position`` on, so it continues from
@@ -238,9 +194,7 @@ class Branch:
         """
         p = _check.integer(position, "position")
         arr = _logits_arg(logits)
-        native = self._ctx._native
-        handle = self._handle
-        await call_native(lambda done: native.branch_truncate(handle, p, arr, done))
+        await call_native(lambda done: self._truncate(p, arr, done))
 
     async def clear_and_reseed(self, sinks: Sequence[int], tail: Sequence[int]) -> None:
         """BlinkKV streaming past ``n_ctx`` for this branch: drop its KV and
@@ -262,9 +216,8 @@ class Branch:
         20
         """
         s, t = _token_list(sinks), _token_list(tail)
-        native = self._ctx._native
         self._ctx._check_open()
-        await call_native(lambda done: native.branch_clear_and_reseed(self._handle, s, t, done))
+        await call_native(lambda done: self._clear_and_reseed(s, t, done))
 
     async def fork(
         self, *, clone_logits: bool = True, root: bool = False, at: int | None = None
@@ -312,14 +265,8 @@ class Branch:
         self, *, clone_logits: bool = True, root: bool = False, at: int | None = None
     ) -> Branch:
         """:meth:`fork`, without a coroutine (it never suspends)."""
-        native = self._ctx._native
-        handle = native.branch_fork(self._handle, at)
-        child = Branch(self._ctx, handle, parent=None if root else self)
-        if root:
-            native.branch_detach(handle)
-        if not clone_logits:
-            native.branch_clear_logits(handle)
-        return child
+        seed = self._fork(at, root, clone_logits)
+        return type(self)(seed, self._ctx, None if root else self)
 
     async def produce(self) -> Produced:
         """Sample the next token from this branch's logits. Writes nothing;
@@ -346,14 +293,10 @@ class Branch:
         >>> asyncio.run(main())
         (True, True)
         """
-        native = self._ctx._native
-        handle = self._handle
-        if native.branch_produce_is_slow(handle):
-            token, piece, stop = await call_native(
-                lambda done: native.branch_produce_async(handle, done)
-            )
-        else:
-            token, piece, stop = native.branch_produce(self._handle)
+        produced = self._produce_now()
+        if produced is None:  # a slow sampler: on a sampler thread
+            produced = await call_native(self._produce_later)
+        token, piece, stop = produced
         return Produced(token, piece.decode("utf-8", errors="replace"), stop)
 
     async def commit(self, token: int) -> None:
@@ -378,12 +321,12 @@ class Branch:
         t = _token_id(token)
         ctx = self._ctx
         ctx._check_open()
-        _raise_first(await _step.submit(ctx, [(self._handle, t)]))
+        _raise_first(await _step.submit(ctx, [(self, t)]))
 
     def accept(self, token: int) -> None:
         """Record ``token`` as chosen (penalties, perplexities) without
         decoding it."""
-        self._ctx._native.branch_accept(self._handle, _token_id(token))
+        self._accept(_token_id(token))
 
     async def __aiter__(self) -> AsyncIterator[Token]:
         """Produce and commit until a stop token; yields exact text pieces."""
@@ -412,8 +355,7 @@ class Branch:
         >>> asyncio.run(main())
         ' Paris'
         """
-        native = self._ctx._native
-        return bytes(await call_native(lambda done: native.branch_save(self._handle, done)))
+        return bytes(await call_native(self._save))
 
     @classmethod
     async def restore(
@@ -428,26 +370,23 @@ class Branch:
         raw = bytes(data)
         native = ctx._native
         p = params or SamplingParams()
-        handle = await call_native(lambda done: native.branch_restore(raw, p, done))
-        return cls(ctx, handle)
+        return cls(await call_native(lambda done: native.branch_restore(raw, p, done)), ctx)
 
     # -- lifetime --------------------------------------------------------------
 
     async def prune(self) -> None:
         """Free this branch's KV lease. Refuses (``ValueError``) while it has
         live children: prune them first, or use :meth:`prune_subtree`."""
-        await self._prune(cascade=False)
+        await self._dispose(cascade=False)
 
     async def prune_subtree(self) -> None:
         """Prune this branch and every descendant."""
-        await self._prune(cascade=True)
+        await self._dispose(cascade=True)
 
-    async def _prune(self, cascade: bool) -> None:
+    async def _dispose(self, cascade: bool) -> None:
         # At once when the worker is idle, else queued behind its work.
-        native = self._ctx._native
-        if not native.branch_prune_now(self._handle, cascade):
-            await call_native(lambda done: native.branch_prune(self._handle, cascade, done))
-        _registry(self._ctx).pop(self._handle, None)
+        if not self._prune_now(cascade):
+            await call_native(lambda done: self._prune(cascade, done))
 
     async def __aenter__(self) -> Branch:
         return self
@@ -463,10 +402,6 @@ class Branch:
                 await self.prune_subtree()
 
     # -- sampling controls -----------------------------------------------------
-
-    def reseed_sampler(self, seed: int) -> None:
-        """Restart this branch's random stream from ``seed``."""
-        self._ctx._native.branch_reseed(self._handle, seed)
 
     def sampler_state(self) -> bytes:
         """Where this branch's sampler is: its random stream's position,
@@ -492,7 +427,7 @@ class Branch:
         >>> asyncio.run(main())
         True
         """
-        return bytes(self._ctx._native.branch_sampler_state(self._handle))
+        return bytes(self._sampler_state())
 
     def set_sampler_state(self, state: bytes) -> None:
         """Continue sampling from :meth:`sampler_state` bytes (of a branch
@@ -500,7 +435,7 @@ class Branch:
         nothing."""
         if not isinstance(state, (bytes, bytearray, memoryview)):
             raise TypeError(f"state must be bytes, got {type(state).__name__}")
-        self._ctx._native.branch_set_sampler_state(self._handle, bytes(state))
+        self._set_sampler_state(bytes(state))
 
     def set_grammar(
         self,
@@ -517,42 +452,7 @@ class Branch:
         ``triggers=``, the grammar is lazy: it applies from the first
         trigger word the branch produces (see :mod:`lloyal.grammar`)."""
         compiled = _compile(self._ctx, grammar, json_schema, lark, triggers)
-        self._ctx._native.branch_set_grammar(
-            self._handle, None if compiled is None else compiled._native
-        )
-
-    @property
-    def has_grammar(self) -> bool:
-        return bool(self._ctx._native.branch_has_grammar(self._handle))
-
-    @property
-    def grammar_triggered(self) -> bool | None:
-        """``None`` unless the branch has a lazy grammar; then whether its
-        trigger has appeared (the grammar constrains from there on)."""
-        return self._ctx._native.branch_grammar_triggered(self._handle)
-
-    @property
-    def grammar_accepting(self) -> bool | None:
-        """Whether the branch's grammar would accept a stop token now
-        (``None`` without a grammar)."""
-        return self._ctx._native.branch_grammar_accepting(self._handle)
-
-    def set_sampler_params(self, params: SamplingParams) -> bool:
-        """Use new sampling parameters. Returns ``False`` (and changes nothing)
-        when they equal the current ones. A change keeps the penalty history;
-        the random stream restarts only when the seed changes."""
-        return bool(self._ctx._native.branch_set_params(self._handle, params))
-
-    @property
-    def sampler_params(self) -> SamplingParams:
-        return self._ctx._native.branch_params(self._handle)
-
-    @property
-    def logits(self) -> Logits:
-        """A read-only copy of the logits sampling starts from."""
-        arr: Logits = self._ctx._native.branch_logits(self._handle)
-        arr.flags.writeable = False
-        return arr
+        self._set_grammar(None if compiled is None else compiled._native)
 
     def set_logits(self, logits: npt.ArrayLike) -> None:
         """Replace the logits snapshot (e.g. after custom scoring). Entries
@@ -560,20 +460,15 @@ class Branch:
         ``ValueError`` (samplers would pick an arbitrary token)."""
         arr = _logits_arg(logits)
         assert arr is not None
-        self._ctx._native.branch_set_logits(self._handle, arr)
+        self._set_logits(arr)
 
     def steer(self, biases: Mapping[int, float]) -> None:
         """Biases for this branch only (forks do not inherit them)."""
-        self._ctx._native.branch_steer(self._handle, _biases(biases))
+        self._steer(_biases(biases))
 
     def set_logit_bias(self, biases: Mapping[int, float]) -> None:
         """Biases added before sampling, inherited by forks."""
-        self._ctx._native.branch_set_logit_bias(self._handle, _biases(biases))
-
-    def model_entropy(self, base: Base = "nats") -> float:
-        """Entropy of the model's next-token distribution (the raw logits
-        snapshot: no bias, penalties or grammar)."""
-        return float(self._ctx._native.branch_entropy(self._handle, base))
+        self._set_logit_bias(_biases(biases))
 
     def top_logprobs(self, k: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float64]]:
         """The ``k`` most likely next tokens under the model's distribution
@@ -596,68 +491,22 @@ class Branch:
         n = _check.integer(k, "k")
         if n < 0:
             raise ValueError(f"k must be >= 0, got {n}")
-        return self._ctx._native.branch_top_logprobs(self._handle, n)
+        return self._top_logprobs(n)
 
     def logprobs(self, tokens: Sequence[int]) -> npt.NDArray[np.float64]:
         """Log-probabilities in nats of ``tokens`` as the next token under
         the model's distribution (the raw logits snapshot), one per token.
         ``-model_surprisal(t)`` for each, in one call."""
-        return self._ctx._native.branch_logprobs(self._handle, _token_list(tokens))
+        return self._logprobs(_token_list(tokens))
 
     def model_surprisal(self, token: int, base: Base = "nats") -> float:
-        return float(self._ctx._native.branch_surprisal(self._handle, _token_id(token), base))
-
-    # -- attributes ------------------------------------------------------------
-
-    @property
-    def position(self) -> int:
-        """Tokens in this branch's KV (the next position it decodes at)."""
-        return int(self._info()["position"])
-
-    @property
-    def fork_head(self) -> int:
-        """The position this branch was forked at (0 for a root)."""
-        return int(self._info()["fork_head"])
-
-    @property
-    def perplexity(self) -> float:
-        """Perplexity of accepted tokens under the model's raw distribution."""
-        return float(self._info()["perplexity"])
-
-    @property
-    def sampling_perplexity(self) -> float:
-        """Perplexity of accepted tokens under the sampling distribution
-        (after filters and temperature); ``inf`` if a token outside it was
-        forced."""
-        return float(self._info()["sampling_perplexity"])
-
-    @property
-    def parent(self) -> Branch | None:
-        handle = self._info()["parent"]
-        return None if handle is None else self._wrap(handle)
-
-    @property
-    def children(self) -> list[Branch]:
-        return [self._wrap(h) for h in self._info()["children"]]
-
-    @property
-    def is_leaf(self) -> bool:
-        return not self._info()["children"]
-
-    @property
-    def is_active(self) -> bool:
-        """Whether the branch holds a KV lease (it does until pruned)."""
-        return not self.disposed
-
-    @property
-    def disposed(self) -> bool:
-        return self._ctx.closed or not self._ctx._native.branch_alive(self._handle)
+        return self._surprisal(_token_id(token), base)
 
     def __repr__(self) -> str:
-        if self.disposed:
+        try:
+            return f"<lloyal.Branch position={self.position} children={len(self.children)}>"
+        except LloyalError:
             return "<lloyal.Branch disposed>"
-        info = self._info()
-        return f"<lloyal.Branch position={info['position']} children={len(info['children'])}>"
 
 
 Rows = npt.NDArray[np.float32]
@@ -705,11 +554,10 @@ def _logits_mode(logits: object) -> bool:
     return logits == "all"
 
 
-def _take_rows(native: Any, handle: int) -> Rows:
-    rows: Rows | None = native.branch_take_rows(handle)
+def _take_rows(branch: NativeBranch) -> Rows:
+    rows: Rows | None = branch._take_rows()
     if rows is None:  # taken by a concurrent prefill of the same branch
         raise RuntimeError("the rows of this prefill were already taken")
-    rows.flags.writeable = False
     return rows
 
 
@@ -742,14 +590,14 @@ class BranchStore:
         _check_context(ctx)
         self._ctx = ctx
 
-    def _handle(self, branch: Branch, what: str) -> int:
-        """`branch`'s handle, after checking it is a Branch of this store's
-        context (before anything runs: a bad item changes nothing)."""
+    def _own(self, branch: Branch, what: str) -> Branch:
+        """`branch`, after checking it is a Branch of this store's context
+        (before anything runs: a bad item changes nothing)."""
         if not isinstance(branch, Branch):
             raise TypeError(f"{what} must be a lloyal.Branch, got {type(branch).__name__}")
         if branch._ctx is not self._ctx:
             raise ValueError(f"{what} belongs to another context than this BranchStore's")
-        return branch._handle
+        return branch
 
     def _pairs(self, items: Sequence[tuple[Branch, Any]], what: str) -> list[tuple[Branch, Any]]:
         if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
@@ -788,7 +636,7 @@ class BranchStore:
         (1, (1, 1))
         """
         pairs: list[_step.Item] = [
-            (self._handle(b, f"items[{i}][0]"), _token_id(t))
+            (self._own(b, f"items[{i}][0]"), _token_id(t))
             for i, (b, t) in enumerate(self._pairs(items, "token"))
         ]
         _raise_first(await _step.submit(self._ctx, pairs))
@@ -826,9 +674,9 @@ class BranchStore:
         >>> asyncio.run(main())
         (True, True)
         """
-        handles = [self._handle(b, f"branches[{i}]") for i, b in enumerate(branches)]
+        own = [self._own(b, f"branches[{i}]") for i, b in enumerate(branches)]
         native = self._ctx._native
-        results = await call_native(lambda done: native.branch_produce_many(handles, done))
+        results = await call_native(lambda done: native.branch_produce_many(own, done))
         out: list[Produced | LloyalError] = []
         for r in results:
             if isinstance(r, BaseException):
@@ -866,9 +714,7 @@ class BranchStore:
         k = _check.integer(top, "top")
         if k < 0:
             raise ValueError(f"top must be >= 0, got {k}")
-        pairs = [
-            (self._handle(b, f"items[{i}][0]"), _token_id(t)) for i, (b, t) in enumerate(items)
-        ]
+        pairs = [(self._own(b, f"items[{i}][0]"), _token_id(t)) for i, (b, t) in enumerate(items)]
         return self._ctx._native.branch_logprobs_many(pairs, k)
 
     @overload
@@ -907,12 +753,11 @@ class BranchStore:
         """
         all_rows = _logits_mode(logits)
         pairs: list[_step.Item] = [
-            (self._handle(b, f"items[{i}][0]"), _token_list(t))
+            (self._own(b, f"items[{i}][0]"), _token_list(t))
             for i, (b, t) in enumerate(self._pairs(items, "tokens"))
         ]
         _raise_first(await _step.submit(self._ctx, pairs, all_rows))
-        native = self._ctx._native
-        return [_take_rows(native, h) for h, _ in pairs] if all_rows else None
+        return [_take_rows(b) for b, _ in pairs] if all_rows else None
 
     async def prefill_tree(
         self, root: Branch, tokens: Sequence[int], parents: Sequence[int]
@@ -953,32 +798,28 @@ class BranchStore:
         >>> asyncio.run(main())
         (2, (0, 1), True)
         """
-        handle = self._handle(root, "root")
+        self._own(root, "root")
         toks = _token_list(tokens)
         if isinstance(parents, (str, bytes)) or not isinstance(parents, Sequence):
             raise TypeError("parents must be a sequence of ints")
         pars = [_check.integer(p, f"parents[{i}]") for i, p in enumerate(parents)]
         native = self._ctx._native
-        # Shielded: the decode creates branches, which a cancelled wait
-        # would drop on the floor with their leases.
-        with anyio.CancelScope(shield=True):
-            leaves, rows = await call_native(
-                lambda done: native.branch_prefill_tree(handle, toks, pars, done)
-            )
+        # The new leaves come as seeds: a cancelled wait drops them, and
+        # with them their branches (their leases come back).
+        leaves, rows = await call_native(
+            lambda done: native.branch_prefill_tree(root, toks, pars, done)
+        )
         rows.flags.writeable = False
-        branches = tuple(root if h == handle else Branch(self._ctx, h) for _, h in leaves)
+        branches = tuple(root if s is None else type(root)(s, self._ctx) for _, s in leaves)
         return TokenTree(rows, tuple(pars), tuple(j for j, _ in leaves), branches)
 
     async def retain_only(self, winner: Branch) -> None:
         """Keep ``winner``'s KV and prune every other branch (one pass over
         the cache). ``winner`` becomes a root."""
-        handle = self._handle(winner, "winner")
+        self._own(winner, "winner")
         native = self._ctx._native
-        await call_native(lambda done: native.branch_retain_only(handle, done))
+        await call_native(lambda done: native.branch_retain_only(winner, done))
         winner._up = None
-        reg = _registry(self._ctx)
-        for other in [h for h in list(reg.keys()) if h != handle]:
-            reg.pop(other, None)
 
     @property
     def available(self) -> int:
@@ -1036,7 +877,7 @@ class BranchStore:
         mixed: npt.NDArray[np.float64] | None = None
         masked: npt.NDArray[np.bool_] | None = None
         for branch, weight in pairs:
-            self._handle(branch, "branch")
+            self._own(branch, "branch")
             w = float(weight)
             if not np.isfinite(w):
                 raise ValueError(f"weights must be finite, got {weight!r}")
@@ -1056,7 +897,7 @@ class BranchStore:
             raise ValueError("the weighted sum of the logits overflows float32: lower the weights")
         mixed[masked] = -np.inf
         target = into if into is not None else branches[0]
-        self._handle(target, "into")
+        self._own(target, "into")
         target.set_logits(mixed.astype(np.float32))
 
 

@@ -100,7 +100,7 @@ pub mod fuzzing {
 pub use backend::{
     backend, backend_info, supports_gpu_offload, BackendInfo, Device, LLAMA_CPP_2_VERSION,
 };
-pub use branch::TreeOutcome;
+pub use branch::{Branch, TreeOutcome};
 pub use engine::{
     after_job, join_workers, Context, Embeddings, Hold, ItemResults, Reply, Stats, StepGroup,
     StepInput, WORKER_THREAD_NAME,

@@ -1,512 +1,459 @@
-//! Branch operations on `NativeContext`. Branch handles cross into Python
-//! as plain integers (`BranchId::to_bits`); `lloyal.Branch` wraps them.
+//! `NativeBranch`: one Python object per branch, owning a core
+//! [`lloyal_core::Branch`]. `lloyal.Branch` subclasses it: the reads are
+//! typed getters here, the verbs Python wraps (coroutines, argument
+//! checks, examples) are the `_`-named methods. Dropping an unpruned one
+//! gives its lease back, with a `ResourceWarning` like an unclosed file.
+//!
+//! A branch made natively (a fork, a restore, a token tree's leaf) comes
+//! out as a [`BranchSeed`]; `lloyal.Branch(seed, ...)` gives it its object.
+//! Every object is in its context's [`Registry`], weakly, so `parent` and
+//! `children` return the objects the caller holds.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use lloyal_core::{Base, BranchId, Reply};
-use lloyal_core::{ItemResults, StepInput, TreeOutcome};
+use lloyal_core::{Base, Branch, BranchId, Grammar, Reply};
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
+use pyo3::exceptions::{PyResourceWarning, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyTuple, PyWeakrefMethods, PyWeakrefReference};
 
-use crate::context::{f32_slice, PyContext};
-use crate::errors::{to_pyerr, IntoPyResult};
+use crate::context::f32_slice;
+use crate::errors::IntoPyResult;
+use crate::grammar::PyGrammar;
 use crate::reply::{none, py_reply};
 use crate::sampling::{params_from_py, PySamplingParams};
 
-/// `(tokens, logprobs)` of `branch_top_logprobs`.
-/// `(logprob, top tokens, their logprobs)` of one branch's token.
-type LogprobEntry = (f64, Vec<i32>, Vec<f64>);
+/// The live object of each branch of a context, held weakly.
+#[derive(Default)]
+pub struct Registry(Mutex<HashMap<BranchId, Py<PyWeakrefReference>>>);
+
+impl Registry {
+    fn lock(&self) -> MutexGuard<'_, HashMap<BranchId, Py<PyWeakrefReference>>> {
+        // An insert or remove cannot leave the map half-written.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The object of branch `id`, if it has a live one.
+    fn object<'py>(&self, py: Python<'py>, id: BranchId) -> Option<Bound<'py, PyAny>> {
+        self.lock().get(&id).and_then(|w| w.bind(py).upgrade())
+    }
+}
+
+/// A branch on its way to a Python object; what a reply carries.
+pub struct Seedling(pub Branch, pub Arc<Registry>);
+
+/// A branch without its object yet: `lloyal.Branch(seed, ...)` takes it.
+/// Dropped unused, the branch is freed.
+#[pyclass(module = "lloyal._lloyal", frozen)]
+pub struct BranchSeed(Mutex<Option<Seedling>>);
+
+pub fn seed(py: Python<'_>, s: Seedling) -> PyResult<Py<PyAny>> {
+    Ok(Py::new(py, BranchSeed(Mutex::new(Some(s))))?.into_any())
+}
+
+#[pyclass(
+    name = "NativeBranch",
+    module = "lloyal._lloyal",
+    frozen,
+    weakref,
+    subclass
+)]
+pub struct PyBranch {
+    pub(crate) inner: Branch,
+    objects: Arc<Registry>,
+}
+
+impl PyBranch {
+    pub fn id(&self) -> BranchId {
+        self.inner.id()
+    }
+
+    fn objects_of<'py>(
+        &self,
+        py: Python<'py>,
+        ids: impl IntoIterator<Item = BranchId>,
+    ) -> Vec<Bound<'py, PyAny>> {
+        ids.into_iter()
+            .filter_map(|id| self.objects.object(py, id))
+            .collect()
+    }
+}
+
+impl Drop for PyBranch {
+    fn drop(&mut self) {
+        Python::attach(|py| {
+            let id = self.inner.id();
+            {
+                let mut objects = self.objects.lock();
+                // Ours (it no longer upgrades: we are going), not a newer one's.
+                if objects
+                    .get(&id)
+                    .is_some_and(|w| w.bind(py).upgrade().is_none())
+                {
+                    objects.remove(&id);
+                }
+            }
+            if !self.inner.is_alive() {
+                return;
+            }
+            let warned = PyErr::warn(
+                py,
+                &py.get_type::<PyResourceWarning>(),
+                c"an unpruned lloyal.Branch was garbage-collected; its lease is given back now. \
+                  Prune branches (or use `async with branch`) to free them when you choose",
+                1,
+            );
+            if let Err(e) = warned {
+                e.write_unraisable(py, None);
+            }
+        });
+        // `inner` drops next, which frees the branch.
+    }
+}
+
+type Produced<'py> = (i32, Bound<'py, PyBytes>, bool);
 type TopLogprobs<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<f64>>);
 
-fn produced(py: Python<'_>, (token, piece, stop): (i32, Vec<u8>, bool)) -> PyResult<Py<PyAny>> {
-    Ok((token, PyBytes::new(py, &piece), stop)
+/// `(token, piece bytes, is_stop)` of a produced token.
+pub fn piece(model: &lloyal_core::Model, token: i32) -> lloyal_core::Result<(i32, Vec<u8>, bool)> {
+    Ok((
+        token,
+        model.token_bytes(token, false)?,
+        model.is_stop_token(token)?,
+    ))
+}
+
+pub fn produced(py: Python<'_>, (token, bytes, stop): (i32, Vec<u8>, bool)) -> PyResult<Py<PyAny>> {
+    Ok((token, PyBytes::new(py, &bytes), stop)
         .into_pyobject(py)?
         .into_any()
         .unbind())
 }
 
-/// A group of `branch_step`: `(items, all_rows, done)`.
-type PyStepGroup = (Vec<(u64, PyStepInput)>, bool, Py<PyAny>);
-
-/// An item of `branch_step`: a token to commit or tokens to prefill.
-#[derive(FromPyObject)]
-enum PyStepInput {
-    Commit(i32),
-    Prefill(Vec<i32>),
-}
-
-impl From<PyStepInput> for StepInput {
-    fn from(input: PyStepInput) -> Self {
-        match input {
-            PyStepInput::Commit(t) => StepInput::Commit(t),
-            PyStepInput::Prefill(t) => StepInput::Prefill(t),
-        }
-    }
-}
-
-pub(crate) fn id(bits: u64) -> BranchId {
-    BranchId::from_bits(bits)
-}
-
-fn branch_bits(py: Python<'_>, id: BranchId) -> PyResult<Py<PyAny>> {
-    Ok(id.to_bits().into_pyobject(py)?.into_any().unbind())
-}
-
-fn tree_outcome(py: Python<'_>, t: TreeOutcome) -> PyResult<Py<PyAny>> {
-    let leaves: Vec<(usize, u64)> = t
-        .leaves
-        .into_iter()
-        .map(|(j, b)| (j, b.to_bits()))
-        .collect();
-    let n = t.rows.len() / t.vocab.max(1);
-    let rows = PyArray1::from_vec(py, t.rows).reshape([n, t.vocab])?;
-    Ok((leaves, rows).into_pyobject(py)?.into_any().unbind())
-}
-
 fn state_bytes(py: Python<'_>, data: Vec<u8>) -> PyResult<Py<PyAny>> {
-    Ok(pyo3::types::PyBytes::new(py, &data).into_any().unbind())
-}
-
-/// `None` when every item succeeded, else one entry per item: `None` or
-/// the exception for that item.
-/// A produced token: `(token, piece bytes, is_stop)`.
-type Piece = (i32, Vec<u8>, bool);
-
-fn produced_many(py: Python<'_>, results: Vec<lloyal_core::Result<Piece>>) -> PyResult<Py<PyAny>> {
-    let list = PyList::empty(py);
-    for r in results {
-        match r {
-            Ok(p) => list.append(produced(py, p)?)?,
-            Err(e) => list.append(to_pyerr(e).into_value(py))?,
-        }
-    }
-    Ok(list.into_any().unbind())
-}
-
-fn item_errors(py: Python<'_>, results: ItemResults) -> PyResult<Py<PyAny>> {
-    if results.iter().all(Result::is_ok) {
-        return Ok(py.None());
-    }
-    let list = PyList::empty(py);
-    for r in results {
-        match r {
-            Ok(()) => list.append(py.None())?,
-            Err(e) => list.append(to_pyerr(e).into_value(py))?,
-        }
-    }
-    Ok(list.into_any().unbind())
+    Ok(PyBytes::new(py, &data).into_any().unbind())
 }
 
 #[pymethods]
-impl PyContext {
-    fn branch_create(&self, params: &Bound<'_, PyAny>) -> PyResult<u64> {
-        let params = params_from_py(params)?;
-        Ok(self.inner.branch_create(params).py_err()?.to_bits())
+impl PyBranch {
+    /// Take the branch out of `seed` (the other arguments are the
+    /// subclass's).
+    #[new]
+    #[pyo3(signature = (seed, *_args, **_kwargs))]
+    fn new(
+        seed: &BranchSeed,
+        _args: &Bound<'_, PyTuple>,
+        _kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Self> {
+        let taken = seed.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Seedling(inner, objects) =
+            taken.ok_or_else(|| PyValueError::new_err("this BranchSeed has its object already"))?;
+        Ok(Self { inner, objects })
     }
 
-    /// A fork of the branch's first `at` positions (all with `None`),
-    /// made at once; its KV copy is queued ahead of what follows.
-    #[pyo3(signature = (branch, at=None))]
-    fn branch_fork(&self, branch: u64, at: Option<i32>) -> PyResult<u64> {
-        Ok(self
-            .inner
-            .branch_fork_at(id(branch), at)
-            .py_err()?
-            .to_bits())
+    /// Make this the object `parent` and `children` return for the branch.
+    fn _register(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let weak = PyWeakrefReference::new(slf)?.unbind();
+        let this = slf.get();
+        this.objects.lock().insert(this.id(), weak);
+        Ok(())
     }
 
-    /// `True` if the prune ran at once (the worker was idle), else `False`:
-    /// call `branch_prune` then.
-    fn branch_prune_now(&self, branch: u64, cascade: bool) -> PyResult<bool> {
+    /// The branch's id as an integer (what travels in bytes; debugging).
+    #[getter]
+    fn _id(&self) -> u64 {
+        self.id().to_bits()
+    }
+
+    /// Tokens in this branch's KV (the next position it decodes at).
+    #[getter]
+    fn position(&self) -> PyResult<i32> {
+        self.inner.read(|b| b.position).py_err()
+    }
+
+    /// The position this branch was forked at (0 for a root).
+    #[getter]
+    fn fork_head(&self) -> PyResult<i32> {
+        self.inner.read(|b| b.fork_head).py_err()
+    }
+
+    /// Perplexity of accepted tokens under the model's raw distribution.
+    #[getter]
+    fn perplexity(&self) -> PyResult<f64> {
+        self.inner.read(|b| b.perplexity.perplexity()).py_err()
+    }
+
+    /// Perplexity of accepted tokens under the sampling distribution
+    /// (after filters and temperature); ``inf`` if a token outside it was
+    /// forced.
+    #[getter]
+    fn sampling_perplexity(&self) -> PyResult<f64> {
         self.inner
-            .branch_prune_now(id(branch), cascade)
+            .read(|b| b.sampling_perplexity.perplexity())
+            .py_err()
+    }
+
+    /// The branch this one was forked from (``None`` for a root).
+    #[getter]
+    fn parent<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let parent = self.inner.parent().py_err()?;
+        Ok(parent.and_then(|id| self.objects.object(py, id)))
+    }
+
+    /// The branches forked from this one and not pruned, oldest first.
+    #[getter]
+    fn children<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let ids = self.inner.read(|b| b.children.clone()).py_err()?;
+        Ok(self.objects_of(py, ids))
+    }
+
+    #[getter]
+    fn is_leaf(&self) -> PyResult<bool> {
+        self.inner.read(|b| b.children.is_empty()).py_err()
+    }
+
+    /// Whether the branch is gone (pruned, or its context closed).
+    #[getter]
+    fn disposed(&self) -> bool {
+        !self.inner.is_alive()
+    }
+
+    /// Whether the branch holds a KV lease (it does until pruned).
+    #[getter]
+    fn is_active(&self) -> bool {
+        self.inner.is_alive()
+    }
+
+    /// Whether an operation on the branch is in flight.
+    #[getter]
+    fn _busy(&self) -> PyResult<bool> {
+        self.inner.read(|b| b.is_busy()).py_err()
+    }
+
+    #[getter]
+    fn has_grammar(&self) -> PyResult<bool> {
+        self.inner.read(|b| b.grammar().is_some()).py_err()
+    }
+
+    /// ``None`` unless the branch has a lazy grammar; then whether its
+    /// trigger has appeared (the grammar constrains from there on).
+    #[getter]
+    fn grammar_triggered(&self) -> PyResult<Option<bool>> {
+        self.inner
+            .read(|b| b.grammar().and_then(Grammar::triggered))
+            .py_err()
+    }
+
+    /// Whether the branch's grammar would accept a stop token now
+    /// (``None`` without a grammar).
+    #[getter]
+    fn grammar_accepting(&self) -> PyResult<Option<bool>> {
+        self.inner
+            .with(|b| Ok(b.grammar_mut().map(Grammar::is_accepting)))
+            .py_err()
+    }
+
+    #[getter]
+    fn sampler_params(&self) -> PyResult<PySamplingParams> {
+        let inner = self.inner.read(|b| b.sampler().params().clone()).py_err()?;
+        Ok(PySamplingParams { inner })
+    }
+
+    /// A read-only copy of the logits sampling starts from.
+    #[getter]
+    fn logits<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray1<f32>>> {
+        let logits = self.inner.with(|b| Ok(b.logits()?.clone())).py_err()?;
+        let arr = PyArray1::from_slice(py, &logits);
+        read_only(arr.as_any())?;
+        Ok(arr)
+    }
+
+    /// Use new sampling parameters. Returns ``False`` (and changes nothing)
+    /// when they equal the current ones. A change keeps the penalty
+    /// history; the random stream restarts only when the seed changes.
+    fn set_sampler_params(&self, params: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.inner.set_params(params_from_py(params)?).py_err()
+    }
+
+    /// Restart this branch's random stream from ``seed``.
+    fn reseed_sampler(&self, seed: u64) -> PyResult<()> {
+        self.inner.reseed(seed).py_err()
+    }
+
+    /// Entropy of the model's next-token distribution (the raw logits
+    /// snapshot: no bias, penalties or grammar).
+    #[pyo3(signature = (base="nats"))]
+    fn model_entropy(&self, py: Python<'_>, base: &str) -> PyResult<f64> {
+        let base: Base = base.parse().py_err()?;
+        let view = self.inner.logits_view().py_err()?;
+        py.detach(move || view.entropy(base)).py_err()
+    }
+
+    /// A fork as a seed: ``root`` leaves it out of this branch's children,
+    /// ``clone_logits=False`` leaves it without logits.
+    fn _fork(
+        &self,
+        py: Python<'_>,
+        at: Option<i32>,
+        root: bool,
+        clone_logits: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let child = self.inner.fork(at).py_err()?;
+        if root {
+            child.detach().py_err()?;
+        }
+        if !clone_logits {
+            child.clear_logits().py_err()?;
+        }
+        seed(py, Seedling(child, Arc::clone(&self.objects)))
+    }
+
+    /// The next token as ``(token, piece bytes, is_stop)``, sampled here;
+    /// ``None`` for a sampler slow enough to run off the event loop (then
+    /// call ``_produce_later``), unless ``inline``.
+    #[pyo3(signature = (inline=false))]
+    fn _produce_now<'py>(&self, py: Python<'py>, inline: bool) -> PyResult<Option<Produced<'py>>> {
+        if !inline && self.inner.produce_is_slow().py_err()? {
+            return Ok(None);
+        }
+        let branch = &self.inner;
+        let (token, bytes, stop) = py
+            .detach(|| piece(branch.context().model(), branch.produce()?))
+            .py_err()?;
+        Ok(Some((token, PyBytes::new(py, &bytes), stop)))
+    }
+
+    /// The next token sampled on a sampler thread, completing ``done``
+    /// with ``(token, piece bytes, is_stop)``.
+    fn _produce_later(&self, done: Py<PyAny>) {
+        let model = Arc::clone(self.inner.context().model());
+        let out = py_reply(done, produced);
+        self.inner
+            .produce_off_thread(Reply::new(move |r: lloyal_core::Result<i32>| {
+                out.send(r.and_then(|token| piece(&model, token)))
+            }));
+    }
+
+    fn _accept(&self, token: i32) -> PyResult<()> {
+        self.inner.accept(token).py_err()
+    }
+
+    fn _truncate(
+        &self,
+        position: i32,
+        logits: Option<PyReadonlyArray1<'_, f32>>,
+        done: Py<PyAny>,
+    ) -> PyResult<()> {
+        let logits = logits
+            .as_ref()
+            .map(f32_slice)
+            .transpose()?
+            .map(<[f32]>::to_vec);
+        self.inner.truncate(position, logits, py_reply(done, none));
+        Ok(())
+    }
+
+    fn _clear_and_reseed(&self, sinks: Vec<i32>, tail: Vec<i32>, done: Py<PyAny>) {
+        self.inner
+            .clear_and_reseed(sinks, tail, py_reply(done, none));
+    }
+
+    /// Every position's logits of the last ``all_rows`` prefill, as a
+    /// read-only ``(n, vocab)`` array (``None`` once taken).
+    fn _take_rows<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyArray2<f32>>>> {
+        let Some(rows) = self.inner.take_rows().py_err()? else {
+            return Ok(None);
+        };
+        let vocab = self.inner.context().model().vocab_size().max(1) as usize;
+        let n = rows.len() / vocab;
+        let arr = PyArray1::from_vec(py, rows).reshape([n, vocab])?;
+        read_only(arr.as_any())?;
+        Ok(Some(arr))
+    }
+
+    fn _save(&self, done: Py<PyAny>) {
+        self.inner.save(py_reply(done, state_bytes));
+    }
+
+    /// Prune at once if the worker is idle: ``False`` means it is busy
+    /// (then call ``_prune``).
+    fn _prune_now(&self, cascade: bool) -> PyResult<bool> {
+        self.inner
+            .prune_now(cascade)
             .transpose()
             .map(|r| r.is_some())
             .py_err()
     }
 
-    fn branch_prune(&self, branch: u64, cascade: bool, done: Py<PyAny>) {
-        self.inner
-            .branch_prune(id(branch), cascade, py_reply(done, none));
+    fn _prune(&self, cascade: bool, done: Py<PyAny>) {
+        self.inner.prune(cascade, py_reply(done, none));
     }
 
-    /// Free a branch nobody holds (``Branch.__del__``); fire and forget.
-    fn branch_drop(&self, branch: u64) {
-        self.inner.branch_drop(id(branch));
+    fn _sampler_state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let state = self.inner.sampler_state().py_err()?;
+        Ok(PyBytes::new(py, &state))
     }
 
-    fn branch_retain_only(&self, branch: u64, done: Py<PyAny>) {
-        self.inner
-            .branch_retain_only(id(branch), py_reply(done, none));
+    fn _set_sampler_state(&self, state: &[u8]) -> PyResult<()> {
+        self.inner.set_sampler_state(state).py_err()
     }
 
-    fn branch_commit(&self, items: Vec<(u64, i32)>, done: Py<PyAny>) {
-        let items = items.into_iter().map(|(b, t)| (id(b), t)).collect();
-        self.inner.branch_commit(items, py_reply(done, item_errors));
+    /// Give the branch a copy of `grammar` (or none).
+    #[pyo3(signature = (grammar=None))]
+    fn _set_grammar(&self, grammar: Option<&PyGrammar>) -> PyResult<()> {
+        let grammar = grammar.map(|g| g.lock().clone());
+        self.inner.set_grammar(grammar).py_err()
     }
 
-    fn branch_clear_and_reseed(
-        &self,
-        branch: u64,
-        sinks: Vec<i32>,
-        tail: Vec<i32>,
-        done: Py<PyAny>,
-    ) {
-        self.inner
-            .branch_clear_and_reseed(id(branch), sinks, tail, py_reply(done, none));
+    fn _set_logits(&self, logits: PyReadonlyArray1<'_, f32>) -> PyResult<()> {
+        self.inner.set_logits(f32_slice(&logits)?).py_err()
     }
 
-    /// One step of several groups (``lloyal_core::Context::branch_step``):
-    /// each group is ``(items, all_rows, done)``, an item ``(branch,
-    /// token)`` to commit or ``(branch, [tokens])`` to prefill; each
-    /// ``done`` gets its group's per-item errors.
-    fn branch_step(&self, groups: Vec<PyStepGroup>) {
-        let groups = groups
-            .into_iter()
-            .map(|(items, all_rows, done)| {
-                let items = items
-                    .into_iter()
-                    .map(|(b, input)| (id(b), input.into()))
-                    .collect();
-                (items, all_rows, py_reply(done, item_errors))
-            })
-            .collect();
-        self.inner.branch_step(groups);
+    fn _set_logit_bias(&self, biases: Vec<(i32, f32)>) -> PyResult<()> {
+        self.inner.set_logit_bias(biases).py_err()
     }
 
-    #[pyo3(signature = (items, done, all_rows=false))]
-    fn branch_prefill(&self, items: Vec<(u64, Vec<i32>)>, done: Py<PyAny>, all_rows: bool) {
-        let items = items.into_iter().map(|(b, t)| (id(b), t)).collect();
-        self.inner
-            .branch_prefill(items, all_rows, py_reply(done, item_errors));
-    }
-
-    /// Decode a token tree into ``branch`` (see
-    /// ``lloyal_core::Context::branch_prefill_tree``); ``done`` gets
-    /// ``([(leaf node, branch)], rows)`` with rows an ``(n, vocab)`` array.
-    fn branch_prefill_tree(
-        &self,
-        branch: u64,
-        tokens: Vec<i32>,
-        parents: Vec<i32>,
-        done: Py<PyAny>,
-    ) {
-        self.inner
-            .branch_prefill_tree(id(branch), tokens, parents, py_reply(done, tree_outcome));
-    }
-
-    /// Every position's logits of the branch's last ``all_rows`` prefill,
-    /// as an ``(n, vocab)`` array (``None`` once taken).
-    fn branch_take_rows<'py>(
-        &self,
-        py: Python<'py>,
-        branch: u64,
-    ) -> PyResult<Option<Bound<'py, PyArray2<f32>>>> {
-        let Some(rows) = self.inner.branch_take_rows(id(branch)).py_err()? else {
-            return Ok(None);
-        };
-        let vocab = self.inner.model().vocab_size() as usize;
-        let n = rows.len() / vocab.max(1);
-        Ok(Some(PyArray1::from_vec(py, rows).reshape([n, vocab])?))
-    }
-
-    /// Whether ``branch_produce`` is slow enough to run off the event loop.
-    fn branch_produce_is_slow(&self, branch: u64) -> PyResult<bool> {
-        self.inner.branch_produce_is_slow(id(branch)).py_err()
-    }
-
-    /// ``(token, piece bytes, is_stop)``: one call per branch per step.
-    fn branch_produce<'py>(
-        &self,
-        py: Python<'py>,
-        branch: u64,
-    ) -> PyResult<(i32, Bound<'py, PyBytes>, bool)> {
-        let inner = self.inner.clone();
-        let (token, piece, stop) = py
-            .detach(move || {
-                let token = inner.branch_produce(id(branch))?;
-                let model = inner.model();
-                Ok::<_, lloyal_core::Error>((
-                    token,
-                    model.token_bytes(token, false)?,
-                    model.is_stop_token(token)?,
-                ))
-            })
-            .py_err()?;
-        Ok((token, PyBytes::new(py, &piece), stop))
-    }
-
-    /// `branch_produce` on a sampler thread (slow samplers), completing
-    /// ``done`` with ``(token, piece bytes, is_stop)``; the event loop
-    /// settles it without waiting for the GIL to come back from a thread.
-    fn branch_produce_async(&self, branch: u64, done: Py<PyAny>) {
-        let model = Arc::clone(self.inner.model());
-        let out: Reply<(i32, Vec<u8>, bool)> = py_reply(done, produced);
-        self.inner.branch_produce_off_thread(
-            id(branch),
-            Reply::new(move |result: lloyal_core::Result<i32>| {
-                out.send(result.and_then(|token| {
-                    Ok((
-                        token,
-                        model.token_bytes(token, false)?,
-                        model.is_stop_token(token)?,
-                    ))
-                }))
-            }),
-        );
-    }
-
-    /// ``branch_produce`` for many branches (``Context::branch_produce_many``):
-    /// ``done`` gets a list with, per branch, ``(token, piece bytes,
-    /// is_stop)`` or the exception it failed with. Slow samplers run
-    /// in parallel off the caller's thread.
-    fn branch_produce_many(&self, branches: Vec<u64>, done: Py<PyAny>) {
-        let model = Arc::clone(self.inner.model());
-        let out: Reply<Vec<lloyal_core::Result<Piece>>> = py_reply(done, produced_many);
-        let ids = branches.into_iter().map(id).collect();
-        self.inner.branch_produce_many(
-            ids,
-            Reply::new(
-                move |result: lloyal_core::Result<Vec<lloyal_core::Result<i32>>>| {
-                    let piece = |token: i32| -> lloyal_core::Result<Piece> {
-                        Ok((
-                            token,
-                            model.token_bytes(token, false)?,
-                            model.is_stop_token(token)?,
-                        ))
-                    };
-                    out.send(
-                        result
-                            .map(|tokens| tokens.into_iter().map(|r| r.and_then(piece)).collect()),
-                    )
-                },
-            ),
-        );
-    }
-
-    fn branch_accept(&self, branch: u64, token: i32) -> PyResult<()> {
-        self.inner.branch_accept(id(branch), token).py_err()
-    }
-
-    fn branch_set_params(&self, branch: u64, params: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let params = params_from_py(params)?;
-        self.inner.branch_set_params(id(branch), params).py_err()
-    }
-
-    fn branch_params(&self, branch: u64) -> PyResult<PySamplingParams> {
-        let inner = self
-            .inner
-            .read_branch(id(branch), |b| b.sampler().params().clone())
-            .py_err()?;
-        Ok(PySamplingParams { inner })
-    }
-
-    fn branch_reseed(&self, branch: u64, seed: u64) -> PyResult<()> {
-        self.inner.branch_reseed(id(branch), seed).py_err()
-    }
-
-    fn branch_logits<'py>(
-        &self,
-        py: Python<'py>,
-        branch: u64,
-    ) -> PyResult<Bound<'py, PyArray1<f32>>> {
-        let logits = self
-            .inner
-            .with_branch(id(branch), |b| Ok(b.logits()?.clone()))
-            .py_err()?;
-        Ok(PyArray1::from_slice(py, &logits))
-    }
-
-    fn branch_set_logits(&self, branch: u64, logits: PyReadonlyArray1<'_, f32>) -> PyResult<()> {
-        self.inner
-            .branch_set_logits(id(branch), f32_slice(&logits)?)
-            .py_err()
-    }
-
-    #[pyo3(signature = (branch, position, logits, done))]
-    fn branch_truncate(
-        &self,
-        branch: u64,
-        position: i32,
-        logits: Option<PyReadonlyArray1<'_, f32>>,
-        done: Py<PyAny>,
-    ) -> PyResult<()> {
-        let logits = match &logits {
-            Some(l) => Some(f32_slice(l)?.to_vec()),
-            None => None,
-        };
-        self.inner
-            .branch_truncate(id(branch), position, logits, py_reply(done, none));
-        Ok(())
-    }
-
-    fn branch_set_logit_bias(&self, branch: u64, biases: Vec<(i32, f32)>) -> PyResult<()> {
-        self.inner
-            .branch_set_logit_bias(id(branch), biases)
-            .py_err()
-    }
-
-    fn branch_steer(&self, branch: u64, biases: Vec<(i32, f32)>) -> PyResult<()> {
-        self.inner.branch_steer(id(branch), biases).py_err()
-    }
-
-    fn branch_entropy(&self, py: Python<'_>, branch: u64, base: &str) -> PyResult<f64> {
-        let base: Base = base.parse().py_err()?;
-        let view = self.inner.branch_logits_view(id(branch)).py_err()?;
-        py.detach(move || view.entropy(base)).py_err()
+    fn _steer(&self, biases: Vec<(i32, f32)>) -> PyResult<()> {
+        self.inner.steer(biases).py_err()
     }
 
     /// ``(tokens, logprobs)``: the ``k`` most likely next tokens, best first.
-    fn branch_top_logprobs<'py>(
-        &self,
-        py: Python<'py>,
-        branch: u64,
-        k: usize,
-    ) -> PyResult<TopLogprobs<'py>> {
-        let view = self.inner.branch_logits_view(id(branch)).py_err()?;
+    fn _top_logprobs<'py>(&self, py: Python<'py>, k: usize) -> PyResult<TopLogprobs<'py>> {
+        let view = self.inner.logits_view().py_err()?;
         let top = py.detach(move || view.top_logprobs(k)).py_err()?;
-        let tokens: Vec<i32> = top.iter().map(|t| t.0).collect();
-        let logprobs: Vec<f64> = top.iter().map(|t| t.1).collect();
+        let (tokens, logprobs): (Vec<i32>, Vec<f64>) = top.into_iter().unzip();
         Ok((
             PyArray1::from_vec(py, tokens),
             PyArray1::from_vec(py, logprobs),
         ))
     }
 
-    /// For each `(branch, token)`: the token's log-probability under the
-    /// branch's logits and the branch's `k` most likely tokens with theirs,
-    /// `(logprob, tokens, logprobs)`; all in one call, without the GIL.
-    fn branch_logprobs_many(
-        &self,
-        py: Python<'_>,
-        items: Vec<(u64, i32)>,
-        k: usize,
-    ) -> PyResult<Vec<LogprobEntry>> {
-        let mut views = Vec::with_capacity(items.len());
-        for &(branch, token) in &items {
-            self.inner.model().check_token(token).py_err()?;
-            views.push((self.inner.branch_logits_view(id(branch)).py_err()?, token));
-        }
-        py.detach(move || {
-            views
-                .into_iter()
-                .map(|(view, token)| {
-                    let logprob = view
-                        .logprobs(&[token])?
-                        .first()
-                        .copied()
-                        .unwrap_or(f64::NAN);
-                    let (tokens, logprobs) = if k == 0 {
-                        (Vec::new(), Vec::new())
-                    } else {
-                        view.top_logprobs(k)?.into_iter().unzip()
-                    };
-                    Ok((logprob, tokens, logprobs))
-                })
-                .collect::<lloyal_core::Result<Vec<_>>>()
-        })
-        .py_err()
-    }
-
-    fn branch_logprobs<'py>(
+    fn _logprobs<'py>(
         &self,
         py: Python<'py>,
-        branch: u64,
         tokens: Vec<i32>,
     ) -> PyResult<Bound<'py, PyArray1<f64>>> {
-        self.inner.model().check_tokens(&tokens).py_err()?;
-        let view = self.inner.branch_logits_view(id(branch)).py_err()?;
-        let out = view.logprobs(&tokens).py_err()?;
-        Ok(PyArray1::from_vec(py, out))
-    }
-
-    fn branch_surprisal(&self, branch: u64, token: i32, base: &str) -> PyResult<f64> {
-        let base: Base = base.parse().py_err()?;
-        self.inner.model().check_token(token).py_err()?;
         self.inner
-            .with_branch(id(branch), |b| b.model_surprisal(token, base))
-            .py_err()
-    }
-
-    /// Everything cheap to read about a branch, in one call.
-    fn branch_info<'py>(&self, py: Python<'py>, branch: u64) -> PyResult<Bound<'py, PyDict>> {
-        let (position, fork_head, ppl, sppl, count, parent, children, busy) = self
-            .inner
-            .read_branch(id(branch), |b| {
-                (
-                    b.position,
-                    b.fork_head,
-                    b.perplexity.perplexity(),
-                    b.sampling_perplexity.perplexity(),
-                    b.perplexity.count(),
-                    b.parent.map(BranchId::to_bits),
-                    b.children.iter().map(|c| c.to_bits()).collect::<Vec<_>>(),
-                    b.is_busy(),
-                )
-            })
+            .context()
+            .model()
+            .check_tokens(&tokens)
             .py_err()?;
-        let d = PyDict::new(py);
-        d.set_item("position", position)?;
-        d.set_item("fork_head", fork_head)?;
-        d.set_item("perplexity", ppl)?;
-        d.set_item("sampling_perplexity", sppl)?;
-        d.set_item("accepted", count)?;
-        d.set_item("parent", parent)?;
-        d.set_item("children", children)?;
-        d.set_item("busy", busy)?;
-        Ok(d)
+        let view = self.inner.logits_view().py_err()?;
+        Ok(PyArray1::from_vec(py, view.logprobs(&tokens).py_err()?))
     }
 
-    fn branch_alive(&self, branch: u64) -> bool {
-        self.inner.read_branch(id(branch), |_| ()).is_ok()
+    fn _surprisal(&self, token: i32, base: &str) -> PyResult<f64> {
+        let base: Base = base.parse().py_err()?;
+        self.inner.context().model().check_token(token).py_err()?;
+        self.inner.with(|b| b.model_surprisal(token, base)).py_err()
     }
+}
 
-    fn branch_save(&self, branch: u64, done: Py<PyAny>) {
-        self.inner
-            .branch_save(id(branch), py_reply(done, state_bytes));
-    }
-
-    fn branch_restore(
-        &self,
-        data: &[u8],
-        params: &Bound<'_, PyAny>,
-        done: Py<PyAny>,
-    ) -> PyResult<()> {
-        let params = params_from_py(params)?;
-        self.inner
-            .branch_restore(data.to_vec(), params, py_reply(done, branch_bits));
-        Ok(())
-    }
-
-    fn leases_available(&self) -> usize {
-        self.inner.leases_available()
-    }
-
-    fn branch_cells_held(&self) -> u64 {
-        self.inner.branch_cells_held()
-    }
-
-    fn branch_sampler_state<'py>(
-        &self,
-        py: Python<'py>,
-        branch: u64,
-    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
-        let state = self.inner.branch_sampler_state(id(branch)).py_err()?;
-        Ok(pyo3::types::PyBytes::new(py, &state))
-    }
-
-    fn branch_set_sampler_state(&self, branch: u64, state: &[u8]) -> PyResult<()> {
-        self.inner
-            .branch_set_sampler_state(id(branch), state)
-            .py_err()
-    }
-
-    fn branch_detach(&self, branch: u64) -> PyResult<()> {
-        self.inner.branch_detach(id(branch)).py_err()
-    }
-
-    fn branch_clear_logits(&self, branch: u64) -> PyResult<()> {
-        self.inner.branch_clear_logits(id(branch)).py_err()
-    }
+/// Mark a numpy array read-only.
+fn read_only(arr: &Bound<'_, PyAny>) -> PyResult<()> {
+    let kwargs = PyDict::new(arr.py());
+    kwargs.set_item("write", false)?;
+    arr.call_method("setflags", (), Some(&kwargs))?;
+    Ok(())
 }

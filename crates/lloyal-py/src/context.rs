@@ -9,6 +9,7 @@ use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use crate::branch::Registry;
 use crate::errors::IntoPyResult;
 use crate::reply::{none, py_reply};
 use crate::sampling::params_from_py;
@@ -16,6 +17,8 @@ use crate::sampling::params_from_py;
 #[pyclass(name = "NativeContext", module = "lloyal._lloyal", frozen)]
 pub struct PyContext {
     pub(crate) inner: Arc<Context>,
+    /// The object of each of its branches (see `crate::branch`).
+    pub(crate) objects: Arc<Registry>,
 }
 
 /// Keeps a context's worker busy until released (or garbage collected).
@@ -41,6 +44,7 @@ fn wrap_context(py: Python<'_>, ctx: Context) -> PyResult<Py<PyAny>> {
         py,
         PyContext {
             inner: Arc::new(ctx),
+            objects: Arc::default(),
         },
     )?
     .into_any())

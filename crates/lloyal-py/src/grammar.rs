@@ -9,7 +9,6 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::branch::id;
 use crate::context::PyContext;
 use crate::errors::IntoPyResult;
 
@@ -19,7 +18,7 @@ pub struct PyGrammar {
 }
 
 impl PyGrammar {
-    fn lock(&self) -> MutexGuard<'_, Grammar> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Grammar> {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -104,33 +103,6 @@ impl PyContext {
         Ok(PyGrammar {
             inner: Mutex::new(grammar),
         })
-    }
-
-    /// Give the branch a copy of `grammar` (or none).
-    #[pyo3(signature = (branch, grammar=None))]
-    fn branch_set_grammar(&self, branch: u64, grammar: Option<&PyGrammar>) -> PyResult<()> {
-        let grammar = grammar.map(|g| g.lock().clone());
-        self.inner.branch_set_grammar(id(branch), grammar).py_err()
-    }
-
-    fn branch_has_grammar(&self, branch: u64) -> PyResult<bool> {
-        self.inner
-            .read_branch(id(branch), |b| b.grammar().is_some())
-            .py_err()
-    }
-
-    fn branch_grammar_triggered(&self, branch: u64) -> PyResult<Option<bool>> {
-        self.inner
-            .read_branch(id(branch), |b| b.grammar().and_then(Grammar::triggered))
-            .py_err()
-    }
-
-    fn branch_grammar_accepting(&self, branch: u64) -> PyResult<Option<bool>> {
-        self.inner
-            .with_branch(id(branch), |b| {
-                Ok(b.grammar_mut().map(Grammar::is_accepting))
-            })
-            .py_err()
     }
 }
 

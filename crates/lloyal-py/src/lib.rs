@@ -10,6 +10,7 @@ mod grammar;
 mod kv;
 mod reply;
 mod sampling;
+mod store;
 
 use pyo3::prelude::*;
 
@@ -18,6 +19,8 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     m.add_class::<context::PyContext>()?;
     m.add_class::<context::PyHold>()?;
+    m.add_class::<branch::PyBranch>()?;
+    m.add_class::<branch::BranchSeed>()?;
     m.add_class::<sampling::PyPerplexityTracker>()?;
     m.add_class::<sampling::PySamplingParams>()?;
     m.add_class::<reply::Completion>()?;

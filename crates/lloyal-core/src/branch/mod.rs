@@ -1,7 +1,8 @@
 //! Branches: forkable decode state.
 //!
 //! A branch's data and the arena that holds it are in `crate::state`; this
-//! folder holds the operations on them. `api` is what a caller starts: cheap, decode-free operations
+//! folder holds the operations on them, and [`Branch`] (`handle`), the
+//! owned handle whose drop frees an unpruned branch. `api` is what a caller starts: cheap, decode-free operations
 //! (create, produce, accept, reading state) run on the caller's thread
 //! under the `branches` lock; anything touching the KV cache is a job for
 //! the worker (`job`), or a step (`batch` starts commits and prefills, and
@@ -18,10 +19,12 @@
 mod api;
 mod batch;
 mod decode;
+mod handle;
 mod job;
 mod ops;
 mod scan;
 mod snapshot;
 mod tree;
 
+pub use handle::Branch;
 pub use tree::TreeOutcome;
