@@ -3,8 +3,10 @@ decoded once, one branch per leaf; and tree speculation built on it."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import anyio
 import lloyal
 import numpy as np
 import pytest
@@ -60,6 +62,30 @@ async def test_a_tree_is_one_decode_with_a_branch_per_leaf(model: Path) -> None:
         # Any order: every leaf branch is a root.
         for b in tree.branches:
             await b.prune()
+        assert store.available == 4
+
+
+async def test_a_cancelled_tree_gives_the_leaves_it_never_returned_back(smollm2: Path) -> None:
+    """The decode runs to its end (the root carries the first leaf); the
+    other leaves arrive as seeds nobody takes, and their leases return."""
+    async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=4) as ctx:
+        root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize(PROMPT))
+        base = root.position
+        store = lloyal.BranchStore(ctx)
+        task = asyncio.ensure_future(store.prefill_tree(root, [100, 200, 300], [-1, -1, -1]))
+        await asyncio.sleep(0)  # submitted
+        assert root._busy
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Hang guard only: the worker answers within milliseconds.
+        with anyio.fail_after(120):
+            while root._busy or store.available != 3:
+                await asyncio.sleep(0)
+        assert root.position == base + 1
+        assert root.children == []
+        await root.prune()
         assert store.available == 4
 
 

