@@ -81,7 +81,7 @@ async def test_a_cancelled_tree_gives_the_leaves_it_never_returned_back(smollm2:
             await task
         # Hang guard only: the worker answers within milliseconds.
         with anyio.fail_after(120):
-            while root._busy or store.available != 3:
+            while root._busy or store.available != 3:  # noqa: ASYNC110 - polling the worker
                 await asyncio.sleep(0)
         assert root.position == base + 1
         assert root.children == []
