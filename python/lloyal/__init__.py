@@ -17,6 +17,7 @@ True
 
 from lloyal._lloyal import PerplexityTracker, supports_gpu_offload
 from lloyal._lloyal import __version__ as __version__
+from lloyal.adapters import Adapters, ControlVector, Lora
 from lloyal.backend import LLAMA_CPP_2_VERSION, BackendInfo, Device, backend_info
 from lloyal.branch import Branch, BranchStore, Produced, Token, TokenTree
 from lloyal.chat.output import (
@@ -35,6 +36,7 @@ from lloyal.context import (
     create_context,
 )
 from lloyal.errors import (
+    AdapterLoadError,
     BranchBusyError,
     BranchDisposedError,
     ChatTemplateError,
@@ -61,6 +63,8 @@ __all__ = [
     "CHAT_FORMATS",
     "GREEDY",
     "LLAMA_CPP_2_VERSION",
+    "AdapterLoadError",
+    "Adapters",
     "BackendInfo",
     "Branch",
     "BranchBusyError",
@@ -73,6 +77,7 @@ __all__ = [
     "Context",
     "ContextClosedError",
     "ContextStats",
+    "ControlVector",
     "DecodeError",
     "Device",
     "Grammar",
@@ -80,6 +85,7 @@ __all__ = [
     "InternalError",
     "KVCacheFullError",
     "LloyalError",
+    "Lora",
     "ModelInfo",
     "ModelLoadError",
     "NoLeaseError",

@@ -26,8 +26,10 @@ import numpy as np
 import numpy.typing as npt
 
 from lloyal import _check, _step
+from lloyal import adapters as _adapters
 from lloyal._bridge import call_native
 from lloyal._lloyal import BranchSeed, NativeBranch
+from lloyal.adapters import Adapters, ControlVector, LoraSpec
 from lloyal.context import Base, Context, _logits_arg, _token_id, _token_list
 from lloyal.errors import LloyalError
 from lloyal.grammar import Grammar, _compile
@@ -453,6 +455,20 @@ class Branch(NativeBranch):
         trigger word the branch produces (see :mod:`lloyal.grammar`)."""
         compiled = _compile(self._ctx, grammar, json_schema, lark, triggers)
         self._set_grammar(None if compiled is None else compiled._native)
+
+    def set_adapters(
+        self, loras: LoraSpec = None, *, control_vector: ControlVector | None = None
+    ) -> None:
+        """Decode under these LoRA adapters (with scales) and control vector
+        from now on; with no arguments, under the base model. Forks made
+        after inherit the set. The KV this branch already holds stays as it
+        was computed. See :mod:`lloyal.adapters`."""
+        self._set_adapters(*_adapters.split(loras, control_vector))
+
+    @property
+    def adapters(self) -> Adapters:
+        """The set this branch decodes under (see :meth:`set_adapters`)."""
+        return _adapters.adapters(self._adapters)
 
     def set_logits(self, logits: npt.ArrayLike) -> None:
         """Replace the logits snapshot (e.g. after custom scoring). Entries

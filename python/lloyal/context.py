@@ -26,7 +26,9 @@ import numpy as np
 import numpy.typing as npt
 
 from lloyal import _check, _lloyal
+from lloyal import adapters as _adapters
 from lloyal._bridge import call_native
+from lloyal.adapters import Adapters, ControlVector, Lora, LoraSpec
 from lloyal.chat.format import prepare_chat
 from lloyal.chat.prompt import ChatPrompt as ChatPrompt
 from lloyal.errors import ContextClosedError
@@ -664,6 +666,53 @@ class Context:
         compiled = _compile(self, grammar, json_schema, lark, triggers)
         assert compiled is not None
         return compiled
+
+    # -- adapters (see lloyal.adapters) ---------------------------------------
+
+    async def load_lora(self, path: str | os.PathLike[str]) -> Lora:
+        """Load a LoRA adapter (GGUF) into this context's model, checked
+        against it first; the same file again gives the same adapter."""
+        self._check_open()
+        p = Path(os.fspath(path))
+        return await call_native(lambda done: self._native.load_lora(p, done))  # type: ignore[no-any-return]
+
+    def control_vector(
+        self,
+        directions: npt.ArrayLike,
+        *,
+        scale: float = 1.0,
+        layers: tuple[int, int] | None = None,
+    ) -> ControlVector:
+        """A control vector from an ``(n_layer, n_embd)`` array, row ``i``
+        added to layer ``i``'s output (row 0 must be zero: llama.cpp has
+        none there), times ``scale``, in layers ``layers`` (first, last;
+        default every layer from 1)."""
+        data = np.ascontiguousarray(directions, dtype=np.float32).reshape(-1)
+        return self._native.control_vector(data, float(scale), layers)
+
+    def load_control_vector(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        scale: float = 1.0,
+        layers: tuple[int, int] | None = None,
+    ) -> ControlVector:
+        """Read a control vector file (``cvector-generator``'s GGUF); see
+        :meth:`control_vector` for ``scale`` and ``layers``."""
+        return self._native.load_control_vector(Path(os.fspath(path)), float(scale), layers)
+
+    def set_adapters(
+        self, loras: LoraSpec = None, *, control_vector: ControlVector | None = None
+    ) -> None:
+        """The default adapter set: what new branches start with and what
+        the flat API and embeddings decode under. Branches made before keep
+        theirs."""
+        self._native.set_default_adapters(*_adapters.split(loras, control_vector))
+
+    @property
+    def adapters(self) -> Adapters:
+        """The default adapter set (see :meth:`set_adapters`)."""
+        return _adapters.adapters(self._native.default_adapters())
 
     def create_perplexity_tracker(self) -> _lloyal.PerplexityTracker:
         """A fresh :class:`PerplexityTracker`."""

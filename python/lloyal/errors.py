@@ -15,6 +15,7 @@ True
 """
 
 from lloyal._lloyal import (
+    AdapterLoadError,
     BranchBusyError,
     BranchDisposedError,
     ChatTemplateError,
@@ -36,6 +37,7 @@ class WorkerLostError(LloyalError):
 
 
 __all__ = [
+    "AdapterLoadError",
     "BranchBusyError",
     "BranchDisposedError",
     "ChatTemplateError",

@@ -196,6 +196,7 @@ impl Worker<'_> {
                         .map_err(|e| Error::Internal(format!("batch add: {e}")))?;
                 }
             }
+            self.use_default_adapters()?;
             self.llama_decode(tokens)?;
             let mut row = 0;
             for (input, &seq) in inputs[start..end].iter().zip(seqs) {
@@ -223,6 +224,7 @@ impl Worker<'_> {
                 .add(LlamaToken(t), pos as i32, &[seq], true)
                 .map_err(|e| Error::Internal(format!("batch add: {e}")))?;
         }
+        self.use_default_adapters()?;
         self.llama_decode(tokens.len())?;
         if self.params.pooling == Pooling::None {
             let mut data = Vec::new();

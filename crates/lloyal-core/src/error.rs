@@ -16,6 +16,13 @@ pub enum Error {
     /// architecture, truncated file...).
     #[error("could not load model {path}: {reason}")]
     ModelLoad { path: PathBuf, reason: String },
+    /// The adapter (LoRA or control vector) path does not exist.
+    #[error("adapter file not found: {0}")]
+    AdapterNotFound(PathBuf),
+    /// The adapter file is not one this model can use (not a GGUF adapter,
+    /// another architecture, shapes that do not match, truncated...).
+    #[error("could not load adapter {path}: {reason}")]
+    AdapterLoad { path: PathBuf, reason: String },
     /// llama.cpp refused to create a context with these parameters.
     #[error("could not create context: {0}")]
     ContextCreate(String),

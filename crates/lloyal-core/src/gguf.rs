@@ -48,7 +48,7 @@ pub struct Header {
 }
 
 impl Header {
-    fn int(&self, key: &str) -> Option<i128> {
+    pub(crate) fn int(&self, key: &str) -> Option<i128> {
         match self.kv.get(key)? {
             Value::Int(v) => Some(*v),
             _ => None,
@@ -64,7 +64,7 @@ impl Header {
         }
     }
 
-    fn string(&self, key: &str) -> Option<&str> {
+    pub(crate) fn string(&self, key: &str) -> Option<&str> {
         match self.kv.get(key)? {
             Value::Str(s) => Some(s),
             _ => None,
@@ -206,6 +206,82 @@ pub fn parse(source: impl Read, size: u64) -> Res<Header> {
         inner: source,
         left: size,
     };
+    parse_kv(&mut r)
+}
+
+/// One tensor's description in a GGUF file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    pub name: String,
+    /// Its dimensions, innermost first (ggml's `ne`).
+    pub ne: Vec<u64>,
+    /// ggml's type id (0: F32).
+    pub ty: u32,
+    /// Where its data starts, counted from [`Tensors::data_start`].
+    pub offset: u64,
+}
+
+/// The header and tensor descriptions of a GGUF file.
+#[derive(Debug, Clone)]
+pub struct Tensors {
+    pub header: Header,
+    pub tensors: Vec<TensorInfo>,
+    /// Byte offset of the data section in the file.
+    pub data_start: u64,
+    /// The file's size in bytes.
+    pub size: u64,
+}
+
+/// Read the header and every tensor description from `file` (at byte 0),
+/// with the same bounds on every count and length as [`read_header`].
+pub fn read_tensors<R: Read + Seek>(file: R) -> Res<Tensors> {
+    let mut file = file;
+    let size = file
+        .seek(std::io::SeekFrom::End(0))
+        .and_then(|n| file.rewind().map(|()| n))
+        .or_else(|e| bad(format!("cannot read the file: {e}")))?;
+    let mut r = Reader {
+        inner: BufReader::new(file),
+        left: size,
+    };
+    let header = parse_kv(&mut r)?;
+    let mut tensors = Vec::new();
+    for _ in 0..header.n_tensors {
+        let name = r
+            .string(MAX_KEY_BYTES, "a tensor name")?
+            .ok_or_else(|| HeaderError("a tensor name is too long".into()))?;
+        let n_dims = r.u32()?;
+        if !(1..=4).contains(&n_dims) {
+            return bad(format!(
+                "tensor {name:?} has {n_dims} dimensions (1 to 4 are valid)"
+            ));
+        }
+        let ne = (0..n_dims).map(|_| r.u64()).collect::<Res<Vec<u64>>>()?;
+        let ty = r.u32()?;
+        let offset = r.u64()?;
+        tensors.push(TensorInfo {
+            name,
+            ne,
+            ty,
+            offset,
+        });
+    }
+    let alignment = match header.int("general.alignment") {
+        Some(a) if a > 0 && (a as u64).is_power_of_two() => a as u64,
+        Some(a) => return bad(format!("general.alignment is {a}, not a power of two")),
+        None => 32,
+    };
+    let end = size - r.left;
+    let data_start = end.div_ceil(alignment) * alignment;
+    Ok(Tensors {
+        header,
+        tensors,
+        data_start,
+        size,
+    })
+}
+
+fn parse_kv<R: Read>(r: &mut Reader<R>) -> Res<Header> {
     if &r.bytes::<4>()? != b"GGUF" {
         return bad("not a GGUF file (missing GGUF magic bytes)");
     }
@@ -322,15 +398,33 @@ pub mod build {
     #[derive(Debug, Clone, Copy)]
     pub enum V<'a> {
         U32(u32),
+        F32(f32),
         Str(&'a str),
         U32s(&'a [u32]),
     }
 
     /// A GGUF v3 header with these key/value pairs and no tensors.
     pub fn header(kv: &[(&str, V<'_>)]) -> Vec<u8> {
+        with_tensors(kv, &[])
+    }
+
+    /// A GGUF v3 file with these key/value pairs and f32 tensors (name,
+    /// dimensions innermost first, values), aligned to 32 bytes.
+    pub fn file(kv: &[(&str, V<'_>)], tensors: &[(&str, &[u64], &[f32])]) -> Vec<u8> {
+        let mut b = with_tensors(kv, tensors);
+        let pad = |b: &mut Vec<u8>| b.resize(b.len().div_ceil(32) * 32, 0);
+        pad(&mut b);
+        for (_, _, data) in tensors {
+            data.iter().for_each(|x| b.extend(x.to_le_bytes()));
+            pad(&mut b);
+        }
+        b
+    }
+
+    fn with_tensors(kv: &[(&str, V<'_>)], tensors: &[(&str, &[u64], &[f32])]) -> Vec<u8> {
         let mut b = b"GGUF".to_vec();
         b.extend(3u32.to_le_bytes());
-        b.extend(0u64.to_le_bytes());
+        b.extend((tensors.len() as u64).to_le_bytes());
         b.extend((kv.len() as u64).to_le_bytes());
         let string = |b: &mut Vec<u8>, s: &str| {
             b.extend((s.len() as u64).to_le_bytes());
@@ -341,6 +435,10 @@ pub mod build {
             match v {
                 V::U32(x) => {
                     b.extend(4u32.to_le_bytes());
+                    b.extend(x.to_le_bytes());
+                }
+                V::F32(x) => {
+                    b.extend(6u32.to_le_bytes());
                     b.extend(x.to_le_bytes());
                 }
                 V::Str(s) => {
@@ -354,6 +452,15 @@ pub mod build {
                     xs.iter().for_each(|x| b.extend(x.to_le_bytes()));
                 }
             }
+        }
+        let mut offset = 0u64;
+        for (name, ne, data) in tensors {
+            string(&mut b, name);
+            b.extend((ne.len() as u32).to_le_bytes());
+            ne.iter().for_each(|d| b.extend(d.to_le_bytes()));
+            b.extend(0u32.to_le_bytes());
+            b.extend(offset.to_le_bytes());
+            offset += (data.len() as u64 * 4).div_ceil(32) * 32;
         }
         b
     }

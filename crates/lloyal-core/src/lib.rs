@@ -51,6 +51,7 @@
 //! }
 //! ```
 
+pub mod adapter;
 pub mod aio;
 mod backend;
 pub mod branch;
@@ -97,6 +98,7 @@ pub mod fuzzing {
     }
 }
 
+pub use adapter::{Adapters, ControlVector, Lora};
 pub use backend::{
     backend, backend_info, supports_gpu_offload, BackendInfo, Device, LLAMA_CPP_2_VERSION,
 };

@@ -47,6 +47,9 @@ pub struct Model {
     derived: std::sync::Mutex<HashMap<std::any::TypeId, Arc<dyn std::any::Any + Send + Sync>>>,
     /// DRY breaker token sets, by breaker strings.
     dry_breakers: std::sync::Mutex<HashMap<Vec<String>, Arc<HashSet<i32>>>>,
+    /// LoRA adapters loaded into this model (`llama_adapter_lora *` as an
+    /// address), by canonical path: each file is loaded once.
+    pub(crate) loras: std::sync::Mutex<HashMap<PathBuf, usize>>,
 }
 
 impl std::fmt::Debug for Model {
@@ -174,7 +177,20 @@ impl Model {
             add_bos,
             derived: Default::default(),
             dry_breakers: Default::default(),
+            loras: Default::default(),
         }
+    }
+
+    /// The `llama_model *` (for C calls llama-cpp-2 does not wrap).
+    pub(crate) fn raw(&self) -> *mut llama_cpp_sys_2::llama_model {
+        // SAFETY: `LlamaModel` is a `#[repr(transparent)]` `NonNull` (checked
+        // in `load_without_repack`); copying the pointer out takes nothing.
+        unsafe {
+            std::mem::transmute_copy::<LlamaModel, std::ptr::NonNull<llama_cpp_sys_2::llama_model>>(
+                &self.llama,
+            )
+        }
+        .as_ptr()
     }
 
     pub fn info(&self) -> &ModelInfo {

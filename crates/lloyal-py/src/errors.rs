@@ -21,6 +21,12 @@ create_exception!(
 );
 create_exception!(
     lloyal,
+    AdapterLoadError,
+    LloyalError,
+    "The file is not a LoRA adapter or control vector this model can use."
+);
+create_exception!(
+    lloyal,
     ContextClosedError,
     LloyalError,
     "The context was closed."
@@ -79,7 +85,10 @@ create_exception!(
 pub fn to_pyerr(error: Error) -> PyErr {
     let message = error.to_string();
     match error {
-        Error::ModelNotFound(_) => PyFileNotFoundError::new_err(message),
+        Error::ModelNotFound(_) | Error::AdapterNotFound(_) => {
+            PyFileNotFoundError::new_err(message)
+        }
+        Error::AdapterLoad { .. } => AdapterLoadError::new_err(message),
         Error::ModelIsDirectory(_) => PyIsADirectoryError::new_err(message),
         Error::OutOfMemory(_) => PyMemoryError::new_err(message),
         Error::ModelLoad { .. } | Error::ContextCreate(_) => ModelLoadError::new_err(message),
@@ -112,6 +121,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("LloyalError", py.get_type::<LloyalError>())?;
     m.add("ModelLoadError", py.get_type::<ModelLoadError>())?;
+    m.add("AdapterLoadError", py.get_type::<AdapterLoadError>())?;
     m.add("ContextClosedError", py.get_type::<ContextClosedError>())?;
     m.add("DecodeError", py.get_type::<DecodeError>())?;
     m.add("KVCacheFullError", py.get_type::<KVCacheFullError>())?;

@@ -1,6 +1,7 @@
 //! PyO3 bindings for lloyal: the `lloyal._lloyal` extension module.
 //! Users import `lloyal`; this module is its native half.
 
+mod adapter;
 mod backend;
 mod branch;
 mod context;
@@ -20,6 +21,8 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<context::PyContext>()?;
     m.add_class::<context::PyHold>()?;
     m.add_class::<branch::PyBranch>()?;
+    m.add_class::<adapter::PyLora>()?;
+    m.add_class::<adapter::PyControlVector>()?;
     m.add_class::<branch::BranchSeed>()?;
     m.add_class::<sampling::PyPerplexityTracker>()?;
     m.add_class::<sampling::PySamplingParams>()?;

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use super::job::{mark_busy, BranchJob};
 use super::ops::make_fork;
 use super::tree::{check_tree, TreeOutcome};
+use crate::adapter::Adapters;
 use crate::engine::{panic_text, unanswered};
 use crate::engine::{Context, Job, Reply, Shared, Task};
 use crate::error::{invalid, Error, Result};
@@ -26,6 +27,7 @@ impl Context {
         let state = match BranchState::new(seq, params) {
             Ok(mut s) => {
                 self.model().bind_sampler(s.sampler_mut());
+                s.adapters = lock(&self.shared.default_adapters).clone();
                 s
             }
             Err(e) => {
@@ -55,6 +57,21 @@ impl Context {
             return Err(Error::BranchBusy);
         }
         f(state)
+    }
+
+    /// Give branch `id` its own set: its next decodes run under it, and
+    /// its forks inherit it. What it decoded before is left as it is (the
+    /// KV cells already written were computed under the old set).
+    pub fn branch_set_adapters(&self, id: BranchId, adapters: Adapters) -> Result<()> {
+        self.check_open()?;
+        adapters.check(self.model())?;
+        let mut branches = lock(&self.shared.branches);
+        let branch = branches.get_mut(id)?;
+        if branch.busy || branch.forks > 0 {
+            return Err(Error::BranchBusy);
+        }
+        branch.adapters = adapters;
+        Ok(())
     }
 
     /// Read a branch's state even while an operation is in flight.

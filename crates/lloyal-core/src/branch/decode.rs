@@ -137,7 +137,8 @@ impl Worker<'_> {
                 g.progress = Some(self.start_group(g));
             }
         }
-        let parts = self.plan(step);
+        let mut parts = self.plan(step);
+        by_adapters(step, &mut parts);
         if !parts.is_empty() {
             self.run_parts(step, &parts);
         }
@@ -216,6 +217,7 @@ impl Worker<'_> {
                     greedy: b.produces_argmax(),
                     fresh: None,
                     rows: Vec::new(),
+                    adapters: b.adapters.clone(),
                 };
                 Ok((saved, work))
             });
@@ -343,10 +345,13 @@ impl Worker<'_> {
         self.batch.clear();
         for (i, p) in parts.iter().enumerate() {
             let single = p.to - p.from == 1;
-            // A capped run of single tokens is decoded on its own.
-            if in_singles && !single && self.batch.n_tokens() > 0 {
+            // A capped run of single tokens is decoded on its own, and so
+            // is each adapter set's run of parts (see `by_adapters`).
+            let set_changes = i > 0 && work(step, &parts[i - 1]).adapters != work(step, p).adapters;
+            if (set_changes || (in_singles && !single)) && self.batch.n_tokens() > 0 {
                 self.flush(&mut rows, captured)?;
             }
+            self.use_adapters(&work(step, p).adapters)?;
             in_singles = cap.is_some() && single;
             let keep_all = step.groups[p.group].all_rows;
             let w = work(step, p);
@@ -460,6 +465,34 @@ impl Worker<'_> {
         drop(branches);
         group.reply.send(Ok(progress.results));
     }
+}
+
+/// Order `parts` so that each adapter set's parts come together, keeping
+/// their order otherwise (commits first, then prompts in arrival order):
+/// llama.cpp applies one set per decode.
+fn by_adapters(step: &Step, parts: &mut [Part]) {
+    let first = match parts.first() {
+        Some(p) => &work(step, p).adapters,
+        None => return,
+    };
+    if parts.iter().all(|p| work(step, p).adapters == *first) {
+        return;
+    }
+    let mut sets: Vec<&crate::adapter::Adapters> = Vec::new();
+    let keys: Vec<usize> = parts
+        .iter()
+        .map(|p| {
+            let set = &work(step, p).adapters;
+            sets.iter().position(|s| *s == set).unwrap_or_else(|| {
+                sets.push(set);
+                sets.len() - 1
+            })
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..parts.len()).collect();
+    order.sort_by_key(|&i| keys[i]);
+    let sorted: Vec<Part> = order.iter().map(|&i| parts[i]).collect();
+    parts.copy_from_slice(&sorted);
 }
 
 fn work<'s>(step: &'s Step, p: &Part) -> &'s Work {

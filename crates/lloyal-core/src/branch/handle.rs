@@ -159,6 +159,11 @@ impl Branch {
         self.ctx.branch_set_grammar(self.id, grammar)
     }
 
+    /// See [`Context::branch_set_adapters`].
+    pub fn set_adapters(&self, adapters: crate::adapter::Adapters) -> Result<()> {
+        self.ctx.branch_set_adapters(self.id, adapters)
+    }
+
     pub fn sampler_state(&self) -> Result<Vec<u8>> {
         self.ctx.branch_sampler_state(self.id)
     }

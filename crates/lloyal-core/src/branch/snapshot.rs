@@ -67,6 +67,7 @@ impl Worker<'_> {
         let (logits, llama) = unpack_branch(payload, self.model.vocab_size() as usize)?;
         let mut state = BranchState::new(0, params)?;
         self.model.bind_sampler(state.sampler_mut());
+        state.adapters = lock(&self.shared.default_adapters).clone();
         let llama = crate::kv::check_payload(llama, self.ctx.n_ctx())?;
         let seq = lock(&self.shared.branches).lease(|s| self.shared.holds_flat_data(s))?;
         if let Err(e) = crate::kv::write_seq(&mut self.ctx, seq, llama) {

@@ -101,6 +101,15 @@ impl Worker<'_> {
         }
         let vocab = self.model.vocab_size() as usize;
         let mut rows: Vec<f32> = Vec::with_capacity(n * vocab);
+        // The leaves are forks of the root: they decode under its set.
+        let set = lock(&self.shared.branches)
+            .get(root)
+            .map(|b| b.adapters.clone())
+            .unwrap_or_default();
+        if let Err(e) = self.use_adapters(&set) {
+            self.drop_tree(root, base, &ids[1..]);
+            return Err(e);
+        }
         self.batch.clear();
         for j in 0..n {
             let added = self

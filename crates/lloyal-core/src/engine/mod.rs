@@ -29,6 +29,7 @@
 //! batching mechanism: groups of commits and prefills, their failure
 //! rules; the rounds themselves run in `branch::decode`), `reply`, `shared`.
 
+mod adapters;
 mod handle;
 mod job;
 mod reply;

@@ -44,6 +44,8 @@ pub(crate) struct Shared {
     pub(crate) sampler: Mutex<Option<Sampler>>,
     /// Every branch and the free KV leases.
     pub(crate) branches: Mutex<Branches>,
+    /// The adapter set of new branches, the flat API and embeddings.
+    pub(crate) default_adapters: Mutex<crate::adapter::Adapters>,
     /// Embeddings of the last `encode`.
     pub(crate) embeddings: Mutex<Option<Embeddings>>,
     /// The next job panics (`Context::panic_next_job`).

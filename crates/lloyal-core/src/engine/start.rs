@@ -148,6 +148,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         logits: Mutex::new(None),
         sampler: Mutex::new(None),
         branches: Mutex::new(crate::state::Branches::new(params.n_seq_max)),
+        default_adapters: Mutex::new(Default::default()),
         embeddings: Mutex::new(None),
         #[cfg(feature = "testing")]
         panic_next: AtomicBool::new(false),
@@ -173,6 +174,8 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
     let ctx = unsafe { std::mem::transmute::<LlamaContext<'_>, LlamaContext<'static>>(ctx) };
     let worker = Worker {
         background: None,
+        raw_ctx: crate::adapter::context_pointer(&ctx),
+        adapters: Default::default(),
         ctx,
         model: Arc::clone(&model),
         // A token may belong to every sequence (a shared prefix of a

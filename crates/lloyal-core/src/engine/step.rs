@@ -108,6 +108,8 @@ pub(crate) struct Work {
     pub(crate) fresh: Option<(Arc<[f32]>, LogitStats)>,
     /// Every position's logits, with `all_rows`.
     pub(crate) rows: Vec<f32>,
+    /// The adapter set its branch decodes under.
+    pub(crate) adapters: crate::adapter::Adapters,
 }
 
 /// What a failed group puts back into a branch.

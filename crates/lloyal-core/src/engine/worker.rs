@@ -44,6 +44,10 @@ pub(crate) struct Worker<'m> {
     pub(crate) shared: Arc<Shared>,
     /// Branch logits buffers nobody holds any more, for reuse.
     pub(crate) logit_pool: Vec<Arc<[f32]>>,
+    /// The adapter set applied to `ctx` now (see `adapter`).
+    pub(crate) adapters: crate::adapter::Adapters,
+    /// `ctx`'s C pointer, for the adapter calls llama-cpp-2 lacks.
+    pub(crate) raw_ctx: Option<crate::adapter::RawContext>,
 }
 
 impl Worker<'_> {
@@ -111,6 +115,7 @@ impl Worker<'_> {
 
     pub(crate) fn decode(&mut self, tokens: &[i32], pos: i32, seq: i32) -> Result<()> {
         let slot = self.check_decode(tokens, pos, seq)?;
+        self.use_default_adapters()?;
         let mut next = pos;
         for (i, chunk) in tokens.chunks(self.n_batch).enumerate() {
             let last_chunk = (i + 1) * self.n_batch >= tokens.len();

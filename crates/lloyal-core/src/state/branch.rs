@@ -49,6 +49,9 @@ pub struct BranchState {
     /// Every position's logits from the last `prefill` that asked for them
     /// (`n * vocab`, row-major), until taken. Not inherited by forks.
     pub(crate) rows: Option<Vec<f32>>,
+    /// The LoRA adapters and control vector its decodes run under;
+    /// inherited by forks (see `adapter`).
+    pub adapters: crate::adapter::Adapters,
 }
 
 impl BranchState {
@@ -71,6 +74,7 @@ impl BranchState {
             busy: false,
             forks: 0,
             rows: None,
+            adapters: Default::default(),
         })
     }
 
@@ -251,6 +255,7 @@ impl BranchState {
             busy: false,
             forks: 0,
             rows: None,
+            adapters: Default::default(),
         }
     }
 
