@@ -19,6 +19,7 @@ prints their paths; each is written once, then found in the cache.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from pathlib import Path
@@ -43,10 +44,8 @@ def _gguf() -> Any:
 
 
 def _write(target: Path, arch: str, fill: Any) -> Path:
-    """Write ``target`` once (through a temporary file, so that a crash
-    leaves no half file in the cache)."""
-    if target.is_file():
-        return target
+    """Write ``target`` (through a temporary file, so that a crash leaves
+    no half file in the cache)."""
     gguf = _gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".{os.getpid()}.part")
@@ -60,6 +59,7 @@ def _write(target: Path, arch: str, fill: Any) -> Path:
     return target
 
 
+@functools.cache
 def _shapes(model: str) -> tuple[str, dict[str, tuple[int, ...]]]:
     """The architecture and tensor shapes (innermost first) of a model."""
     reader = _gguf().GGUFReader(model_path(model))
@@ -72,6 +72,9 @@ def lora(kind: LoraKind = "random", model: str = "smollm2") -> Path:
     and ``attn_v``: random A and B, or B all zero (``kind="zero"``)."""
     if kind not in ("random", "zero"):
         raise ValueError(f"kind must be 'random' or 'zero', got {kind!r}")
+    target = cache_dir() / f"{model}-lora-{kind}.gguf"
+    if target.is_file():
+        return target
     arch, shapes = _shapes(model)
 
     def fill(w: Any) -> None:
@@ -89,12 +92,15 @@ def lora(kind: LoraKind = "random", model: str = "smollm2") -> Path:
             w.add_tensor(f"{name}.lora_a", a)
             w.add_tensor(f"{name}.lora_b", b if kind == "random" else np.zeros_like(b))
 
-    return _write(cache_dir() / f"{model}-lora-{kind}.gguf", arch, fill)
+    return _write(target, arch, fill)
 
 
 def control_vector(model: str = "smollm2") -> Path:
     """A control vector for test model ``model``: one random direction
     (norm 4) for every layer from 1, as ``cvector-generator`` writes."""
+    target = cache_dir() / f"{model}-control-vector.gguf"
+    if target.is_file():
+        return target
     arch, shapes = _shapes(model)
     n_embd = shapes["token_embd.weight"][0]
     n_layer = 1 + max(int(n.split(".")[1]) for n in shapes if n.startswith("blk."))
@@ -107,7 +113,7 @@ def control_vector(model: str = "smollm2") -> Path:
             v = rng.normal(0.0, 1.0, n_embd).astype(np.float32)
             w.add_tensor(f"direction.{layer}", v * (4.0 / np.linalg.norm(v)))
 
-    return _write(cache_dir() / f"{model}-control-vector.gguf", "controlvector", fill)
+    return _write(target, "controlvector", fill)
 
 
 def build_all() -> list[Path]:
