@@ -25,7 +25,7 @@ WHEEL_VENV ?= .venv-wheel
 DIST ?= dist
 SYSTEM_PACKAGES := cmake libclang-dev ccache
 
-.PHONY: system-deps venv dev test test-rust test-python lint fmt bench demo \
+.PHONY: system-deps venv dev test test-rust test-python lint fmt bench demo fixtures \
 	wheel test-wheel check-portable clean
 
 system-deps:
@@ -73,6 +73,11 @@ fmt: venv
 	cargo fmt --all
 	$(VPY) -m ruff format python tests bench examples scripts
 	$(VPY) -m ruff check --fix python tests bench examples scripts
+
+# Test artifacts made here (adapters of the test models; docs/adapters.md).
+# The tests write them on first use too.
+fixtures: dev
+	$(VPY) -m lloyal.fixtures
 
 bench: dev
 	$(VPY) bench/report.py

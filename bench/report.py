@@ -5,7 +5,7 @@ llama-cpp-2 and, unless --no-llama-cpp-python, best-of-N the way
 llama-cpp-python users must do it, in a venv the script builds) and prints
 one table of aggregate tok/s per number of branches with the ratios of the
 same run; writes a PNG chart of tok/s against N (matplotlib, installed by
-``make bench``). Then runs decode.py, grammar.py and streaming.py and prints
+``make bench``). Then runs decode.py, grammar.py, adapters.py and streaming.py and prints
 their side-by-side results.
 
     python bench/report.py [--quick] [--no-llama-cpp-python] [--chart bench.png]
@@ -102,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
             "--model",
             name,
             *(["--tokens", "16", "--rounds", "1"] if args.quick else []),
+        )
+        run(
+            "adapters.py",
+            "--model",
+            name,
+            *(["--tokens", "8", "--rounds", "1"] if args.quick else []),
         )
     if not args.quick:
         run("streaming.py", "--models", args.models)

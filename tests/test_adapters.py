@@ -51,7 +51,8 @@ async def test_a_lora_changes_logits_as_its_weights_and_scale_say(
     prompt = await ctx.tokenize(PROMPT)
     zero = await ctx.load_lora(fixtures.lora("zero", model_name))
     rand = await ctx.load_lora(fixtures.lora("random", model_name))
-    assert rand.alpha == fixtures.ALPHA and rand.n_pairs == 2 * ctx.model_info.n_layer
+    assert rand.alpha == fixtures.ALPHA
+    assert rand.n_pairs == 2 * ctx.model_info.n_layer
     assert await ctx.load_lora(fixtures.lora("random", model_name)) == rand
     base = await logits_under(ctx, prompt)
     assert np.array_equal(await logits_under(ctx, prompt, zero), base), "B = 0 is the base"
@@ -59,7 +60,8 @@ async def test_a_lora_changes_logits_as_its_weights_and_scale_say(
     changed = await logits_under(ctx, prompt, [rand])
     assert np.abs(changed - base).max() > 0.1
     halfway = await logits_under(ctx, prompt, [(rand, 0.5)])
-    assert not np.array_equal(halfway, changed) and not np.array_equal(halfway, base)
+    assert not np.array_equal(halfway, changed)
+    assert not np.array_equal(halfway, base)
     assert np.array_equal(await logits_under(ctx, prompt, {zero: 1.0, rand: 1.0}), changed)
     assert np.array_equal(await logits_under(ctx, prompt), base), "back to the base"
 
@@ -89,7 +91,8 @@ async def test_branches_with_different_sets_share_a_commit_and_each_gets_what_it
     tuned.set_adapters(rand)
     await store.prefill([(plain, prompt), (tuned, prompt)])
     twin = await tuned.fork()
-    assert twin.adapters == tuned.adapters and plain.adapters == lloyal.Adapters()
+    assert twin.adapters == tuned.adapters
+    assert plain.adapters == lloyal.Adapters()
     got: dict[str, list[int]] = {"plain": [], "tuned": [], "twin": []}
     for _ in range(4):
         before = ctx.stats.decode_calls
@@ -121,7 +124,8 @@ async def test_the_default_set_is_what_new_branches_and_the_flat_api_start_with(
     ctx.set_adapters({rand: 1.0})
     assert ctx.adapters == lloyal.Adapters(((rand, 1.0),))
     async with lloyal.Branch.create(ctx) as b:
-        assert b.adapters == ctx.adapters and older.adapters == lloyal.Adapters()
+        assert b.adapters == ctx.adapters
+        assert older.adapters == lloyal.Adapters()
         await b.prefill(prompt)
         tuned = b.logits.copy()
     assert np.abs(tuned - base).max() > 0.1
@@ -201,3 +205,27 @@ async def test_bad_adapters_raise_typed_errors_and_change_nothing(
         with pytest.raises(ValueError, match="another context"):
             ctx.set_adapters(foreign)
     assert np.array_equal(await logits_under(ctx, prompt), base)
+
+
+async def test_the_prefix_cache_reuses_a_prompt_only_under_its_own_set(
+    ctx: lloyal.Context, model_name: str
+) -> None:
+    prompt = await ctx.tokenize("A long shared system prompt. " * 4)
+    rand = await ctx.load_lora(fixtures.lora("random", model_name))
+    tuned = lloyal.Adapters(((rand, 1.0),))
+    alone = await logits_under(ctx, prompt, rand)
+    cache = lloyal.PrefixCache(ctx, max_branches=2)
+    b = await cache.branch(prompt)
+    await b.prune()
+    assert cache.match(prompt) == len(prompt)
+    assert cache.match(prompt, adapters=tuned) == 0, "base KV is no prefix under the LoRA"
+    b = await cache.branch(prompt, adapters=tuned)
+    assert b.adapters == tuned
+    assert np.array_equal(b.logits, alone)
+    await b.prune()
+    assert cache.match(prompt, adapters=tuned) == len(prompt)
+    b = await cache.branch([*prompt, 13], adapters=tuned)
+    assert b.adapters == tuned
+    assert cache.stats.saved_tokens == len(prompt)
+    await b.prune()
+    await cache.aclose()

@@ -394,6 +394,7 @@ async def _info(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     try:
         from lloyal.server import ServerConfig, create_app
+        from lloyal.server._adapters import one_control_vector, scaled
     except ImportError as e:
         print(
             f"lloyal: error: the server needs pip install 'lloyal[server]' ({e})", file=sys.stderr
@@ -412,6 +413,10 @@ async def _serve(args: argparse.Namespace) -> int:
         cache_branches=args.cache_branches,
         cache_dir=args.cache_dir,
         max_queue=args.max_queue,
+        loras=scaled(args.lora, args.lora_scaled, 0.0 if args.lora_init_without_apply else 1.0),
+        control_vector=one_control_vector(args.control_vector, args.control_vector_scaled),
+        control_vector_layers=args.control_vector_layer_range,
+        deterministic=args.deterministic,
     )
     server = uvicorn.Server(
         uvicorn.Config(create_app(config), host=args.host, port=args.port, log_level="warning")
@@ -548,6 +553,17 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--cache-branches", type=int, default=None, help="prefix cache entries")
     srv.add_argument("--no-prefix-cache", action="store_true")
     srv.add_argument("--cache-dir", help="keep evicted prefix-cache entries in this folder")
+    # llama-server's adapter flags (docs/adapters.md).
+    for kind in ("lora", "control-vector"):
+        srv.add_argument(f"--{kind}", action="append", default=[], metavar="FNAME")
+        srv.add_argument(
+            f"--{kind}-scaled", nargs=2, action="append", default=[], metavar=("FNAME", "SCALE")
+        )
+    srv.add_argument("--lora-init-without-apply", action="store_true", help="--lora at scale 0")
+    srv.add_argument("--deterministic", action="store_true", help="batch-invariant replies")
+    srv.add_argument(
+        "--control-vector-layer-range", nargs=2, type=int, metavar=("START", "END"), default=None
+    )
     srv.set_defaults(run=_serve)
 
     info = sub.add_parser(

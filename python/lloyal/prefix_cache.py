@@ -28,7 +28,10 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 
+from lloyal import _radix
+from lloyal._radix import Edge
 from lloyal._state_file import open_regular, read_head, read_state, write_state
+from lloyal.adapters import Adapters
 from lloyal.branch import Branch, BranchStore
 from lloyal.context import _token_list
 from lloyal.errors import KVCacheFullError, NoLeaseError, StateError
@@ -69,25 +72,13 @@ class PrefixCacheStats:
         return self.hits / self.requests if self.requests else 0.0
 
 
-class _Edge:
-    """A radix-tree node: the tokens on the edge into it, its children by
-    their edge's first token, and the entry for the path ending here."""
-
-    __slots__ = ("children", "edge", "entry", "parent")
-
-    def __init__(self, edge: tuple[int, ...], parent: _Edge | None) -> None:
-        self.edge = edge
-        self.parent = parent
-        self.children: dict[int, _Edge] = {}
-        self.entry: _Entry | None = None
-
-
 @dataclass
 class _Entry:
     tokens: tuple[int, ...]
     branch: Branch
-    node: _Edge
+    node: Edge[_Entry]
     used: int
+    adapters: Adapters
 
 
 class PrefixCache:
@@ -147,9 +138,11 @@ class PrefixCache:
         self._max_branches = max_branches
         self._max_cells = max_cells
         self._params = params
-        self._root = _Edge((), None)
+        # One tree per adapter set: KV computed under one set is no prefix
+        # for a prompt under another.
+        self._roots: dict[Adapters, Edge[_Entry]] = {}
         self._entries: list[_Entry] = []
-        self._by_tokens: dict[tuple[int, ...], _Entry] = {}
+        self._by_tokens: dict[tuple[Adapters, tuple[int, ...]], _Entry] = {}
         self._lock = anyio.Lock()
         self._clock = itertools.count(1)
         self._requests = self._hits = self._requested = 0
@@ -163,70 +156,6 @@ class PrefixCache:
             self._disk.mkdir(parents=True, exist_ok=True)
             self._index_disk(self._disk)
 
-    # -- the radix tree ----------------------------------------------------------
-
-    def _walk(self, tokens: tuple[int, ...]) -> tuple[_Edge, int]:
-        """The deepest node whose path ``tokens`` starts with (or runs into,
-        ending inside its edge), and how many tokens matched."""
-        node, at = self._root, 0
-        while at < len(tokens):
-            child = node.children.get(tokens[at])
-            if child is None:
-                break
-            n = _shared(child.edge, tokens, at)
-            at += n
-            node = child
-            if n < len(child.edge):
-                break
-        return node, at
-
-    def _any_entry(self, node: _Edge) -> _Entry | None:
-        """The most recently used entry at or below ``node``."""
-        best: _Entry | None = None
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            if n.entry is not None and (best is None or n.entry.used > best.used):
-                best = n.entry
-            stack.extend(n.children.values())
-        return best
-
-    def _insert(self, tokens: tuple[int, ...]) -> _Edge:
-        node, at = self._root, 0
-        while at < len(tokens):
-            child = node.children.get(tokens[at])
-            if child is None:
-                leaf = _Edge(tokens[at:], node)
-                node.children[tokens[at]] = leaf
-                return leaf
-            edge = child.edge
-            n = _shared(edge, tokens, at)
-            if n < len(edge):  # split the edge
-                middle = _Edge(edge[:n], node)
-                node.children[tokens[at]] = middle
-                child.edge = edge[n:]
-                child.parent = middle
-                middle.children[child.edge[0]] = child
-                child = middle
-            at += n
-            node = child
-        return node
-
-    def _remove(self, entry: _Entry) -> None:
-        node = entry.node
-        node.entry = None
-        # Drop empty leaves; merge a node left with one child into it.
-        while node.parent is not None and node.entry is None and len(node.children) <= 1:
-            parent = node.parent
-            if not node.children:
-                del parent.children[node.edge[0]]
-            else:
-                (only,) = node.children.values()
-                only.edge = node.edge + only.edge
-                only.parent = parent
-                parent.children[node.edge[0]] = only
-            node = parent
-
     # -- requests ------------------------------------------------------------------
 
     async def branch(
@@ -235,6 +164,7 @@ class PrefixCache:
         *,
         params: SamplingParams | None = None,
         remember: bool = True,
+        adapters: Adapters | None = None,
     ) -> Branch:
         """A new branch holding ``tokens`` (its logits after the last one),
         decoding only what no cached prompt shares. The prompt is cached
@@ -245,14 +175,18 @@ class PrefixCache:
         With ``remember=False`` nothing is cached now, and the branch is
         ready one fork sooner: hand it back with :meth:`keep` when done with
         it, so that what it holds then (the prompt and the reply, say)
-        becomes the entry."""
+        becomes the entry.
+
+        ``adapters``: the set the branch decodes under (default: the
+        context's, :attr:`Context.adapters <lloyal.Context.adapters>`); only
+        entries made under the same set are reused."""
         ids = tuple(_token_list(tokens))
         if not ids:
             raise ValueError("tokens must not be empty")
         self._requests += 1
         self._requested += len(ids)
         p = params or self._params
-        out, reuse = await self._start(ids, p)
+        out, reuse = await self._start(ids, p, self._ctx.adapters if adapters is None else adapters)
         try:
             if p is not None:
                 out.set_sampler_params(p)
@@ -301,7 +235,7 @@ class PrefixCache:
             return
         branch.set_grammar(None)
         async with self._lock:
-            known = self._by_tokens.get(ids)
+            known = self._by_tokens.get((branch.adapters, ids))
             if known is not None:
                 known.used = next(self._clock)
             else:
@@ -313,7 +247,7 @@ class PrefixCache:
             await self._dispose(victim)
 
     async def _start(
-        self, ids: tuple[int, ...], params: SamplingParams | None
+        self, ids: tuple[int, ...], params: SamplingParams | None, adapters: Adapters
     ) -> tuple[Branch, int]:
         """A new branch holding the longest prefix of ``ids`` an entry has
         (at most all but the last token), and that prefix's length. A fork
@@ -322,15 +256,22 @@ class PrefixCache:
         lease is free, entries are evicted, least recently used first."""
         while True:
             async with self._lock:
-                node, matched = self._walk(ids)
-                if self._disk is not None and await self._from_disk(ids, matched, params):
-                    node, matched = self._walk(ids)
-                source = self._any_entry(node) if matched else None
+                root = self._roots.setdefault(adapters, Edge((), None))
+                node, matched = _radix.walk(root, ids)
+                # Saved states keep no adapter set: the disk serves the base model.
+                disk = self._disk is not None and adapters == Adapters()
+                if disk and await self._from_disk(ids, matched, params):
+                    node, matched = _radix.walk(root, ids)
+                source = _radix.any_entry(node) if matched else None
                 # At least one token is decoded, for the logits after the last.
                 reuse = min(matched, len(ids) - 1) if source is not None else 0
                 try:
                     if source is None or reuse == 0:
-                        return Branch.create(self._ctx, params), 0
+                        fresh = Branch.create(self._ctx, params)
+                        fresh.set_adapters(
+                            list(adapters.loras), control_vector=adapters.control_vector
+                        )
+                        return fresh, 0
                     at = reuse if reuse < len(source.tokens) else None
                     out = source.branch._fork_now(clone_logits=False, root=True, at=at)
                 except NoLeaseError:
@@ -383,7 +324,7 @@ class PrefixCache:
         """Keep a fork of ``branch`` as the entry for ``ids`` (made at once:
         nothing here waits for a decode)."""
         async with self._lock:
-            known = self._by_tokens.get(ids)
+            known = self._by_tokens.get((branch.adapters, ids))
             if known is not None:
                 known.used = next(self._clock)
                 return
@@ -409,11 +350,7 @@ class PrefixCache:
             if victim is None:
                 break
             victims.append(victim)
-        node = self._insert(ids)
-        entry = _Entry(ids, branch, node, next(self._clock))
-        node.entry = entry
-        self._entries.append(entry)
-        self._by_tokens[ids] = entry
+        entry = self._enter(ids, branch)
         while (
             self._max_cells is not None
             and self._store.cells_held > self._max_cells
@@ -421,6 +358,16 @@ class PrefixCache:
         ):
             pass
         return victims
+
+    def _enter(self, ids: tuple[int, ...], branch: Branch) -> _Entry:
+        """Index ``branch`` as the entry for ``ids`` under its adapter set."""
+        adapters = branch.adapters
+        node = _radix.insert(self._roots.setdefault(adapters, Edge((), None)), ids)
+        entry = _Entry(ids, branch, node, next(self._clock), adapters)
+        node.entry = entry
+        self._entries.append(entry)
+        self._by_tokens[adapters, ids] = entry
+        return entry
 
     def _take(self, keep: _Entry | None = None) -> _Entry | None:
         """Take the least recently used entry other than ``keep`` out of
@@ -431,8 +378,8 @@ class PrefixCache:
             return None
         victim = min(candidates, key=lambda e: e.used)
         self._entries.remove(victim)
-        del self._by_tokens[victim.tokens]
-        self._remove(victim)
+        del self._by_tokens[victim.adapters, victim.tokens]
+        _radix.remove(victim.node)
         self._evictions += 1
         return victim
 
@@ -440,7 +387,11 @@ class PrefixCache:
         """Prune an entry taken out (to disk first, with ``disk_dir``):
         whatever becomes of the write, its lease comes back."""
         try:
-            if self._disk is not None and victim.tokens not in self._on_disk:
+            if (
+                self._disk is not None
+                and victim.adapters == Adapters()
+                and victim.tokens not in self._on_disk
+            ):
                 await self._to_disk(victim)
         finally:
             await victim.branch.prune()
@@ -500,7 +451,7 @@ class PrefixCache:
         is removed either way."""
         best, shared = None, matched
         for tokens in self._on_disk:
-            n = _shared(tokens, ids, 0)
+            n = _radix.shared(tokens, ids, 0)
             if n > shared:
                 best, shared = tokens, n
         if best is None:
@@ -517,11 +468,8 @@ class PrefixCache:
             await _unlink(path)
         while len(self._entries) >= self._max_branches and await self._evict_one():
             pass
-        node = self._insert(best)
-        entry = _Entry(best, restored, node, next(self._clock))
-        node.entry = entry
-        self._entries.append(entry)
-        self._by_tokens[best] = entry
+        restored.set_adapters()
+        self._enter(best, restored)
         self._disk_hits += 1
         return True
 
@@ -546,11 +494,15 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def match(self, tokens: Sequence[int]) -> int:
+    def match(self, tokens: Sequence[int], *, adapters: Adapters | None = None) -> int:
         """How many leading tokens of ``tokens`` a cached entry holds (what
-        :meth:`branch` would not decode, but for the last token)."""
-        node, matched = self._walk(tuple(_token_list(tokens)))
-        return matched if matched and self._any_entry(node) is not None else 0
+        :meth:`branch` would not decode, but for the last token), under
+        ``adapters`` (default: the context's set)."""
+        root = self._roots.get(self._ctx.adapters if adapters is None else adapters)
+        if root is None:
+            return 0
+        node, matched = _radix.walk(root, tuple(_token_list(tokens)))
+        return matched if matched and _radix.any_entry(node) is not None else 0
 
     async def make_room(self, leases: int) -> bool:
         """Evict least recently used entries until ``leases`` leases are
@@ -566,8 +518,8 @@ class PrefixCache:
         async with self._lock:
             while self._entries:
                 entry = self._entries.pop()
-                del self._by_tokens[entry.tokens]
-                self._remove(entry)
+                del self._by_tokens[entry.adapters, entry.tokens]
+                _radix.remove(entry.node)
                 await entry.branch.prune()
 
     async def aclose(self) -> None:
@@ -577,14 +529,6 @@ class PrefixCache:
     def __repr__(self) -> str:
         s = self.stats
         return f"<PrefixCache entries={s.entries} hit_rate={s.hit_rate:.2f} saved={s.saved_tokens}>"
-
-
-def _shared(edge: tuple[int, ...], tokens: tuple[int, ...], at: int) -> int:
-    """How many of ``edge``'s tokens ``tokens[at:]`` begins with."""
-    n = 0
-    while n < len(edge) and at + n < len(tokens) and edge[n] == tokens[at + n]:
-        n += 1
-    return n
 
 
 async def _create(ctx: Context, params: SamplingParams | None) -> Branch:

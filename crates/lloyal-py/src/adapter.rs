@@ -68,7 +68,7 @@ impl PyLora {
 }
 
 /// A control vector for a context's model (``Context.control_vector``).
-#[pyclass(name = "ControlVector", module = "lloyal._lloyal", frozen, eq)]
+#[pyclass(name = "ControlVector", module = "lloyal._lloyal", frozen, eq, hash)]
 pub struct PyControlVector {
     inner: ControlVector,
 }
@@ -76,6 +76,12 @@ pub struct PyControlVector {
 impl PartialEq for PyControlVector {
     fn eq(&self, other: &Self) -> bool {
         self.inner == other.inner
+    }
+}
+
+impl std::hash::Hash for PyControlVector {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.inner.hash(state);
     }
 }
 

@@ -25,6 +25,8 @@ from lloyal.chat.prompt import ChatPrompt
 from lloyal.context import Context, create_context
 from lloyal.errors import ChatTemplateError, GrammarError, LloyalError
 from lloyal.grammar import Grammar
+from lloyal.server._adapters import load as load_adapters
+from lloyal.server._adapters import lora_adapters as _lora_adapters
 from lloyal.server._chat import ChatChoice
 from lloyal.server._engine import Engine, Event
 from lloyal.server._protocol import (
@@ -56,6 +58,14 @@ class ServerConfig:
     cache_dir: str | os.PathLike[str] | None = None
     max_queue: int = 64
     embeddings: bool = True
+    # Adapters (``lloyal.server._adapters``): LoRA files with their default
+    # scales, ids in this order; a control vector with its scale and layers.
+    loras: tuple[tuple[str | os.PathLike[str], float], ...] = ()
+    control_vector: tuple[str | os.PathLike[str], float] | None = None
+    control_vector_layers: tuple[int, int] | None = None
+    # create_context(deterministic=True): a request's tokens are the same
+    # bits whatever it is batched with (docs/determinism.md).
+    deterministic: bool = False
 
 
 class _State:
@@ -486,6 +496,10 @@ async def models(request: Request, state: _State) -> Response:
     )
 
 
+async def lora_adapters(request: Request, state: _State) -> Response:
+    return await _lora_adapters(request, state.ctx, state.engine.loras)
+
+
 async def health(request: Request, state: _State) -> Response:
     return JSONResponse({"status": "ok"})
 
@@ -523,8 +537,8 @@ def create_app(config: ServerConfig) -> Starlette:
     >>> from lloyal.server import ServerConfig, create_app
     >>> app = create_app(ServerConfig(model_path=MODEL, n_seq_max=4))
     >>> sorted(r.path for r in app.routes)  # doctest: +NORMALIZE_WHITESPACE
-    ['/health', '/metrics', '/v1/chat/completions', '/v1/completions', '/v1/embeddings',
-     '/v1/models']
+    ['/health', '/lora-adapters', '/metrics', '/v1/chat/completions', '/v1/completions',
+     '/v1/embeddings', '/v1/models']
     """
 
     @asynccontextmanager
@@ -534,8 +548,17 @@ def create_app(config: ServerConfig) -> Starlette:
             n_ctx=config.n_ctx,
             n_seq_max=config.n_seq_max,
             n_threads=config.n_threads,
+            deterministic=config.deterministic,
         )
+        try:
+            loras = await load_adapters(
+                ctx, config.loras, config.control_vector, config.control_vector_layers
+            )
+        except BaseException:
+            await ctx.aclose()
+            raise
         state = _State(config, ctx)
+        state.engine.loras = loras
         app.state.lloyal = state
         try:
             yield
@@ -549,6 +572,7 @@ def create_app(config: ServerConfig) -> Starlette:
         Route("/v1/models", _handler(models), methods=["GET"]),
         Route("/health", _handler(health), methods=["GET"]),
         Route("/metrics", _handler(metrics), methods=["GET"]),
+        Route("/lora-adapters", _handler(lora_adapters), methods=["GET", "POST"]),
     ]
     return Starlette(
         routes=routes,

@@ -36,11 +36,13 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
+from lloyal.adapters import Lora
 from lloyal.branch import Branch, BranchStore, Produced
 from lloyal.context import Context
 from lloyal.errors import KVCacheFullError, LloyalError, NoLeaseError
 from lloyal.grammar import Grammar
 from lloyal.prefix_cache import PrefixCache
+from lloyal.server._adapters import request_set
 from lloyal.server._protocol import ApiError, Generation
 from lloyal.text import TextStream
 
@@ -110,6 +112,8 @@ class Engine:
         self._wake = asyncio.Event()
         self._stepper: asyncio.Task[None] | None = None
         self._eog: list[int] | None = None
+        # The adapters ``--lora`` loaded, by id (see ``_adapters``).
+        self.loras: list[Lora] = []
 
     def _end_tokens(self) -> list[int]:
         """Every end-of-generation token of the vocabulary (found once)."""
@@ -181,15 +185,19 @@ class Engine:
         if gen.ignore_eos:
             banned = [(t, -1e4) for t in self._end_tokens()]
             params = params.with_(logit_bias=[*params.logit_bias, *banned])
+        adapters = request_set(self.ctx, self.loras, gen.lora)
         try:
             if self.cache is not None:
                 # No entry is forked now: the branch itself becomes one
                 # when the request ends (``generate``), holding the reply too.
-                root = await self.cache.branch(tokens, params=params, remember=False)
+                root = await self.cache.branch(
+                    tokens, params=params, remember=False, adapters=adapters
+                )
                 if gen.n > 1:
                     await self.cache.make_room(gen.n - 1)
             else:
                 root = Branch.create(self.ctx, params)
+                root.set_adapters(list(adapters.loras), control_vector=adapters.control_vector)
                 await root.prefill(tokens)
             branches = [root]
             for _ in range(gen.n - 1):

@@ -73,6 +73,8 @@ class Generation:
     include_usage: bool
     logprobs: int | None  # top-k alternatives per token; None: no logprobs
     ignore_eos: bool = False  # llama-server's extension: generate max_tokens tokens
+    # llama-server's extension: (adapter id, scale) pairs; None: the default set.
+    lora: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,34 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
+MAX_LORAS = 64
+
+
+def lora_field(value: object, *, param: str = "lora") -> tuple[tuple[int, float], ...] | None:
+    """llama-server's ``lora``: a list of ``{"id": int, "scale": number}``."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > MAX_LORAS:
+        raise ApiError(f"{param} must be a list of at most {MAX_LORAS} objects", param=param)
+    pairs: list[tuple[int, float]] = []
+    for item in value:
+        if not isinstance(item, dict) or set(item) - {"id", "scale"}:
+            raise ApiError(
+                f'each {param} entry must be {{"id": int, "scale": number}}', param=param
+            )
+        try:
+            i = _integer(item, "id", None, 0, MAX_LORAS - 1)
+            scale = _number(item, "scale", 1.0, -100.0, 100.0)
+        except ApiError as e:
+            raise ApiError(f"{param}: {e}", param=param) from None
+        if i is None:
+            raise ApiError(f"each {param} entry needs an id", param=param)
+        if any(i == j for j, _ in pairs):
+            raise ApiError(f"lora id {i} is given twice", param=param)
+        pairs.append((i, scale))
+    return tuple(pairs)
+
+
 def _generation(body: dict[str, Any], *, logprobs: int | None, vocab_size: int) -> Generation:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -235,6 +265,7 @@ def _generation(body: dict[str, Any], *, logprobs: int | None, vocab_size: int) 
         include_usage=bool(include_usage),
         logprobs=logprobs,
         ignore_eos=_flag(body, "ignore_eos", False),
+        lora=lora_field(body.get("lora")),
     )
 
 

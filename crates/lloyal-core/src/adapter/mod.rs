@@ -192,6 +192,14 @@ impl PartialEq for ControlVector {
     }
 }
 
+impl Eq for ControlVector {}
+
+impl std::hash::Hash for ControlVector {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        Arc::as_ptr(&self.0).hash(state);
+    }
+}
+
 impl std::fmt::Debug for ControlVector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ControlVector")
@@ -236,8 +244,16 @@ impl Adapters {
         self.loras.is_empty() && self.control.is_none()
     }
 
-    /// Refuse adapters of another model and scales that are not finite.
-    pub(crate) fn check(&self, model: &Arc<Model>) -> Result<()> {
+    /// Refuse adapters of another model and scales that are not finite;
+    /// drop the adapters at scale 0, which llama.cpp leaves out too (so a
+    /// set equals the set without them).
+    pub(crate) fn checked(mut self, model: &Arc<Model>) -> Result<Self> {
+        self.check(model)?;
+        self.loras.retain(|(_, scale)| *scale != 0.0);
+        Ok(self)
+    }
+
+    fn check(&self, model: &Arc<Model>) -> Result<()> {
         for (lora, scale) in &self.loras {
             if !Arc::ptr_eq(lora.model(), model) {
                 return Err(invalid(format!(

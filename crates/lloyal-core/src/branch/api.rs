@@ -64,7 +64,7 @@ impl Context {
     /// KV cells already written were computed under the old set).
     pub fn branch_set_adapters(&self, id: BranchId, adapters: Adapters) -> Result<()> {
         self.check_open()?;
-        adapters.check(self.model())?;
+        let adapters = adapters.checked(self.model())?;
         let mut branches = lock(&self.shared.branches);
         let branch = branches.get_mut(id)?;
         if branch.busy || branch.forks > 0 {

@@ -138,7 +138,7 @@ impl Worker<'_> {
             }
         }
         let mut parts = self.plan(step);
-        by_adapters(step, &mut parts);
+        by_adapters(step, &mut parts, &self.adapters);
         if !parts.is_empty() {
             self.run_parts(step, &parts);
         }
@@ -469,8 +469,11 @@ impl Worker<'_> {
 
 /// Order `parts` so that each adapter set's parts come together, keeping
 /// their order otherwise (commits first, then prompts in arrival order):
-/// llama.cpp applies one set per decode.
-fn by_adapters(step: &Step, parts: &mut [Part]) {
+/// llama.cpp applies one set per decode, and rebuilds its compute graph
+/// after each change (about 4 ms for SmolLM2 on the 2-core VM,
+/// `bench/adapters.py`). The set applied now goes first, so a step that
+/// alternates between two sets changes once, not twice.
+fn by_adapters(step: &Step, parts: &mut [Part], current: &crate::adapter::Adapters) {
     let first = match parts.first() {
         Some(p) => &work(step, p).adapters,
         None => return,
@@ -478,7 +481,7 @@ fn by_adapters(step: &Step, parts: &mut [Part]) {
     if parts.iter().all(|p| work(step, p).adapters == *first) {
         return;
     }
-    let mut sets: Vec<&crate::adapter::Adapters> = Vec::new();
+    let mut sets: Vec<&crate::adapter::Adapters> = vec![current];
     let keys: Vec<usize> = parts
         .iter()
         .map(|p| {

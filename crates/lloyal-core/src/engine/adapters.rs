@@ -140,8 +140,7 @@ impl Context {
     /// decode under (empty at first). Branches made before keep theirs.
     pub fn set_default_adapters(&self, adapters: Adapters) -> Result<()> {
         self.check_open()?;
-        adapters.check(self.model())?;
-        *lock(&self.shared.default_adapters) = adapters;
+        *lock(&self.shared.default_adapters) = adapters.checked(self.model())?;
         Ok(())
     }
 
