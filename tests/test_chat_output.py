@@ -456,6 +456,12 @@ def test_bad_arguments() -> None:
         "deepseek",
         "gemma",
         "generic",
+        "qwen3-coder",
+        "glm-4.5",
+        "kimi-k2",
+        "granite",
+        "command-r",
+        "gpt-oss",
     }
 
 
@@ -512,6 +518,34 @@ FRAGMENTS = [
     DS_CALLS_END,
     "function",
     "get_weather",
+    # The tagged families (chat/_tagged.py).
+    "<function=",
+    "<parameter=",
+    "</parameter>",
+    "</function>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_call_begin|>",
+    "functions.f:0",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call|>",
+    "<|START_ACTION|>",
+    "<|END_ACTION|>",
+    '{"tool_name": "f", "parameters": ',
+    "<|START_THINKING|>",
+    "<|END_THINKING|>",
+    "<|START_RESPONSE|>",
+    "<|channel|>analysis<|message|>",
+    "<|channel|>final",
+    "to=functions.",
+    "<|message|>",
+    "<|call|>",
+    "<|end|>",
     "é",
     "\U0001f600",
 ]
@@ -573,13 +607,35 @@ def _render(fmt: str, calls: list[tuple[str, str]], content: str) -> str:
         return content + "".join(f"[TOOL_CALLS]{n}[ARGS]{a}" for n, a in calls)
     if fmt == "deepseek":
         return content + DS_CALLS + "".join(_ds_r1(n, a) for n, a in calls) + DS_CALLS_END
+    if fmt == "kimi-k2":
+        blocks = "".join(
+            f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{a}<|tool_call_end|>"
+            for i, (n, a) in enumerate(calls)
+        )
+        return f"{content}<|tool_calls_section_begin|>{blocks}<|tool_calls_section_end|>"
+    if fmt == "command-r":
+        items = ", ".join(
+            f'{{"tool_call_id": "{i}", "tool_name": "{n}", "parameters": {a}}}'
+            for i, (n, a) in enumerate(calls)
+        )
+        return f"<|START_RESPONSE|>{content}<|END_RESPONSE|><|START_ACTION|>[{items}]<|END_ACTION|>"
+    if fmt == "gpt-oss":
+        return f"<|channel|>final<|message|>{content}<|end|>" + "".join(
+            f"<|start|>assistant<|channel|>commentary to=functions.{n} <|constrain|>json"
+            f"<|message|>{a}<|call|>"
+            for n, a in calls
+        )
     items = ", ".join(f'{{"name": "{n}", "arguments": {a}}}' for n, a in calls)
+    if fmt == "granite":
+        return f"{content}<|tool_call|>[{items}]"
     return f'{{"tool_calls": [{items}]}}'  # generic
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
-    fmt=st.sampled_from(["hermes", "mistral", "deepseek", "generic"]),
+    fmt=st.sampled_from(
+        ["hermes", "mistral", "deepseek", "generic", "kimi-k2", "granite", "command-r", "gpt-oss"]
+    ),
     calls=st.lists(st.tuples(names, arguments), min_size=1, max_size=2),
     content=st.text(st.characters(codec="utf-8", exclude_characters="<[`{"), max_size=8),
     ensure_ascii=st.booleans(),

@@ -411,7 +411,7 @@ class Context:
             grammar=spec.grammar,
             grammar_triggers=spec.triggers,
             preserved_tokens=tuple(self._special_tokens(spec.markers)),
-            thinking_started=prompt.rstrip().endswith("<think>"),
+            thinking_started=prompt.rstrip().endswith(spec.think[0]),
         )
 
     def _special_tokens(self, markers: Iterable[str]) -> list[int]:

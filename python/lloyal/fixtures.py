@@ -127,3 +127,190 @@ def build_all() -> list[Path]:
 if __name__ == "__main__":
     for path in build_all():
         print(path)
+
+
+# --- chat templates of the tool-call families -----------------------------------------
+#
+# Written here from each family's published description of its format (the
+# markers and where they go), small enough to read: a system turn that lists
+# the tools, the turns, earlier calls and tool results in the family's own
+# syntax, and the generation prompt. ``chat_model`` embeds one into a copy of
+# SmolLM2, so that the context reads it from the GGUF as it would a real one.
+
+_CHATML_TURNS = """
+{%- for m in messages if m.role != 'system' %}
+{%- if m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% elif m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content or '' }}{% for c in m.tool_calls or [] %}{{ call(c.function) }}{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}"""
+
+_CHATML_SYSTEM = """
+{%- set first = messages[0].content if messages and messages[0].role == 'system' else '' %}
+{%- if tools %}<|im_start|>system
+{% if first %}{{ first }}
+
+{% endif %}# Tools
+
+You may call the functions below.
+<tools>
+{%- for t in tools %}
+{{ t | tojson }}
+{%- endfor %}
+</tools>
+{{ how }}<|im_end|>
+{% elif first %}<|im_start|>system
+{{ first }}<|im_end|>
+{% endif %}"""
+
+TOOL_TEMPLATES: dict[str, str] = {
+    # Qwen 3: hermes calls, <think> reasoning, enable_thinking.
+    "qwen3": (
+        "{%- macro call(f) %}\n<tool_call>\n"
+        "{{ {'name': f.name, 'arguments': f.arguments} | tojson }}\n</tool_call>{% endmacro %}"
+        '{%- set how = \'Call one by writing <tool_call>{"name": ..., "arguments": {...}}'
+        "</tool_call>.' %}" + _CHATML_SYSTEM + _CHATML_TURNS + "\n{%- if add_generation_prompt %}"
+        "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+        "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    ),
+    # Qwen3-Coder: a tag per parameter inside <tool_call><function=...>.
+    "qwen3-coder": (
+        "{%- macro call(f) %}\n<tool_call>\n<function={{ f.name }}>\n"
+        "{% if f.arguments is mapping %}{% for k, v in f.arguments | items %}<parameter={{ k }}>\n"
+        "{{ v if v is string else v | tojson }}\n</parameter>\n{% endfor %}{% endif %}"
+        "</function>\n</tool_call>{% endmacro %}"
+        "{%- set how = 'Call one by writing <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\n"
+        "VALUE\\n</parameter>\\n</function>\\n</tool_call>.' %}"
+        + _CHATML_SYSTEM
+        + _CHATML_TURNS
+        + "\n{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+    # GLM-4.5: the function's name, then <arg_key>/<arg_value> pairs.
+    "glm-4.5": (
+        "[gMASK]<sop>{%- if tools %}<|system|>\n# Tools\n\n<tools>\n"
+        "{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n\n"
+        "Call a function as <tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE"
+        "</arg_value>\n</tool_call>{% endif %}"
+        "{%- for m in messages %}{% if m.role == 'tool' %}<|observation|>\n"
+        "<tool_response>\n{{ m.content }}\n</tool_response>"
+        "{% elif m.role == 'assistant' %}<|assistant|>\n{{ m.content or '' }}"
+        "{% for c in m.tool_calls or [] %}\n<tool_call>{{ c.function.name }}\n"
+        "{% if c.function.arguments is mapping %}{% for k, v in c.function.arguments | items %}"
+        "<arg_key>{{ k }}</arg_key>\n<arg_value>{{ v if v is string else v | tojson }}"
+        "</arg_value>\n{% endfor %}{% endif %}</tool_call>{% endfor %}"
+        "{% else %}<|{{ m.role }}|>\n{{ m.content }}{% endif %}{% endfor %}"
+        "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    ),
+    # Kimi-K2: a declared tool list, calls in a section of indexed calls.
+    "kimi-k2": (
+        "{%- if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>"
+        "{% endif %}"
+        "{%- for m in messages %}{% if m.role == 'assistant' %}"
+        "<|im_assistant|>assistant<|im_middle|>{{ m.content or '' }}"
+        "{% if m.tool_calls %}<|tool_calls_section_begin|>{% for c in m.tool_calls %}"
+        "<|tool_call_begin|>functions.{{ c.function.name }}:{{ loop.index0 }}"
+        "<|tool_call_argument_begin|>{{ c.function.arguments if c.function.arguments is string "
+        "else c.function.arguments | tojson }}<|tool_call_end|>{% endfor %}"
+        "<|tool_calls_section_end|>{% endif %}<|im_end|>"
+        "{% elif m.role == 'tool' %}<|im_system|>tool<|im_middle|>{{ m.content }}<|im_end|>"
+        "{% else %}<|im_{{ 'user' if m.role == 'user' else 'system' }}|>{{ m.role }}"
+        "<|im_middle|>{{ m.content }}<|im_end|>{% endif %}{% endfor %}"
+        "{%- if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+    ),
+    # Granite: <|tool_call|> and a JSON list of calls.
+    "granite": (
+        "{%- if tools %}<|start_of_role|>available_tools<|end_of_role|>"
+        "{{ tools | tojson }}<|end_of_text|>\n{% endif %}"
+        "{%- for m in messages %}<|start_of_role|>{{ 'tool_response' if m.role == 'tool' "
+        "else m.role }}<|end_of_role|>{{ m.content or '' }}"
+        "{% if m.tool_calls %}<|tool_call|>[{% for c in m.tool_calls %}"
+        "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+        "{% if not loop.last %}, {% endif %}{% endfor %}]{% endif %}<|end_of_text|>\n"
+        "{% endfor %}"
+        "{%- if add_generation_prompt %}<|start_of_role|>assistant<|end_of_role|>{% endif %}"
+    ),
+    # Command-R: actions as a JSON list between START/END_ACTION, thinking
+    # and the response between their own tags.
+    "command-r": (
+        "<BOS_TOKEN><|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|># System Preamble\n"
+        "{% if tools %}You can use these tools:\n```json\n{{ tools | tojson }}\n```\n"
+        "Think in <|START_THINKING|><|END_THINKING|>, then act with "
+        '<|START_ACTION|>[{"tool_call_id": "0", "tool_name": ..., "parameters": {...}}]'
+        "<|END_ACTION|> or answer in <|START_RESPONSE|><|END_RESPONSE|>.{% endif %}"
+        "<|END_OF_TURN_TOKEN|>"
+        "{%- for m in messages if m.role != 'system' %}"
+        "{% if m.role == 'assistant' %}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+        "{% if m.tool_calls %}<|START_ACTION|>[{% for c in m.tool_calls %}"
+        "{{ {'tool_call_id': loop.index0 | string, 'tool_name': c.function.name, "
+        "'parameters': c.function.arguments} | tojson }}{% if not loop.last %}, {% endif %}"
+        "{% endfor %}]<|END_ACTION|>{% else %}<|START_RESPONSE|>{{ m.content }}<|END_RESPONSE|>"
+        "{% endif %}<|END_OF_TURN_TOKEN|>"
+        "{% elif m.role == 'tool' %}<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|><|START_TOOL_RESULT|>"
+        "{{ m.content }}<|END_TOOL_RESULT|><|END_OF_TURN_TOKEN|>"
+        "{% else %}<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{{ m.content }}<|END_OF_TURN_TOKEN|>"
+        "{% endif %}{% endfor %}"
+        "{%- if add_generation_prompt %}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>{% endif %}"
+    ),
+    # GPT-OSS (harmony): channels, calls addressed to=functions.NAME,
+    # reasoning_effort in the system message.
+    "gpt-oss": (
+        "<|start|>system<|message|>You are a helpful assistant.\n"
+        "Reasoning: {{ reasoning_effort | default('medium') }}\n\n"
+        "# Valid channels: analysis, commentary, final.<|end|>"
+        "{%- if tools %}<|start|>developer<|message|># Tools\n\n## functions\n\n"
+        "namespace functions {\n{% for t in tools %}\n// {{ t.function.description or '' }}\n"
+        "type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;\n"
+        "{% endfor %}\n} // namespace functions<|end|>{% endif %}"
+        "{%- for m in messages if m.role != 'system' %}"
+        "{% if m.role == 'assistant' %}{% for c in m.tool_calls or [] %}"
+        "<|start|>assistant<|channel|>commentary to=functions.{{ c.function.name }} "
+        "<|constrain|>json<|message|>{{ c.function.arguments if c.function.arguments is string "
+        "else c.function.arguments | tojson }}<|call|>{% endfor %}"
+        "{% if m.content %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+        "{% endif %}"
+        "{% elif m.role == 'tool' %}<|start|>functions.{{ m.name or 'tool' }} to=assistant"
+        "<|channel|>commentary<|message|>{{ m.content }}<|end|>"
+        "{% else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
+        "{%- if add_generation_prompt %}<|start|>assistant{% endif %}"
+    ),
+}
+"""Chat templates of the tool-call families, by format name (see
+:data:`lloyal.CHAT_FORMATS`); ``qwen3`` speaks hermes."""
+
+
+def chat_model(template: str, model: str = "smollm2") -> Path:
+    """A copy of test model ``model`` whose GGUF holds
+    ``TOOL_TEMPLATES[template]`` as its chat template."""
+    source = TOOL_TEMPLATES[template]
+    target = cache_dir() / f"{model}-template-{template}.gguf"
+    if target.is_file():
+        return target
+    gguf = _gguf()
+    reader = gguf.GGUFReader(model_path(model))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".{os.getpid()}.part")
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(partial, arch)
+    for field in reader.fields.values():
+        name = field.name
+        if name == "general.architecture" or name.startswith(("GGUF.", "tokenizer.chat_template")):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), kind, sub_type=sub)
+    writer.add_chat_template(source)
+    for t in reader.tensors:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in reader.tensors:
+        writer.write_tensor_data(t.data)
+    writer.close()
+    partial.replace(target)
+    return target

@@ -34,7 +34,16 @@ async fn forks(ctx: &Context, n: usize) -> Vec<BranchId> {
     for _ in 0..n {
         out.push(ctx.aio().fork(root).await.unwrap());
     }
-    out
+    // A fork's KV copy may still be queued (it returns at once): wait for
+    // it, or `queued` below would count it as one of the requests a test
+    // queues (on a busy machine it did, and a commit missed the step).
+    for _ in 0..20_000 {
+        if ctx.queued() == 0 {
+            return out;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    panic!("the fork copies never ran (20 s)");
 }
 
 /// Wait until the worker has `n` requests queued behind the one it runs.

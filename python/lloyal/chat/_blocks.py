@@ -22,6 +22,8 @@ from lloyal.chat._markers import (
     FENCE,
     JSON_FENCE,
     PYTHON_TAG,
+    THINK,
+    THINK_END,
     TOOL_CALL,
     TOOL_CALL_END,
     TOOL_CALLS,
@@ -454,3 +456,4 @@ class _Spec:
     blocks: Mapping[str, _BlockParser]
     generic: bool = False  # a leading {"tool_call(s)"/"response": ...}
     llama: bool = False  # a leading {"name": ..., "parameters": ...}
+    think: tuple[str, str] = (THINK, THINK_END)  # what opens and closes reasoning

@@ -3,8 +3,9 @@ recognised, the markers its calls are written with, the grammar that
 forces a call, and the parser that reads calls back.
 
 Reading (``parser``) covers every format :func:`lloyal.parse_chat_output`
-takes; writing (``grammar``, ``recognise``) the four families a template
-can ask for tools in: hermes, llama3, mistral and deepseek.
+takes; writing (``grammar``, ``recognise``) the families a template can
+ask for tools in: hermes, llama3, mistral, deepseek, qwen3-coder, glm-4.5,
+kimi-k2, granite, command-r and gpt-oss.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from lloyal.chat._blocks import (
+    _BROKEN,
+    _Block,
     _deepseek_block,
     _hermes_block,
     _json_fence_block,
@@ -24,17 +27,43 @@ from lloyal.chat._blocks import (
     _tool_code_block,
 )
 from lloyal.chat._markers import (
+    ARG_KEY,
+    CR_ACTION,
+    CR_RESPONSE,
+    CR_THINKING,
     DEEPSEEK,
     DEEPSEEK_CALL,
     DS_CALL,
     DS_CALLS,
+    GRANITE_CALL,
+    HARMONY_ANALYSIS,
+    HARMONY_CALL,
+    HARMONY_STRUCTURE,
     HERMES,
     JSON_FENCE,
+    KIMI_ARGS,
+    KIMI_CALL,
+    KIMI_CALL_END,
+    KIMI_SECTION,
+    KIMI_SECTION_END,
     LLAMA3_HEADER,
     PYTHON_TAG,
+    QWEN_FUNCTION,
+    QWEN_PARAMETER,
     TOOL_CALL,
+    TOOL_CALL_END,
     TOOL_CALLS,
     TOOL_CODE,
+)
+from lloyal.chat._scan import _NAME, _Memo, _skip
+from lloyal.chat._tagged import (
+    _command_r_block,
+    _drop_block,
+    _glm_block,
+    _granite_block,
+    _harmony_block,
+    _kimi_block,
+    _qwen_coder_block,
 )
 
 _Functions = list[dict[str, Any]]
@@ -129,23 +158,184 @@ def _deepseek(functions: _Functions, parallel: bool) -> tuple[str, tuple[str, ..
     )
 
 
+def _params(f: dict[str, Any]) -> tuple[list[tuple[str, Any]], set[str]]:
+    """A function's parameters in order, and the required ones."""
+    schema = f["parameters"]
+    props = schema.get("properties") if isinstance(schema, Mapping) else None
+    required = schema.get("required", []) if isinstance(schema, Mapping) else []
+    return list(props.items()) if isinstance(props, Mapping) else [], set(required)
+
+
+def _tag_value(schema: Any, terminal: str, terminals: list[str]) -> str:
+    """The grammar of a value written between tags: an enum of strings as
+    its words, a string as a line of text (``maxLength`` kept), anything
+    else as JSON."""
+    if isinstance(schema, Mapping):
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+            return "(" + " | ".join(_lark(e) for e in enum) + ")"
+        if schema.get("type") == "string" and "pattern" not in schema:
+            lo = max(1, int(schema.get("minLength", 1)))
+            hi = schema.get("maxLength")
+            count = f"{{{lo},{int(hi)}}}" if isinstance(hi, int) else f"{{{lo},}}"
+            terminals.append(f"{terminal}: /[^<\\n]{count}/")
+            return terminal
+    return f"%json {inline_json(schema)}"
+
+
+def _tagged(
+    functions: _Functions,
+    head: Callable[[str], str],
+    member: Callable[[str, str], str],
+) -> tuple[str, list[str]]:
+    """The alternatives ``head(name) member(key, value)...`` of each
+    function (optional parameters may be left out), and the terminals."""
+    alts: list[str] = []
+    terminals: list[str] = []
+    for fi, f in enumerate(functions):
+        params, required = _params(f)
+        parts = [head(f["name"])]
+        for pi, (key, schema) in enumerate(params):
+            part = member(key, _tag_value(schema, f"V{fi}_{pi}", terminals))
+            parts.append(part if key in required else f"({part})?")
+        alts.append(" ".join(parts))
+    return " | ".join(f"({a})" for a in alts), terminals
+
+
+def _qwen_coder(functions: _Functions, parallel: bool) -> tuple[str, tuple[str, ...]]:
+    alts, terminals = _tagged(
+        functions,
+        lambda name: _lark(f"{QWEN_FUNCTION}{name}>\n"),
+        lambda key, value: (
+            f"{_lark(f'{QWEN_PARAMETER}{key}>' + chr(10))} {value} "
+            f"{_lark(chr(10) + '</parameter>' + chr(10))}"
+        ),
+    )
+    end = _lark("</function>" + chr(10) + TOOL_CALL_END)
+    call = f"call: {_lark(TOOL_CALL + chr(10))} ({alts}) {end}"
+    rules = [_calls(parallel, "WS").strip(), call, "WS: /[ \\t\\r\\n]+/", *terminals]
+    return "\n".join(rules) + "\n", (TOOL_CALL,)
+
+
+def _glm(functions: _Functions, parallel: bool) -> tuple[str, tuple[str, ...]]:
+    alts, terminals = _tagged(
+        functions,
+        lambda name: _lark(name + chr(10)),
+        lambda key, value: (
+            f"{_lark(f'{ARG_KEY}{key}</arg_key>' + chr(10) + '<arg_value>')} "
+            f"{value} {_lark('</arg_value>' + chr(10))}"
+        ),
+    )
+    call = f"call: {_lark(TOOL_CALL)} ({alts}) {_lark(TOOL_CALL_END)}"
+    rules = [_calls(parallel, "WS").strip(), call, "WS: /[ \\t\\r\\n]+/", *terminals]
+    return "\n".join(rules) + "\n", (TOOL_CALL,)
+
+
+def _kimi(functions: _Functions, parallel: bool) -> tuple[str, tuple[str, ...]]:
+    alts = " | ".join(
+        f"({_lark(f['name'] + ':')} IDX {_lark(KIMI_ARGS)} %json {inline_json(f['parameters'])})"
+        for f in functions
+    )
+    return (
+        f"start: {_lark(KIMI_SECTION)} call{'+' if parallel else ''} {_lark(KIMI_SECTION_END)}\n"
+        f"call: {_lark(KIMI_CALL + 'functions.')} ({alts}) {_lark(KIMI_CALL_END)}\n"
+        "IDX: /[0-9]{1,3}/\n",
+        (KIMI_SECTION,),
+    )
+
+
+def _granite(functions: _Functions, parallel: bool) -> tuple[str, tuple[str, ...]]:
+    return _json_list(GRANITE_CALL, "", _call_schema(functions, "arguments"), parallel)
+
+
+def _command_r(functions: _Functions, parallel: bool) -> tuple[str, tuple[str, ...]]:
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "tool_call_id": {"type": "string", "pattern": "^[0-9]{1,3}$"},
+                "tool_name": {"const": f["name"]},
+                "parameters": f["parameters"],
+            },
+            "required": ["tool_call_id", "tool_name", "parameters"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    item = options[0] if len(options) == 1 else {"anyOf": options}
+    return _json_list(CR_ACTION[0], CR_ACTION[1], item, parallel)
+
+
+def _json_list(
+    opener: str, closer: str, item: dict[str, Any], parallel: bool
+) -> tuple[str, tuple[str, ...]]:
+    array: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
+    if not parallel:
+        array["maxItems"] = 1
+    end = f" {_lark(closer)}" if closer else ""
+    return f"start: {_lark(opener)} %json {inline_json(array)}{end}\n", (opener,)
+
+
+def _gpt_oss(functions: _Functions, parallel: bool) -> tuple[str, tuple[str, ...]]:
+    # One call per message in harmony: ``parallel`` changes nothing.
+    alts = " | ".join(
+        f"({_lark(f['name'] + ' <|constrain|>json<|message|>')} "
+        f"%json {inline_json(f['parameters'])})"
+        for f in functions
+    )
+    return (
+        f"start: ({_lark('<|channel|>commentary ')})? call\n"
+        f"call: {_lark(HARMONY_CALL)} ({alts}) {_lark('<|call|>')}\n",
+        (HARMONY_CALL,),
+    )
+
+
+def _any_tool_call_block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:
+    """``<tool_call>`` in ``auto``: hermes JSON, else Qwen3-Coder's or
+    GLM-4.5's tags."""
+    for block in (_hermes_block, _qwen_coder_block):
+        found = block(text, i, partial, memo)
+        if found.status != "broken":
+            return found
+    # GLM-4.5 ends its call's name with a newline: without one, the text
+    # after <tool_call> is not taken for a name (hermes junk stays text).
+    name = _NAME.match(text, _skip(text, i + len(TOOL_CALL)))
+    if name is not None and text[name.end() : name.end() + 1] in ("", "\n"):
+        return _glm_block(text, i, partial, memo)
+    return _BROKEN
+
+
 _DEEPSEEK_BLOCKS = {DS_CALLS: _deepseek_block, DS_CALL: _deepseek_block}
+_HARMONY = {HARMONY_CALL: _harmony_block, **{m: _drop_block(m) for m in HARMONY_STRUCTURE}}
 
 FAMILIES: Mapping[str, Family] = {
     "auto": Family(
         _Spec(
             {
-                TOOL_CALL: _hermes_block,
+                TOOL_CALL: _any_tool_call_block,
                 PYTHON_TAG: _python_tag_block,
                 TOOL_CALLS: _mistral_block,
                 **_DEEPSEEK_BLOCKS,
                 TOOL_CODE: _tool_code_block,
+                KIMI_SECTION: _kimi_block,
+                KIMI_CALL: _kimi_block,
+                GRANITE_CALL: _granite_block,
+                CR_ACTION[0]: _command_r_block,
+                HARMONY_CALL: _harmony_block,
             },
             generic=True,
             llama=True,
         )
     ),
     "content": Family(_Spec({})),
+    # Before hermes: their templates name <tool_call> too.
+    "qwen3-coder": Family(
+        _Spec({TOOL_CALL: _qwen_coder_block}),
+        HERMES,
+        _qwen_coder,
+        (QWEN_FUNCTION, QWEN_PARAMETER),
+    ),
+    "glm-4.5": Family(_Spec({TOOL_CALL: _glm_block}), HERMES, _glm, (ARG_KEY,)),
     "hermes": Family(_Spec({TOOL_CALL: _hermes_block}), HERMES, _hermes, (TOOL_CALL,)),
     "llama3": Family(
         _Spec({PYTHON_TAG: _python_tag_block}, llama=True),
@@ -162,6 +352,34 @@ FAMILIES: Mapping[str, Family] = {
         )
     ),
     "generic": Family(_Spec({}, generic=True)),
+    "kimi-k2": Family(
+        _Spec({KIMI_SECTION: _kimi_block, KIMI_CALL: _kimi_block}),
+        (KIMI_SECTION, KIMI_SECTION_END, KIMI_CALL, KIMI_ARGS, KIMI_CALL_END),
+        _kimi,
+        (KIMI_SECTION,),
+    ),
+    "granite": Family(
+        _Spec({GRANITE_CALL: _granite_block}), (GRANITE_CALL,), _granite, (GRANITE_CALL,)
+    ),
+    "command-r": Family(
+        _Spec(
+            {
+                CR_ACTION[0]: _command_r_block,
+                CR_RESPONSE[0]: _drop_block(CR_RESPONSE[0]),
+                CR_RESPONSE[1]: _drop_block(CR_RESPONSE[1]),
+            },
+            think=CR_THINKING,
+        ),
+        (*CR_ACTION, *CR_THINKING, *CR_RESPONSE),
+        _command_r,
+        (CR_ACTION[0],),
+    ),
+    "gpt-oss": Family(
+        _Spec(_HARMONY, think=HARMONY_ANALYSIS),
+        (HARMONY_CALL, *HARMONY_ANALYSIS, *HARMONY_STRUCTURE),
+        _gpt_oss,
+        ("<|channel|>",),
+    ),
 }
 """Every format, by name (the values :data:`lloyal.CHAT_FORMATS` lists)."""
 

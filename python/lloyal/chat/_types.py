@@ -16,6 +16,12 @@ CHAT_FORMATS: tuple[str, ...] = (
     "deepseek",
     "gemma",
     "generic",
+    "qwen3-coder",
+    "glm-4.5",
+    "kimi-k2",
+    "granite",
+    "command-r",
+    "gpt-oss",
 )
 """The values :func:`parse_chat_output` takes as ``format``."""
 

@@ -13,7 +13,18 @@ hermes     ``<tool_call>`` (Hermes 2 Pro, Qwen 2.5/3)   ``<tool_call>{json}</too
 llama3     ``<|python_tag|>`` or Llama 3 headers        ``{"name": ..., "parameters": ...}``
 mistral    ``[TOOL_CALLS]``                             ``[TOOL_CALLS][{json}, ...]``
 deepseek   DeepSeek's tool-calls-begin marker           DeepSeek's tagged blocks
+qwen3-coder ``<function=`` / ``<parameter=``            a tag per parameter
+glm-4.5    ``<arg_key>``                                key and value tags
+kimi-k2    ``<|tool_calls_section_begin|>``             indexed calls, JSON
+granite    ``<|tool_call|>``                            a JSON list of calls
+command-r  ``<|START_ACTION|>``                         a JSON list of actions
+gpt-oss    ``<|channel|>`` (harmony)                    ``to=functions.NAME``
 ========== ============================================ ===================
+
+Qwen3 writes hermes calls; a template's own reasoning switch
+(``enable_thinking=``) and effort (GPT-OSS's ``reasoning_effort="high"``)
+are template variables: extra keyword arguments of ``format_chat`` reach
+the template as they are.
 
 A template that does not mention tools (SmolLM2's, the built-in ``gemma``
 and ``chatml`` ones) gets the tools described in its system message with
@@ -55,6 +66,8 @@ class ToolSpec:
     grammar: str | None
     triggers: tuple[str, ...]
     markers: tuple[str, ...]
+    # What opens and closes the family's reasoning (``<think>`` mostly).
+    think: tuple[str, str] = THINKING
 
 
 def _functions(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -245,14 +258,15 @@ def prepare_chat(
     if tool_choice == "none":
         functions = []
     chat_format = native or "hermes"
-    think = THINKING if THINK in template else ()
+    opens = FAMILIES[chat_format].parser.think
+    think = opens if opens != THINKING or THINK in template else ()
     if not functions:
         grammar = None
         if json_schema is not None:
             grammar = f"start: %json {inline_json(json_schema)}\n"
         rendered = [dict(m) for m in messages] if native else _as_text(messages, None)
         return ToolSpec(
-            rendered, variables, chat_format if tools else "content", grammar, (), think
+            rendered, variables, chat_format if tools else "content", grammar, (), think, opens
         )
     if json_schema is not None:
         raise ValueError("give json_schema= or tools=, not both")
@@ -271,4 +285,5 @@ def prepare_chat(
         grammar,
         () if required else triggers,
         markers + think,
+        opens,
     )

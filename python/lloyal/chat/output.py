@@ -25,9 +25,25 @@ format       what a call looks like
              and hermes blocks
 ``generic``  the whole reply is ``{"tool_call": {...}}``,
              ``{"tool_calls": [{...}, ...]}`` or ``{"response": "text"}``
+``qwen3-coder`` ``<tool_call><function=NAME><parameter=KEY>value</parameter>``
+             ``...</function></tool_call>`` (values as text: see below)
+``glm-4.5``  ``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value``
+             ``</arg_value>...</tool_call>``
+``kimi-k2``  ``<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0``
+             ``<|tool_call_argument_begin|>{...}<|tool_call_end|>...`` (the
+             ``functions.NAME:0`` is the call's id)
+``granite``  ``<|tool_call|>[{"name": ..., "arguments": {...}}, ...]``
+``command-r`` ``<|START_ACTION|>[{"tool_call_id": ..., "tool_name": ...,``
+             ``"parameters": {...}}]<|END_ACTION|>``; reasoning in
+             ``<|START_THINKING|>...<|END_THINKING|>``, the answer in
+             ``<|START_RESPONSE|>...<|END_RESPONSE|>``
+``gpt-oss``  harmony: reasoning in the ``analysis`` channel, calls addressed
+             ``to=functions.NAME`` with a JSON ``<|message|>``, the answer in
+             the ``final`` channel (channel headers are not content)
 ``content``  no tool calls (reasoning is still split off)
-``auto``     every marker above except ````` ```json `````, and a reply
-             that starts with a generic or llama3 JSON object
+``auto``     every marker above except ````` ```json ````` and the
+             reasoning and structure markers of command-r and gpt-oss, and a
+             reply that starts with a generic or llama3 JSON object
 ============ ===========================================================
 
 Nothing a model writes makes it raise: what does not parse as a call stays
@@ -52,6 +68,11 @@ Choices where conventions differ:
   a call written without arguments gets ``"{}"``. Calls in Python syntax
   (``tool_code``, ``<|python_tag|>``) get ``json.dumps`` of their keyword
   arguments and show only once their closing parenthesis arrives.
+- Calls written as tags (qwen3-coder, glm-4.5) get a JSON object of their
+  parameters: a value that parses as JSON and is not a string (``42``,
+  ``true``, ``[1]``, ``{...}``) is that JSON, anything else a string;
+  while such a call streams, its arguments are the complete parameters so
+  far, without the closing brace.
 - A bare JSON object counts as a call only when its first key is one a
   call object starts with (``name``, ``type``, ``function``, ``arguments``,
   ``parameters``, ``id``) and it has both a name and arguments.
@@ -66,7 +87,6 @@ from dataclasses import dataclass, field
 
 from lloyal.chat._blocks import _bare, _Spec
 from lloyal.chat._families import FAMILIES
-from lloyal.chat._markers import THINK, THINK_END
 from lloyal.chat._scan import _WS, _held_from, _Memo, _pending, _skip
 from lloyal.chat._types import CHAT_FORMATS, ChatOutput, ToolCall
 
@@ -116,22 +136,25 @@ def parse_chat_output(
         return ChatOutput(content=text.strip())
 
 
-def _split_reasoning(text: str, partial: bool, thinking_started: bool) -> tuple[str, str]:
+def _split_reasoning(
+    text: str, partial: bool, thinking_started: bool, think: tuple[str, str]
+) -> tuple[str, str]:
     """(reasoning, the rest of the reply)."""
+    opener, closer = think
     if thinking_started:
         start = 0
     else:
         s = _skip(text, 0)
-        if not text.startswith(THINK, s):
-            if partial and s < len(text) and _pending(text, s, THINK):
+        if not text.startswith(opener, s):
+            if partial and s < len(text) and _pending(text, s, opener):
                 return "", ""
             return "", text
-        start = s + len(THINK)
-    close = text.find(THINK_END, start)
+        start = s + len(opener)
+    close = text.find(closer, start)
     if close >= 0:
-        reasoning, rest = text[start:close], text[close + len(THINK_END) :]
+        reasoning, rest = text[start:close], text[close + len(closer) :]
     else:
-        end = _held_from(text, start, (THINK_END,)) if partial else len(text)
+        end = _held_from(text, start, (closer,)) if partial else len(text)
         reasoning, rest = text[start:end], ""
     return _trim_reasoning(reasoning), rest
 
@@ -146,7 +169,7 @@ def _trim_reasoning(reasoning: str) -> str:
 
 
 def _parse(text: str, spec: _Spec, *, partial: bool, thinking_started: bool) -> ChatOutput:
-    reasoning, body = _split_reasoning(text, partial, thinking_started)
+    reasoning, body = _split_reasoning(text, partial, thinking_started, spec.think)
     parsed = _parse_body(body, spec, partial, at_start=True)
     return _output(parsed.pieces, reasoning, parsed.calls)
 
@@ -337,13 +360,14 @@ class ChatOutputStream:
         )
 
     def _feed(self, piece: str) -> ChatOutput:
+        opener, closer = self._spec.think
         if self._phase == "head":
             head = (self._head + piece).lstrip(_WS)
             self._parsed_chars += len(head)
-            if head.startswith(THINK):
+            if head.startswith(opener):
                 self._phase, self._head = "think", ""
-                piece = head[len(THINK) :]
-            elif not head or _pending(head, 0, THINK):
+                piece = head[len(opener) :]
+            elif not head or _pending(head, 0, opener):
                 self._head = head
                 return ChatOutput("")
             else:
@@ -352,15 +376,15 @@ class ChatOutputStream:
         if self._phase == "think":
             seen = len(self._thought)
             thought = self._thought + piece
-            close = thought.find(THINK_END, max(0, seen - len(THINK_END) + 1))
-            self._parsed_chars += len(piece) + len(THINK_END) - 1
+            close = thought.find(closer, max(0, seen - len(closer) + 1))
+            self._parsed_chars += len(piece) + len(closer) - 1
             if close < 0:
                 self._thought = thought
-                held = _held_from(thought, 0, (THINK_END,))
+                held = _held_from(thought, 0, (closer,))
                 return ChatOutput("", _trim_reasoning(thought[:held]))
             self._phase, self._thought = "body", ""
             self._reasoning = _trim_reasoning(thought[:close])
-            piece = thought[close + len(THINK_END) :]
+            piece = thought[close + len(closer) :]
         tail = self._tail + piece
         if self._at_start:
             # Blanks that start the body end up stripped off the content,
