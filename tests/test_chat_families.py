@@ -235,3 +235,55 @@ def test_tagged_values_become_json() -> None:
         "b": True,
         "o": {"k": None},
     }
+
+
+THINKING_TEMPLATE = fixtures.TOOL_TEMPLATES["qwen3"].replace(
+    "<|im_start|>assistant\n{% if enable_thinking",
+    "<|im_start|>assistant\n<think>\n{% if enable_thinking",
+)
+
+
+@pytest.mark.parametrize("budget", [0, 5])
+@pytest.mark.asyncio
+async def test_a_reasoning_budget_closes_the_thinking_then_the_model_goes_on(
+    ctx: lloyal.Context, budget: int
+) -> None:
+    chat = ctx.format_chat(ASK, template=THINKING_TEMPLATE)
+    assert chat.thinking_started
+    limit = chat.reasoning_budget(ctx, budget)
+    async with lloyal.Branch.create(ctx, lloyal.GREEDY) as b:
+        await b.prefill(await ctx.tokenize(chat.prompt, add_special=False))
+        stream = lloyal.TextStream(ctx)
+        text = ""
+        for _ in range(40):
+            p = await b.produce()
+            token = limit.choose(p.token)
+            if token == p.token and p.is_stop:
+                break
+            await b.commit(token)
+            text += stream.push(token)
+    assert limit.spent == budget
+    assert "</think>" in text
+    out = chat.parse(text + stream.flush())
+    reasoning = ctx.tokenize_sync(out.reasoning, add_special=False) if out.reasoning else []
+    assert len(reasoning) <= budget + 1, out  # one token of rounding at the cut
+    assert out.content, "the model answers after its reasoning"
+
+
+@pytest.mark.asyncio
+async def test_a_session_keeps_to_its_reasoning_budget(smollm2: Any) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=2048) as c:
+        session = await lloyal.Session.create(c, params=lloyal.GREEDY, template=THINKING_TEMPLATE)
+        await session.add_user("Name a colour.")
+        # Unlimited, SmolLM2 reasons for 20 tokens here (greedy).
+        out = await session.reply(max_tokens=24, reasoning_budget=3)
+        assert out.reasoning, out
+        assert len(c.tokenize_sync(out.reasoning, add_special=False)) <= 4, out
+
+
+def test_a_negative_budget_never_interferes(ctx: lloyal.Context) -> None:
+    limit = lloyal.ReasoningBudget(ctx, -1, thinking_started=True)
+    tokens = ctx.tokenize_sync(" a b c d e f", add_special=False)
+    assert [limit.choose(t) for t in tokens] == tokens
+    with pytest.raises(TypeError):
+        lloyal.ReasoningBudget(ctx, 1.5)  # type: ignore[arg-type]

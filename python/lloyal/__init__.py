@@ -20,6 +20,7 @@ from lloyal._lloyal import __version__ as __version__
 from lloyal.adapters import Adapters, ControlVector, Lora
 from lloyal.backend import LLAMA_CPP_2_VERSION, BackendInfo, Device, backend_info
 from lloyal.branch import Branch, BranchStore, Produced, Token, TokenTree
+from lloyal.chat.budget import ReasoningBudget
 from lloyal.chat.output import (
     CHAT_FORMATS,
     ChatOutput,
@@ -93,6 +94,7 @@ __all__ = [
     "PrefixCache",
     "PrefixCacheStats",
     "Produced",
+    "ReasoningBudget",
     "Rerank",
     "SamplingParams",
     "Session",

@@ -417,6 +417,7 @@ async def _serve(args: argparse.Namespace) -> int:
         control_vector=one_control_vector(args.control_vector, args.control_vector_scaled),
         control_vector_layers=args.control_vector_layer_range,
         deterministic=args.deterministic,
+        reasoning_budget=args.reasoning_budget,
     )
     server = uvicorn.Server(
         uvicorn.Config(create_app(config), host=args.host, port=args.port, log_level="warning")
@@ -561,6 +562,7 @@ def _parser() -> argparse.ArgumentParser:
         )
     srv.add_argument("--lora-init-without-apply", action="store_true", help="--lora at scale 0")
     srv.add_argument("--deterministic", action="store_true", help="batch-invariant replies")
+    srv.add_argument("--reasoning-budget", type=int, default=-1, help="-1: no limit")
     srv.add_argument(
         "--control-vector-layer-range", nargs=2, type=int, metavar=("START", "END"), default=None
     )

@@ -412,6 +412,7 @@ class Context:
             grammar_triggers=spec.triggers,
             preserved_tokens=tuple(self._special_tokens(spec.markers)),
             thinking_started=prompt.rstrip().endswith(spec.think[0]),
+            think=spec.think,
         )
 
     def _special_tokens(self, markers: Iterable[str]) -> list[int]:

@@ -192,7 +192,7 @@ class Session:
     # -- generating --------------------------------------------------------------
 
     async def generate(
-        self, *, max_tokens: int = 512, constrain: bool = True
+        self, *, max_tokens: int = 512, constrain: bool = True, reasoning_budget: int = -1
     ) -> AsyncIterator[str]:
         """Let the model answer: yields text pieces as they are decoded.
         With tools, the chat's grammar keeps a tool call well formed (lazy
@@ -201,7 +201,10 @@ class Session:
         after a required call's result) without changing the prompt.
         When the answer ends (a stop token, ``max_tokens``, or the loop
         leaving early), it is added to :attr:`messages`, parsed into
-        content and tool calls, and the turn is closed in the KV."""
+        content and tool calls, and the turn is closed in the KV.
+        ``reasoning_budget``: at most that many tokens of reasoning, then
+        the end-of-thinking marker is written for the model
+        (:class:`lloyal.ReasoningBudget`; negative: no limit)."""
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         chat = self.render()
@@ -212,6 +215,7 @@ class Session:
             branch.set_grammar(grammar)
         stop = set(chat.stop_tokens)
         preserved = set(chat.preserved_tokens)
+        budget = chat.reasoning_budget(self._ctx, reasoning_budget)
         stream = TextStream(self._ctx)
         pieces: list[str] = []
         # The answer's bytes, joined onto what the branch holds at the end
@@ -221,18 +225,19 @@ class Session:
         try:
             for _ in range(max_tokens):
                 p = await branch.produce()
-                if p.is_stop or p.token in stop:
+                token = budget.choose(p.token)
+                if token == p.token and (p.is_stop or token in stop):
                     break
-                await branch.commit(p.token)
+                await branch.commit(token)
                 self.tokens_decoded += 1
-                piece = self._ctx.token_bytes(p.token, render_special=p.token in preserved)
+                piece = self._ctx.token_bytes(token, render_special=token in preserved)
                 held.append(piece)
                 at += len(piece)
                 self._ends.append(at)
                 text = (
                     stream.flush() + piece.decode("utf-8", errors="replace")
-                    if p.token in preserved
-                    else stream.push(p.token)
+                    if token in preserved
+                    else stream.push(token)
                 )
                 if text:
                     pieces.append(text)
@@ -247,9 +252,13 @@ class Session:
                 branch.set_grammar(None)
             await self._close_turn(chat.parse("".join(pieces)))
 
-    async def reply(self, *, max_tokens: int = 512, constrain: bool = True) -> ChatOutput:
+    async def reply(
+        self, *, max_tokens: int = 512, constrain: bool = True, reasoning_budget: int = -1
+    ) -> ChatOutput:
         """:meth:`generate` to the end; returns the parsed answer."""
-        async for _ in self.generate(max_tokens=max_tokens, constrain=constrain):
+        async for _ in self.generate(
+            max_tokens=max_tokens, constrain=constrain, reasoning_budget=reasoning_budget
+        ):
             pass
         return self.last_output
 

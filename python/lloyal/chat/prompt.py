@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from lloyal.chat._markers import THINKING
+from lloyal.chat.budget import ReasoningBudget, Tokenizer
 from lloyal.chat.output import ChatOutput, parse_chat_output
 from lloyal.grammar import Grammar
 
@@ -48,6 +50,15 @@ class ChatPrompt:
     grammar_triggers: tuple[str, ...] = ()
     preserved_tokens: tuple[int, ...] = ()
     thinking_started: bool = False
+    # What opens and closes reasoning in this prompt's family.
+    think: tuple[str, str] = THINKING
+
+    def reasoning_budget(self, ctx: Tokenizer, budget: int) -> ReasoningBudget:
+        """A :class:`ReasoningBudget` for a reply to this prompt: at most
+        ``budget`` tokens of reasoning (negative: no limit)."""
+        return ReasoningBudget(
+            ctx, budget, think=self.think, thinking_started=self.thinking_started
+        )
 
     def create_grammar(self, ctx: _GrammarMaker) -> Grammar | None:
         """The reply's grammar compiled for ``ctx`` (lazy when it has

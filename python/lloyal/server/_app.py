@@ -21,17 +21,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from lloyal.branch import BranchStore
-from lloyal.chat.prompt import ChatPrompt
 from lloyal.context import Context, create_context
 from lloyal.errors import ChatTemplateError, GrammarError, LloyalError
-from lloyal.grammar import Grammar
 from lloyal.server._adapters import load as load_adapters
 from lloyal.server._adapters import lora_adapters as _lora_adapters
-from lloyal.server._chat import ChatChoice
+from lloyal.server._chat import ChatChoice, chat_grammar, chat_prompt
 from lloyal.server._engine import Engine, Event
 from lloyal.server._protocol import (
     ApiError,
-    ChatRequest,
     chat_request,
     completion_request,
     embedding_request,
@@ -63,6 +60,9 @@ class ServerConfig:
     loras: tuple[tuple[str | os.PathLike[str], float], ...] = ()
     control_vector: tuple[str | os.PathLike[str], float] | None = None
     control_vector_layers: tuple[int, int] | None = None
+    # Tokens of reasoning before the end-of-thinking marker is forced (-1:
+    # no limit); a request's reasoning_budget overrides it.
+    reasoning_budget: int = -1
     # create_context(deterministic=True): a request's tokens are the same
     # bits whatever it is batched with (docs/determinism.md).
     deterministic: bool = False
@@ -250,35 +250,11 @@ def _event_stream(
 # -- chat completions -------------------------------------------------------------
 
 
-def _chat_prompt(state: _State, req: ChatRequest) -> ChatPrompt:
-    try:
-        return state.ctx.format_chat(
-            req.messages,
-            template=state.config.template,
-            tools=req.tools,
-            tool_choice=req.tool_choice,
-            parallel_tool_calls=req.parallel_tool_calls,
-            json_schema=req.json_schema,
-        )
-    except (ChatTemplateError, ValueError) as e:
-        # The tools were checked with the request: what is left is the
-        # messages' (text the template or its JSON cannot take).
-        raise ApiError(f"the chat could not be rendered: {e}", param="messages") from None
-
-
-def _chat_grammar(state: _State, req: ChatRequest, prompt: ChatPrompt) -> Grammar | None:
-    try:
-        return prompt.create_grammar(state.ctx)
-    except GrammarError as e:
-        param = "response_format" if req.json_schema is not None else "tools"
-        raise ApiError(str(e), param=param) from None
-
-
 async def chat_completions(request: Request, state: _State) -> Response:
     req = chat_request(await _body(request), vocab_size=state.ctx.vocab_size)
     gen = req.generation
-    prompt = _chat_prompt(state, req)
-    grammar = _chat_grammar(state, req, prompt)
+    prompt = chat_prompt(state.ctx, state.config.template, req)
+    grammar = chat_grammar(state.ctx, req, prompt)
     tokens = await state.ctx.tokenize(prompt.prompt)
     if len(tokens) > 1 and tokens[0] == tokens[1] == state.ctx.bos_token:
         tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
@@ -299,12 +275,16 @@ async def chat_completions(request: Request, state: _State) -> Response:
 
     async def events() -> AsyncGenerator[Event, None]:
         async with state.engine.admitted(tokens, gen):
+            limit = state.config.reasoning_budget
+            if gen.reasoning_budget is not None:
+                limit = gen.reasoning_budget
             async for event in state.engine.generate(
                 tokens,
                 gen,
                 grammar=grammar,
                 stop_tokens=prompt.stop_tokens,
                 preserved=prompt.preserved_tokens,
+                budget=(lambda: prompt.reasoning_budget(state.ctx, limit)) if limit >= 0 else None,
             ):
                 if event.token is not None:
                     choices[event.index].tokens += 1

@@ -9,6 +9,10 @@ from typing import Any
 
 from lloyal.chat.output import ChatOutput, ChatOutputStream
 from lloyal.chat.prompt import ChatPrompt
+from lloyal.context import Context
+from lloyal.errors import ChatTemplateError, GrammarError
+from lloyal.grammar import Grammar
+from lloyal.server._protocol import ApiError, ChatRequest
 
 
 class ChatChoice:
@@ -69,3 +73,35 @@ class ChatChoice:
             ]
             finish = "tool_calls" if finish == "stop" else finish
         return message, finish
+
+
+def chat_prompt(ctx: Context, template: str | None, req: ChatRequest) -> ChatPrompt:
+    """The request's messages and tools rendered (400 naming the messages
+    when the template cannot take them)."""
+    try:
+        return ctx.format_chat(
+            req.messages,
+            template=template,
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            parallel_tool_calls=req.parallel_tool_calls,
+            json_schema=req.json_schema,
+            **_effort(req),
+        )
+    except (ChatTemplateError, ValueError) as e:
+        # The tools were checked with the request: what is left is the
+        # messages' (text the template or its JSON cannot take).
+        raise ApiError(f"the chat could not be rendered: {e}", param="messages") from None
+
+
+def _effort(req: ChatRequest) -> dict[str, Any]:
+    """``reasoning_effort``, a template variable, when the request sets it."""
+    return {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort else {}
+
+
+def chat_grammar(ctx: Context, req: ChatRequest, prompt: ChatPrompt) -> Grammar | None:
+    try:
+        return prompt.create_grammar(ctx)
+    except GrammarError as e:
+        param = "response_format" if req.json_schema is not None else "tools"
+        raise ApiError(str(e), param=param) from None

@@ -32,12 +32,13 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
 from lloyal.adapters import Lora
 from lloyal.branch import Branch, BranchStore, Produced
+from lloyal.chat.budget import ReasoningBudget
 from lloyal.context import Context
 from lloyal.errors import KVCacheFullError, LloyalError, NoLeaseError
 from lloyal.grammar import Grammar
@@ -381,6 +382,7 @@ class Engine:
         grammar: Grammar | None = None,
         stop_tokens: Sequence[int] = (),
         preserved: Sequence[int] = (),
+        budget: Callable[[], ReasoningBudget] | None = None,
     ) -> AsyncIterator[Event]:
         """Events of all ``gen.n`` choices as they come. Leaving the loop
         early (a client gone) takes the choices out of the step loop and
@@ -403,7 +405,9 @@ class Engine:
                 if grammar is not None:
                     b.set_grammar(grammar)
                 stops, keep = set(stop_tokens), set(preserved)
-                choices.append(_Choice(self, i, b, gen, limit, len(tokens), stops, keep, events))
+                c = _Choice(self, i, b, gen, limit, len(tokens), stops, keep, events)
+                c.budget = budget() if budget is not None else None
+                choices.append(c)
             await self._start(choices)
             finished = 0
             while finished < len(choices):
@@ -465,6 +469,8 @@ class _Choice:
         self.committed: list[int] = []
         # A token chosen but not committed yet (see ``Engine._start``).
         self.next: int | None = None
+        # The reasoning budget of a chat request that has one.
+        self.budget: ReasoningBudget | None = None
         self.joined = False
         self.cancelled = False
         self.failed = False
@@ -485,6 +491,10 @@ class _Choice:
         read its logits): what llama-server does too. ``lp`` is the token's
         logprob entry when the request asked for logprobs (see
         ``Engine._decide``)."""
+        if self.budget is not None:
+            token = self.budget.choose(p.token)
+            if token != p.token:  # the end of the reasoning, written for the model
+                p, lp = Produced(token, "", False), None
         if (p.is_stop or p.token in self.stop_tokens) and not self.gen.ignore_eos:
             self.end("stop")
             return None

@@ -75,6 +75,9 @@ class Generation:
     ignore_eos: bool = False  # llama-server's extension: generate max_tokens tokens
     # llama-server's extension: (adapter id, scale) pairs; None: the default set.
     lora: tuple[tuple[int, float], ...] | None = None
+    # Tokens of reasoning before the end-of-thinking marker is forced; None:
+    # the server's --reasoning-budget.
+    reasoning_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class ChatRequest:
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
     json_schema: Mapping[str, Any] | bool | None = None
+    reasoning_effort: str | None = None  # a template variable (GPT-OSS reads it)
 
 
 @dataclass(frozen=True)
@@ -266,6 +270,7 @@ def _generation(body: dict[str, Any], *, logprobs: int | None, vocab_size: int) 
         logprobs=logprobs,
         ignore_eos=_flag(body, "ignore_eos", False),
         lora=lora_field(body.get("lora")),
+        reasoning_budget=_integer(body, "reasoning_budget", None, -1, 1 << 20),
     )
 
 
@@ -382,7 +387,18 @@ def chat_request(raw: object, *, vocab_size: int) -> ChatRequest:
         tool_choice=tool_choice,
         parallel_tool_calls=_flag(body, "parallel_tool_calls", True),
         json_schema=schema,
+        reasoning_effort=_effort(body.get("reasoning_effort")),
     )
+
+
+def _effort(value: object) -> str | None:
+    if value is None:
+        return None
+    if value not in ("minimal", "low", "medium", "high"):
+        raise ApiError(
+            "reasoning_effort must be minimal, low, medium or high", param="reasoning_effort"
+        )
+    return str(value)
 
 
 def completion_request(raw: object, *, vocab_size: int) -> CompletionRequest:

@@ -1,0 +1,70 @@
+"""The server's reasoning controls, in process: ``reasoning_budget`` (a
+request's, or ``--reasoning-budget``) cuts the thinking at that many
+tokens; ``reasoning_effort`` reaches the template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import lloyal
+import pytest
+from lloyal import fixtures
+from lloyal.server import ServerConfig, create_app
+
+from tests.test_chat_families import THINKING_TEMPLATE
+
+pytestmark = pytest.mark.anyio
+
+ASK = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def chat(config: ServerConfig, **body: Any) -> httpx.Response:
+    app = create_app(config)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x", timeout=120) as c:
+            full = {"messages": ASK, "max_tokens": 24, "temperature": 0.0, **body}
+            return await c.post("/v1/chat/completions", json=full)
+
+
+async def test_a_reasoning_budget_cuts_the_thinking(smollm2: Path) -> None:
+    config = ServerConfig(model_path=smollm2, n_ctx=1024, n_seq_max=2, template=THINKING_TEMPLATE)
+    free = (await chat(config)).json()["choices"][0]["message"]
+    cut = (await chat(config, reasoning_budget=2)).json()["choices"][0]["message"]
+    assert len(free["reasoning_content"]) > len(cut["reasoning_content"]) > 0
+    limited = ServerConfig(**{**config.__dict__, "reasoning_budget": 2})
+    by_flag = (await chat(limited)).json()["choices"][0]["message"]
+    assert by_flag["reasoning_content"] == cut["reasoning_content"]
+
+
+async def test_reasoning_effort_reaches_the_template(
+    smollm2: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rendered: list[str] = []
+    original = lloyal.Context.format_chat
+
+    def spy(self: lloyal.Context, *args: Any, **kwargs: Any) -> Any:
+        prompt = original(self, *args, **kwargs)
+        rendered.append(prompt.prompt)
+        return prompt
+
+    monkeypatch.setattr(lloyal.Context, "format_chat", spy)
+    config = ServerConfig(
+        model_path=smollm2, n_ctx=2048, n_seq_max=2, template=fixtures.TOOL_TEMPLATES["gpt-oss"]
+    )
+    for effort in ("high", None):
+        body = {"reasoning_effort": effort} if effort else {}
+        r = await chat(config, max_tokens=2, **body)
+        assert r.status_code == 200, r.text
+    assert "Reasoning: high" in rendered[0]
+    assert "Reasoning: medium" in rendered[1]  # the template's default
+    bad = await chat(config, reasoning_effort="extreme")
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "reasoning_effort"
