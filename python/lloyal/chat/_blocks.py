@@ -384,19 +384,33 @@ def _deepseek_block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:
                 r = _skip(text, r + len(FENCE))
             elif partial and _pending(text, r, FENCE):
                 return _Block("stop", calls)
-        if text.startswith(DS_CALL_END, r):
-            r += len(DS_CALL_END)
-        elif partial and _pending(text, r, DS_CALL_END):
-            return _Block("stop", calls)
-        else:
-            return _Block("ok", calls, r)
-        k = _skip(text, r)
-        if text.startswith(DS_CALLS_END, k):
-            return _Block("ok", calls, k + len(DS_CALLS_END))
-        if partial and (_pending(text, k, DS_CALLS_END) or _pending(text, k, DS_CALL)):
-            return _Block("stop", calls)
-        if not text.startswith(DS_CALL, k):
-            return _Block("ok", calls, r)
+        after = _after_call(text, r, partial, calls, (DS_CALL, DS_CALL_END, DS_CALLS_END))
+        if isinstance(after, _Block):
+            return after
+        k = after
+
+
+def _after_call(
+    text: str, r: int, partial: bool, calls: list[ToolCall], markers: tuple[str, str, str]
+) -> _Block | int:
+    """After a call of a section of calls (DeepSeek, Kimi-K2), ``markers``
+    being the call's opener and closer and the section's closer: the block
+    to return, or where the next call starts."""
+    call_begin, call_end, section_end = markers
+    if text.startswith(call_end, r):
+        r += len(call_end)
+    elif partial and _pending(text, r, call_end):
+        return _Block("stop", calls)
+    else:
+        return _Block("ok", calls, r)
+    k = _skip(text, r)
+    if text.startswith(section_end, k):
+        return _Block("ok", calls, k + len(section_end))
+    if partial and (_pending(text, k, section_end) or _pending(text, k, call_begin)):
+        return _Block("stop", calls)
+    if not text.startswith(call_begin, k):
+        return _Block("ok", calls, r)
+    return k
 
 
 def _bare(

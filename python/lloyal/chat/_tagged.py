@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 
-from lloyal.chat._blocks import _BROKEN, _Block, _BlockParser, _wait
+from lloyal.chat._blocks import _BROKEN, _after_call, _Block, _BlockParser, _wait
 from lloyal.chat._markers import (
     ARG_KEY,
     ARG_VALUE,
@@ -221,19 +221,10 @@ def _kimi_block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:
             return _wait(partial, [*calls, call], k)
         calls.append(call)
         r = _skip(text, node.end)
-        if text.startswith(KIMI_CALL_END, r):
-            r += len(KIMI_CALL_END)
-        elif partial and _pending(text, r, KIMI_CALL_END):
-            return _Block("stop", calls)
-        else:
-            return _Block("ok", calls, r)
-        k = _skip(text, r)
-        if text.startswith(KIMI_SECTION_END, k):
-            return _Block("ok", calls, k + len(KIMI_SECTION_END))
-        if partial and (_pending(text, k, KIMI_SECTION_END) or _pending(text, k, KIMI_CALL)):
-            return _Block("stop", calls)
-        if not text.startswith(KIMI_CALL, k):
-            return _Block("ok", calls, r)
+        after = _after_call(text, r, partial, calls, (KIMI_CALL, KIMI_CALL_END, KIMI_SECTION_END))
+        if isinstance(after, _Block):
+            return after
+        k = after
 
 
 def _json_list_block(marker: str, end: str) -> _BlockParser:

@@ -62,22 +62,16 @@ fn in_bounds(t: &Tensors, info: &TensorInfo) -> bool {
 pub(crate) fn check_lora(model: &Model, path: &Path) -> Result<(usize, f32)> {
     let (_, t) = open(path)?;
     let h = &t.header;
-    match h.string("general.type") {
-        Some("adapter") => {}
-        other => {
+    for (key, want, what) in [
+        ("general.type", "adapter", ": this is not an adapter file"),
+        ("adapter.type", "lora", ""),
+    ] {
+        let found = h.string(key);
+        if found != Some(want) {
             return Err(refuse(
                 path,
-                format!("general.type is {other:?}, not \"adapter\": this is not an adapter file"),
-            ))
-        }
-    }
-    match h.string("adapter.type") {
-        Some("lora") => {}
-        other => {
-            return Err(refuse(
-                path,
-                format!("adapter.type is {other:?}, not \"lora\""),
-            ))
+                format!("{key} is {found:?}, not {want:?}{what}"),
+            ));
         }
     }
     let arch = &model.info().architecture;
