@@ -45,6 +45,9 @@ pub struct Header {
     pub version: u32,
     pub n_tensors: u64,
     pub kv: HashMap<String, Value>,
+    /// Each key's GGUF type id (4: u32, 6: f32, 8: string, 9: array, ...):
+    /// llama.cpp *asserts* on the type of some keys it reads.
+    pub types: HashMap<String, u32>,
 }
 
 impl Header {
@@ -304,18 +307,21 @@ fn parse_kv<R: Read>(r: &mut Reader<R>) -> Res<Header> {
         ));
     }
     let mut kv = HashMap::new();
+    let mut types = HashMap::new();
     for _ in 0..n_kv {
         let key = r
             .string(MAX_KEY_BYTES, "a metadata key")?
             .ok_or_else(|| HeaderError("a metadata key is too long".into()))?;
         let ty = r.u32()?;
         let value = r.value(ty)?;
+        types.insert(key.clone(), ty);
         kv.insert(key, value);
     }
     Ok(Header {
         version,
         n_tensors,
         kv,
+        types,
     })
 }
 

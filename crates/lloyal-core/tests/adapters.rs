@@ -215,6 +215,17 @@ fn bad_adapter_files_are_typed_errors_and_change_nothing() {
     refused(&dir, "directory");
     refused(Path::new(&model_path()), "not an adapter");
     refused(&write_lora(&dir, "shape.gguf", 0.5, 7), "shapes");
+    // An alpha of another type: llama.cpp would abort the process.
+    let lora = std::fs::read(write_lora(&dir, "alpha.gguf", 0.5, 0)).unwrap();
+    let at = lora
+        .windows(b"adapter.lora.alpha".len())
+        .position(|w| w == b"adapter.lora.alpha")
+        .unwrap()
+        + b"adapter.lora.alpha".len();
+    let mut as_u32 = lora.clone();
+    as_u32[at..at + 4].copy_from_slice(&4u32.to_le_bytes()); // type 6 (f32) -> 4 (u32)
+    std::fs::write(dir.join("alpha.gguf"), &as_u32).unwrap();
+    refused(&dir.join("alpha.gguf"), "float32");
     let good = std::fs::read(write_lora(&dir, "cut.gguf", 0.5, 0)).unwrap();
     let cut = dir.join("cut.gguf");
     std::fs::write(&cut, &good[..good.len() / 2]).unwrap();

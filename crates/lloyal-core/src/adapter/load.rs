@@ -84,10 +84,15 @@ pub(crate) fn check_lora(model: &Model, path: &Path) -> Result<(usize, f32)> {
             ),
         ));
     }
-    let alpha = match h.kv.get("adapter.lora.alpha") {
-        Some(gguf::Value::Float(a)) => *a as f32,
-        Some(gguf::Value::Int(a)) => *a as f32,
-        _ => 0.0,
+    // llama.cpp reads the alpha with gguf_get_val_f32, which aborts the
+    // process on any other type.
+    let alpha = match (
+        h.kv.get("adapter.lora.alpha"),
+        h.types.get("adapter.lora.alpha"),
+    ) {
+        (None, _) => 0.0,
+        (Some(gguf::Value::Float(a)), Some(6)) => *a as f32,
+        _ => return Err(refuse(path, "adapter.lora.alpha must be a float32")),
     };
     let mut pairs: HashMap<&str, [Option<&TensorInfo>; 2]> = HashMap::new();
     for info in &t.tensors {
