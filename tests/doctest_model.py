@@ -25,6 +25,14 @@ def _doctest_model(doctest_namespace: dict[str, object]) -> None:
     doctest_namespace["MODEL"] = str(model_path("smollm2"))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``deterministic_first`` open ``deterministic=True``
+    contexts in this process, which must come before anything in it decodes
+    (llama.cpp reads GGML_CPU_TILED_MM once): they run first, whatever the
+    files given or their order."""
+    items.sort(key=lambda item: item.get_closest_marker("deterministic_first") is None)
+
+
 def pytest_report_header() -> str:
     info = lloyal.backend_info()
     build = f"wheel, CPU variant {info.cpu_variant}" if info.dynamic_backends else "source build"

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 from lloyal import fixtures
 
-pytestmark = pytest.mark.anyio
+# deterministic_first: this module's contexts are deterministic (see
+# tests/doctest_model.py).
+pytestmark = [pytest.mark.anyio, pytest.mark.deterministic_first]
 
 PROMPT = "The capital of France is"
 
@@ -214,7 +216,7 @@ async def test_the_prefix_cache_reuses_a_prompt_only_under_its_own_set(
     rand = await ctx.load_lora(fixtures.lora("random", model_name))
     tuned = lloyal.Adapters(((rand, 1.0),))
     alone = await logits_under(ctx, prompt, rand)
-    cache = lloyal.PrefixCache(ctx, max_branches=2)
+    cache = lloyal.PrefixCache(ctx, max_branches=3)
     b = await cache.branch(prompt)
     await b.prune()
     assert cache.match(prompt) == len(prompt)
@@ -228,4 +230,12 @@ async def test_the_prefix_cache_reuses_a_prompt_only_under_its_own_set(
     assert b.adapters == tuned
     assert cache.stats.saved_tokens == len(prompt)
     await b.prune()
+    # A scale that float32 rounds, and an adapter at scale 0, find the
+    # entries made under the set as the branch holds it.
+    odd = lloyal.Adapters(((rand, 0.3),))
+    b = await cache.branch(prompt, adapters=odd)
+    await b.prune()
+    assert cache.match(prompt, adapters=odd) == len(prompt)
+    zero = lloyal.Adapters(((rand, 0.0),))  # the base set
+    assert cache.match(prompt, adapters=zero) == cache.match(prompt)
     await cache.aclose()

@@ -281,6 +281,48 @@ async def test_a_session_keeps_to_its_reasoning_budget(smollm2: Any) -> None:
         assert len(c.tokenize_sync(out.reasoning, add_special=False)) <= 4, out
 
 
+def test_a_closer_the_model_began_is_finished_not_written_again(ctx: lloyal.Context) -> None:
+    limit = lloyal.ReasoningBudget(ctx, 2, thinking_started=True)
+    began = ctx.tokenize_sync(" hm</", add_special=False)
+    assert len(began) >= 2
+    chosen = [limit.choose(t) for t in began]
+    while limit.forcing:
+        chosen.append(limit.choose(13))
+    text = "".join(ctx.token_to_text(t) for t in chosen)
+    assert text.count("</") == 1, text
+    assert "</think>" in text, text
+
+
+def test_tagged_values_that_are_not_json_stay_strings() -> None:
+    text = (
+        "<tool_call>\n<function=f>\n<parameter=a>\nNaN\n</parameter>\n<parameter=b>\n"
+        + "[" * 3000
+        + "\n</parameter>\n</function>\n</tool_call>"
+    )
+    (call,) = lloyal.parse_chat_output(text, format="qwen3-coder").tool_calls
+    args = json.loads(call.arguments)
+    assert args["a"] == "NaN"
+    assert args["b"] == "[" * 3000
+
+
+def test_tagged_grammars_take_const_pattern_and_empty_strings(ctx: lloyal.Context) -> None:
+    from lloyal.chat._families import tool_grammar
+
+    params = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "maxLength": 0},
+            "b": {"type": "string", "minLength": 0, "maxLength": 3},
+            "c": {"type": "string", "pattern": "^[A-Z]{3}$"},
+            "d": {"const": "x"},
+        },
+        "required": ["b", "c", "d"],
+    }
+    for fmt in ("qwen3-coder", "glm-4.5"):
+        lark, triggers = tool_grammar(fmt, [{"name": "f", "parameters": params}], False)
+        assert ctx.create_grammar(lark=lark, triggers=list(triggers)) is not None
+
+
 def test_a_negative_budget_never_interferes(ctx: lloyal.Context) -> None:
     limit = lloyal.ReasoningBudget(ctx, -1, thinking_started=True)
     tokens = ctx.tokenize_sync(" a b c d e f", add_special=False)

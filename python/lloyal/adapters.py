@@ -38,6 +38,7 @@ changes nothing; docs/adapters.md has the formats and the checks.
 from __future__ import annotations
 
 import numbers
+import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -57,6 +58,19 @@ class Adapters:
 
     loras: tuple[tuple[Lora, float], ...] = ()
     control_vector: ControlVector | None = None
+
+
+def normalized(a: Adapters) -> Adapters:
+    """``a`` as a branch holds it: adapters at scale 0 left out, scales
+    rounded to float32 (what the engine keeps), tuples throughout (a key)."""
+    return Adapters(
+        tuple((lora, _f32(scale)) for lora, scale in a.loras if scale != 0.0),
+        a.control_vector,
+    )
+
+
+def _f32(x: float) -> float:
+    return float(struct.unpack("f", struct.pack("f", x))[0])
 
 
 def split(

@@ -403,6 +403,11 @@ class Context:
         prompt, stop, source_name = self._native.format_chat(
             messages_json, add_generation_prompt, template, extra_json
         )
+        if spec.think[1] != "</think>":
+            # A family whose end of reasoning is an end-of-turn marker too
+            # (harmony's <|end|>): the reply goes on after it.
+            closer = set(self._special_tokens([spec.think[1]]))
+            stop = [t for t in stop if t not in closer]
         return ChatPrompt(
             prompt,
             tuple(stop),

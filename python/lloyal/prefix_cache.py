@@ -31,7 +31,7 @@ import anyio.to_thread
 from lloyal import _radix
 from lloyal._radix import Edge
 from lloyal._state_file import open_regular, read_head, read_state, write_state
-from lloyal.adapters import Adapters
+from lloyal.adapters import Adapters, normalized
 from lloyal.branch import Branch, BranchStore
 from lloyal.context import _token_list
 from lloyal.errors import KVCacheFullError, NoLeaseError, StateError
@@ -186,7 +186,8 @@ class PrefixCache:
         self._requests += 1
         self._requested += len(ids)
         p = params or self._params
-        out, reuse = await self._start(ids, p, self._ctx.adapters if adapters is None else adapters)
+        wanted = self._ctx.adapters if adapters is None else normalized(adapters)
+        out, reuse = await self._start(ids, p, wanted)
         try:
             if p is not None:
                 out.set_sampler_params(p)
@@ -256,11 +257,12 @@ class PrefixCache:
         lease is free, entries are evicted, least recently used first."""
         while True:
             async with self._lock:
-                root = self._roots.setdefault(adapters, Edge((), None))
+                root = self._roots.get(adapters, Edge((), None))
                 node, matched = _radix.walk(root, ids)
                 # Saved states keep no adapter set: the disk serves the base model.
                 disk = self._disk is not None and adapters == Adapters()
                 if disk and await self._from_disk(ids, matched, params):
+                    root = self._roots[adapters]  # made by the restore, if new
                     node, matched = _radix.walk(root, ids)
                 source = _radix.any_entry(node) if matched else None
                 # At least one token is decoded, for the logits after the last.
@@ -369,6 +371,14 @@ class PrefixCache:
         self._by_tokens[adapters, ids] = entry
         return entry
 
+    def _unindex(self, entry: _Entry) -> None:
+        """Take ``entry`` out of the index (and its set's tree, once empty)."""
+        del self._by_tokens[entry.adapters, entry.tokens]
+        _radix.remove(entry.node)
+        root = self._roots.get(entry.adapters)
+        if root is not None and not root.children and root.entry is None:
+            del self._roots[entry.adapters]
+
     def _take(self, keep: _Entry | None = None) -> _Entry | None:
         """Take the least recently used entry other than ``keep`` out of
         the cache (under the lock); ``None`` when there is none. Dispose of
@@ -378,8 +388,7 @@ class PrefixCache:
             return None
         victim = min(candidates, key=lambda e: e.used)
         self._entries.remove(victim)
-        del self._by_tokens[victim.adapters, victim.tokens]
-        _radix.remove(victim.node)
+        self._unindex(victim)
         self._evictions += 1
         return victim
 
@@ -498,7 +507,7 @@ class PrefixCache:
         """How many leading tokens of ``tokens`` a cached entry holds (what
         :meth:`branch` would not decode, but for the last token), under
         ``adapters`` (default: the context's set)."""
-        root = self._roots.get(self._ctx.adapters if adapters is None else adapters)
+        root = self._roots.get(self._ctx.adapters if adapters is None else normalized(adapters))
         if root is None:
             return 0
         node, matched = _radix.walk(root, tuple(_token_list(tokens)))
@@ -518,8 +527,7 @@ class PrefixCache:
         async with self._lock:
             while self._entries:
                 entry = self._entries.pop()
-                del self._by_tokens[entry.adapters, entry.tokens]
-                _radix.remove(entry.node)
+                self._unindex(entry)
                 await entry.branch.prune()
 
     async def aclose(self) -> None:

@@ -146,6 +146,31 @@ fn a_lora_changes_logits_only_as_its_weights_and_scale_say() {
     );
     // The base again, after the sets changed back and forth.
     assert!(logits_under(&ctx, Adapters::default(), &prompt) == base);
+
+    // A LoRA of the token embeddings: SmolLM2 ties its output layer to
+    // them, and llama.cpp would abort applying it there; refused.
+    let info = ctx.model().info().clone();
+    let (vocab, embd, rank) = (u64::from(info.vocab_size), u64::from(info.n_embd), 4u64);
+    let mut rng = Rng(11);
+    let a: Vec<f32> = (0..rank * vocab).map(|_| rng.normal(0.05)).collect();
+    let b: Vec<f32> = (0..rank * embd).map(|_| rng.normal(0.5)).collect();
+    let bytes = file(
+        &[
+            ("general.architecture", V::Str("llama")),
+            ("general.type", V::Str("adapter")),
+            ("adapter.type", V::Str("lora")),
+        ],
+        &[
+            ("token_embd.weight.lora_a", &[rank, vocab][..], &a[..]),
+            ("token_embd.weight.lora_b", &[rank, embd][..], &b[..]),
+        ],
+    );
+    std::fs::write(dir.join("embd.gguf"), bytes).unwrap();
+    match load(&ctx, &dir.join("embd.gguf")) {
+        Err(Error::AdapterLoad { reason, .. }) => assert!(reason.contains("output layer")),
+        other => panic!("expected AdapterLoad, got {other:?}"),
+    }
+    assert!(logits_under(&ctx, Adapters::default(), &prompt) == base);
     ctx.close_blocking();
 }
 
@@ -181,7 +206,7 @@ fn branches_under_different_sets_share_a_step_and_each_gets_its_own_logits() {
     // Forks inherit the set; branches under one set share their decodes.
     let (a, b) = (adapted.fork(None).unwrap(), adapted.fork(None).unwrap());
     assert!(
-        a.read(|s| s.adapters == set).unwrap(),
+        a.read(|s| *s.adapters() == set).unwrap(),
         "forks inherit the set"
     );
     let before = ctx.stats().decode_calls;

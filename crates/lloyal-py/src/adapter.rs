@@ -16,7 +16,6 @@ use crate::reply::py_reply;
 #[pyclass(name = "Lora", module = "lloyal._lloyal", frozen, eq, hash)]
 pub struct PyLora {
     inner: Lora,
-    /// For `__hash__`: one file is one adapter per model.
     path: String,
 }
 
@@ -28,7 +27,8 @@ impl PartialEq for PyLora {
 
 impl std::hash::Hash for PyLora {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        self.path.hash(state);
+        // What `eq` compares: the adapter (one per file and model).
+        (self.inner.raw() as usize).hash(state);
     }
 }
 
@@ -195,7 +195,7 @@ impl PyBranch {
     /// The branch's adapter set: ``([(lora, scale), ...], control)``.
     #[getter]
     fn _adapters(&self, py: Python<'_>) -> PyResult<PySet> {
-        let set = self.inner.read(|b| b.adapters.clone()).py_err()?;
+        let set = self.inner.read(|b| b.adapters().clone()).py_err()?;
         from_set(py, set)
     }
 }

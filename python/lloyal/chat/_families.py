@@ -172,12 +172,23 @@ def _tag_value(schema: Any, terminal: str, terminals: list[str]) -> str:
     else as JSON."""
     if isinstance(schema, Mapping):
         enum = schema.get("enum")
+        if isinstance(schema.get("const"), str):
+            enum = [schema["const"]]
         if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
             return "(" + " | ".join(_lark(e) for e in enum) + ")"
-        if schema.get("type") == "string" and "pattern" not in schema:
-            lo = max(1, int(schema.get("minLength", 1)))
+        if schema.get("type") == "string":
+            pattern = schema.get("pattern")
+            if isinstance(pattern, str):  # written bare, as the text must match it
+                body = pattern.removeprefix("^").removesuffix("$").replace("/", "\\/")
+                terminals.append(f"{terminal}: /{body}/")
+                return terminal
+            lo = schema.get("minLength", 1)
+            lo = max(0, lo) if isinstance(lo, int) else 1
             hi = schema.get("maxLength")
-            count = f"{{{lo},{int(hi)}}}" if isinstance(hi, int) else f"{{{lo},}}"
+            if isinstance(hi, int):
+                count = f"{{{min(lo, max(hi, 0))},{max(hi, 0)}}}"
+            else:
+                count = f"{{{lo},}}"
             terminals.append(f"{terminal}: /[^<\\n]{count}/")
             return terminal
     return f"%json {inline_json(schema)}"

@@ -41,15 +41,21 @@ from lloyal.chat._types import ToolCall
 # --- arguments written as tags ----------------------------------------------------
 
 
+def _not_json(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _json_value(raw: str) -> str:
-    """A tagged value as JSON text (see the module docs)."""
+    """A tagged value as JSON text (see the module docs): never ``NaN`` or
+    ``Infinity``, which are not JSON, and a value nested too deep for the
+    parser is a string."""
     try:
-        value = json.loads(raw)
-    except ValueError:
-        return json.dumps(raw, ensure_ascii=False)
-    if isinstance(value, str):
-        return json.dumps(raw, ensure_ascii=False)
-    return json.dumps(value, ensure_ascii=False)
+        value = json.loads(raw, parse_constant=_not_json)
+        if not isinstance(value, str):
+            return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):
+        pass
+    return json.dumps(raw, ensure_ascii=False)
 
 
 def _object(members: list[tuple[str, str]], complete: bool) -> str:

@@ -32,8 +32,14 @@ from __future__ import annotations
 from typing import Protocol
 
 from lloyal.chat._markers import THINKING
+from lloyal.chat._scan import _held_from as _held_from_markers
 
 __all__ = ["ReasoningBudget"]
+
+
+def _held_from(text: str, marker: str) -> int:
+    """Where the longest end of ``text`` that begins ``marker`` starts."""
+    return _held_from_markers(text, 0, (marker,))
 
 
 class Tokenizer(Protocol):
@@ -67,21 +73,26 @@ class ReasoningBudget:
         self._phase = "thinking" if thinking_started else "head"
         self._text = ""  # the reply so far while it is "head" or "thinking"
         self._forced: list[int] = []
+        self._last = -1
         self.spent = 0  # tokens the model chose inside its reasoning
 
     def choose(self, token: int) -> int:
         """The token to commit, given the one the model chose."""
+        self._last = token
         if self.budget < 0 or self._phase == "done":
             return token
         if self._phase == "closing":
             return self._next_forced()
         if self._phase == "thinking" and self.spent >= self.budget:
+            # What the model wrote of the closer already is not written again.
+            held = len(self._text) - _held_from(self._text, self._closer)
             self._forced = self._ctx.tokenize_sync(
-                self._closer, add_special=False, parse_special=True
+                self._closer[held:], add_special=False, parse_special=True
             )
             self._phase = "closing"
             return self._next_forced()
-        self._text += self._ctx.token_to_text(token, render_special=True)
+        piece = self._ctx.token_to_text(token, render_special=True)
+        self._text += piece
         if self._phase == "head":
             head = self._text.lstrip()
             if head.startswith(self._opener):
@@ -90,11 +101,17 @@ class ReasoningBudget:
                 self._phase = "done"
             return token
         self.spent += 1
-        if self._closer in self._text:
+        # Only the end can hold a closer that was not there before.
+        if self._closer in self._text[-(len(piece) + len(self._closer)) :]:
             self._phase = "done"
+        # The reasoning's start is not needed any more.
+        self._text = self._text[-2 * len(self._closer) :]
         return token
 
     def _next_forced(self) -> int:
+        if not self._forced:  # the model had written all of the closer
+            self._phase = "done"
+            return self._last
         token = self._forced.pop(0)
         if not self._forced:
             self._phase = "done"

@@ -491,11 +491,14 @@ class _Choice:
         read its logits): what llama-server does too. ``lp`` is the token's
         logprob entry when the request asked for logprobs (see
         ``Engine._decide``)."""
+        forced = False
         if self.budget is not None:
             token = self.budget.choose(p.token)
             if token != p.token:  # the end of the reasoning, written for the model
-                p, lp = Produced(token, "", False), None
-        if (p.is_stop or p.token in self.stop_tokens) and not self.gen.ignore_eos:
+                # (No logprob entry: the model did not choose it.)
+                p, lp, forced = Produced(token, "", False), None, True
+        ends = (p.is_stop or p.token in self.stop_tokens) and not forced
+        if ends and not self.gen.ignore_eos:
             self.end("stop")
             return None
         logprob: float | None = None

@@ -120,16 +120,33 @@ pub(crate) fn check_lora(model: &Model, path: &Path) -> Result<(usize, f32)> {
         return Err(refuse(path, "it holds no LoRA tensors"));
     }
     // The base model's tensor shapes, read from its file; when it cannot be
-    // read any more, llama.cpp's loader checks the shapes alone.
+    // read any more, or is the first of a split model (the others hold more
+    // tensors), llama.cpp's loader checks the shapes alone.
     let base = std::fs::File::open(&model.info().path)
         .ok()
         .and_then(|f| gguf::read_tensors(f).ok())
+        .filter(|b| b.header.int("split.count").is_none_or(|n| n <= 1))
         .map(|b| {
             b.tensors
                 .into_iter()
                 .map(|i| (i.name, i.ne))
                 .collect::<HashMap<String, Vec<u64>>>()
         });
+    // A model without output.weight multiplies by token_embd to get its
+    // logits, and llama.cpp then applies a token_embd LoRA there too with
+    // its embedding layout: ggml_mul_mat asserts and the process aborts.
+    if pairs.keys().any(|n| n.starts_with("token_embd")) {
+        let untied = base
+            .as_ref()
+            .is_some_and(|b| b.contains_key("output.weight"));
+        if !untied {
+            return Err(refuse(
+                path,
+                "it adapts token_embd, which this model also uses as its output layer \
+                 (llama.cpp cannot apply such an adapter)",
+            ));
+        }
+    }
     for (name, [a, b]) in &pairs {
         let (Some(a), Some(b)) = (a, b) else {
             return Err(refuse(
@@ -138,7 +155,15 @@ pub(crate) fn check_lora(model: &Model, path: &Path) -> Result<(usize, f32)> {
             ));
         };
         let dim = |i: &TensorInfo, k: usize| i.ne.get(k).copied().unwrap_or(1);
-        if dim(a, 1) != dim(b, 0) {
+        // token_embd's pair is stored the other way round ([rank, n_vocab]
+        // and [rank, n_embd]: llama.cpp gathers rows of A).
+        let embd = name.starts_with("token_embd");
+        let ranks_differ = if embd {
+            dim(a, 0) != dim(b, 0)
+        } else {
+            dim(a, 1) != dim(b, 0)
+        };
+        if ranks_differ {
             return Err(refuse(
                 path,
                 format!("the ranks of {name:?}'s lora_a and lora_b differ (is lora_a transposed?)"),
@@ -152,7 +177,7 @@ pub(crate) fn check_lora(model: &Model, path: &Path) -> Result<(usize, f32)> {
             ));
         };
         let ne = |k: usize| ne.get(k).copied().unwrap_or(1);
-        let fits = if name.starts_with("token_embd") {
+        let fits = if embd {
             ne(0) == dim(b, 1) && ne(1) == dim(a, 1)
         } else {
             ne(0) == dim(a, 0) && ne(1) == dim(b, 1)

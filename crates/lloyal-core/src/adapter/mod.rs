@@ -65,7 +65,8 @@ impl Lora {
         }))
     }
 
-    pub(crate) fn raw(&self) -> *mut llama_cpp_sys_2::llama_adapter_lora {
+    /// The `llama_adapter_lora *` (its identity: one per file and model).
+    pub fn raw(&self) -> *mut llama_cpp_sys_2::llama_adapter_lora {
         self.0.raw.0.as_ptr()
     }
 

@@ -50,8 +50,9 @@ pub struct BranchState {
     /// (`n * vocab`, row-major), until taken. Not inherited by forks.
     pub(crate) rows: Option<Vec<f32>>,
     /// The LoRA adapters and control vector its decodes run under;
-    /// inherited by forks (see `adapter`).
-    pub adapters: crate::adapter::Adapters,
+    /// inherited by forks (see `adapter`). Set only through
+    /// `Context::branch_set_adapters`, which checks it.
+    pub(crate) adapters: crate::adapter::Adapters,
 }
 
 impl BranchState {
@@ -265,6 +266,11 @@ impl BranchState {
         self.sampler = detached.sampler;
         self.grammar = detached.grammar;
         self.last_produced = detached.last_produced;
+    }
+
+    /// The adapter set its decodes run under.
+    pub fn adapters(&self) -> &crate::adapter::Adapters {
+        &self.adapters
     }
 
     pub fn grammar(&self) -> Option<&Grammar> {
