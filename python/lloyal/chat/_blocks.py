@@ -69,26 +69,35 @@ def _wait(partial: bool, calls: list[ToolCall], end: int = -1) -> _Block:
     return _Block("ok", calls, end) if calls and end >= 0 else _BROKEN
 
 
-def _hermes_block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:
-    j = _skip(text, i + len(TOOL_CALL))
-    if j == len(text):
-        return _wait(partial, [])
-    if text[j] not in "{[":
-        return _BROKEN
-    node = _scan(text, j)
-    if node is None:
-        return _BROKEN
-    valid, calls = _calls_of(text, node, require_args=False)
-    if not valid:
-        return _BROKEN
-    if not node.complete:
-        return _wait(partial, calls)
-    k = _skip(text, node.end)
-    if text.startswith(TOOL_CALL_END, k):
-        return _Block("ok", calls, k + len(TOOL_CALL_END))
-    if partial and _pending(text, k, TOOL_CALL_END):
-        return _Block("stop", calls)
-    return _Block("ok", calls, node.end)
+def _json_after(marker: str, end: str) -> _BlockParser:
+    """The block of a family whose ``marker`` is followed by a call object
+    or a list of them, then ``end`` (optional: ``""`` for none)."""
+
+    def block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:
+        j = _skip(text, i + len(marker))
+        if j == len(text):
+            return _wait(partial, [])
+        if text[j] not in "{[":
+            return _BROKEN
+        node = _scan(text, j)
+        if node is None:
+            return _BROKEN
+        valid, calls = _calls_of(text, node, require_args=False)
+        if not valid:
+            return _BROKEN
+        if not node.complete:
+            return _wait(partial, calls)
+        k = _skip(text, node.end)
+        if end and text.startswith(end, k):
+            return _Block("ok", calls, k + len(end))
+        if partial and end and _pending(text, k, end):
+            return _Block("stop", calls)
+        return _Block("ok", calls, node.end)
+
+    return block
+
+
+_hermes_block = _json_after(TOOL_CALL, TOOL_CALL_END)  # also Granite's, see _tagged
 
 
 def _json_calls(text: str, j: int, partial: bool, require_args: bool) -> _Block:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 
-from lloyal.chat._blocks import _BROKEN, _after_call, _Block, _BlockParser, _wait
+from lloyal.chat._blocks import _BROKEN, _after_call, _Block, _BlockParser, _json_after, _wait
 from lloyal.chat._markers import (
     ARG_KEY,
     ARG_VALUE,
@@ -35,7 +35,7 @@ from lloyal.chat._markers import (
     TOOL_CALL,
     TOOL_CALL_END,
 )
-from lloyal.chat._scan import _NAME, _calls_of, _member, _Memo, _pending, _scan, _skip
+from lloyal.chat._scan import _NAME, _member, _Memo, _pending, _scan, _skip
 from lloyal.chat._types import ToolCall
 
 # --- arguments written as tags ----------------------------------------------------
@@ -233,30 +233,7 @@ def _kimi_block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:
         k = after
 
 
-def _json_list_block(marker: str, end: str) -> _BlockParser:
-    def block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:
-        j = _skip(text, i + len(marker))
-        if j == len(text):
-            return _wait(partial, [])
-        node = _scan(text, j) if text[j] in "[{" else None
-        if node is None:
-            return _BROKEN
-        valid, calls = _calls_of(text, node, require_args=False)
-        if not valid:
-            return _BROKEN
-        if not node.complete:
-            return _wait(partial, calls)
-        r = _skip(text, node.end)
-        if end and text.startswith(end, r):
-            return _Block("ok", calls, r + len(end))
-        if partial and end and _pending(text, r, end):
-            return _Block("stop", calls)
-        return _Block("ok", calls, node.end)
-
-    return block
-
-
-_granite_block = _json_list_block(GRANITE_CALL, "")
+_granite_block = _json_after(GRANITE_CALL, "")
 
 
 def _command_r_block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:

@@ -45,7 +45,22 @@ fn plain_bytes(ty: u32, n: u64) -> Option<u64> {
     }
 }
 
-fn in_bounds(t: &Tensors, info: &TensorInfo) -> bool {
+/// Refuse a tensor whose data would end past the end of the file.
+fn in_bounds(t: &Tensors, info: &TensorInfo, path: &Path) -> Result<()> {
+    if fits_in_file(t, info) {
+        Ok(())
+    } else {
+        Err(refuse(
+            path,
+            format!(
+                "tensor {:?} ends past the end of the file (truncated?)",
+                info.name
+            ),
+        ))
+    }
+}
+
+fn fits_in_file(t: &Tensors, info: &TensorInfo) -> bool {
     let n = info.ne.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
     match n.and_then(|n| plain_bytes(info.ty, n)) {
         Some(bytes) => t
@@ -96,15 +111,7 @@ pub(crate) fn check_lora(model: &Model, path: &Path) -> Result<(usize, f32)> {
     };
     let mut pairs: HashMap<&str, [Option<&TensorInfo>; 2]> = HashMap::new();
     for info in &t.tensors {
-        if !in_bounds(&t, info) {
-            return Err(refuse(
-                path,
-                format!(
-                    "tensor {:?} ends past the end of the file (truncated?)",
-                    info.name
-                ),
-            ));
-        }
+        in_bounds(&t, info, path)?;
         if let Some(base) = info.name.strip_suffix(".lora_a") {
             pairs.entry(base).or_default()[0] = Some(info);
         } else if let Some(base) = info.name.strip_suffix(".lora_b") {
@@ -269,15 +276,7 @@ pub(crate) fn control_vector(model: &Model, path: &Path) -> Result<Vec<f32>> {
                 format!("tensor {:?} must hold {n_embd} f32 values", info.name),
             ));
         }
-        if !in_bounds(&t, info) {
-            return Err(refuse(
-                path,
-                format!(
-                    "tensor {:?} ends past the end of the file (truncated?)",
-                    info.name
-                ),
-            ));
-        }
+        in_bounds(&t, info, path)?;
         let mut bytes = vec![0u8; n_embd * 4];
         file.seek(SeekFrom::Start(t.data_start + info.offset))
             .and_then(|_| file.read_exact(&mut bytes))
