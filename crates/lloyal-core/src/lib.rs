@@ -65,6 +65,8 @@ pub mod gguf;
 pub mod grammar;
 mod isolate;
 mod kv;
+#[cfg(feature = "multimodal")]
+pub mod media;
 pub mod metrics;
 pub mod model;
 mod omp;

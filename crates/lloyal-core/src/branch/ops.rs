@@ -10,7 +10,7 @@ use crate::state::{BranchId, BranchState, Branches};
 use crate::sync::lock;
 
 impl Worker<'_> {
-    pub(super) fn refresh_seq(&self, seq: i32) {
+    pub(crate) fn refresh_seq(&self, seq: i32) {
         if let Ok(slot) = usize::try_from(seq) {
             self.refresh_pos(slot, seq);
         }

@@ -176,6 +176,8 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         background: None,
         raw_ctx: crate::adapter::context_pointer(&ctx),
         adapters: Default::default(),
+        #[cfg(feature = "multimodal")]
+        mtmd: None,
         ctx,
         model: Arc::clone(&model),
         // A token may belong to every sequence (a shared prefix of a

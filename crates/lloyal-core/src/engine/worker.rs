@@ -35,6 +35,10 @@ pub(crate) struct Worker<'m> {
     /// (see `branch::decode`'s `rows_logits`), finished before the next one.
     /// Dropped first, on the worker thread (the only one that may end it).
     pub(crate) background: Option<crate::omp::Background>,
+    /// The multimodal projector, once loaded (see `media`); it refers to
+    /// the model, so it is declared (and dropped) before it.
+    #[cfg(feature = "multimodal")]
+    pub(crate) mtmd: Option<llama_cpp_2::mtmd::MtmdContext>,
     /// Borrows `model` (declared after it, so dropped before it).
     pub(crate) ctx: LlamaContext<'m>,
     pub(crate) model: Arc<Model>,
