@@ -47,12 +47,15 @@ from lloyal.errors import (
     InternalError,
     KVCacheFullError,
     LloyalError,
+    MediaError,
     ModelLoadError,
     NoLeaseError,
+    ProjectorLoadError,
     StateError,
     WorkerLostError,
 )
 from lloyal.grammar import Grammar, json_schema_to_grammar
+from lloyal.media import MEDIA_MARKER, Media, ProjectorInfo
 from lloyal.prefix_cache import PrefixCache, PrefixCacheStats
 from lloyal.rerank import Rerank
 from lloyal.sampling import GREEDY, SamplingParams
@@ -64,6 +67,7 @@ __all__ = [
     "CHAT_FORMATS",
     "GREEDY",
     "LLAMA_CPP_2_VERSION",
+    "MEDIA_MARKER",
     "AdapterLoadError",
     "Adapters",
     "BackendInfo",
@@ -87,6 +91,8 @@ __all__ = [
     "KVCacheFullError",
     "LloyalError",
     "Lora",
+    "Media",
+    "MediaError",
     "ModelInfo",
     "ModelLoadError",
     "NoLeaseError",
@@ -94,6 +100,8 @@ __all__ = [
     "PrefixCache",
     "PrefixCacheStats",
     "Produced",
+    "ProjectorInfo",
+    "ProjectorLoadError",
     "ReasoningBudget",
     "Rerank",
     "SamplingParams",

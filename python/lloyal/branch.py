@@ -30,9 +30,10 @@ from lloyal import adapters as _adapters
 from lloyal._bridge import call_native
 from lloyal._lloyal import BranchSeed, NativeBranch
 from lloyal.adapters import Adapters, ControlVector, LoraSpec
-from lloyal.context import Base, Context, _logits_arg, _token_id, _token_list
+from lloyal.context import Base, Context, Logits, _logits_arg, _token_id, _token_list
 from lloyal.errors import LloyalError
 from lloyal.grammar import Grammar, _compile
+from lloyal.media import Media
 from lloyal.sampling import SamplingParams
 from lloyal.text import TextStream
 
@@ -147,6 +148,12 @@ class Branch(NativeBranch):
         """Decode ``tokens`` into this branch and keep the last logits. Does
         not accept them (no penalty history, no perplexity).
 
+        ``tokens`` may hold media placeholders (``ctx.tokenize(text,
+        media=...)``, see :mod:`lloyal.media`): each medium is encoded and
+        decoded at its place, text runs as usual, all or nothing. When the
+        prompt ends with a medium the model closes with no text token,
+        there are no logits after it: decode some text before ``produce``.
+
         ``logits="all"`` also returns every position's logits from the same
         decode, a read-only ``(len(tokens), vocab)`` float32 array: row
         ``i`` is the distribution after ``tokens[i]``. One decode then
@@ -169,8 +176,35 @@ class Branch(NativeBranch):
         ids = _token_list(tokens)
         ctx = self._ctx
         ctx._check_open()
+        if any(t < 0 for t in ids):
+            if all_rows:
+                raise ValueError('logits="all" is for text tokens: a medium gives no rows')
+            await self._prefill_parts(ctx._media.split(ids))
+            return None
         _raise_first(await _step.submit(ctx, [(self, ids)], all_rows))
         return _take_rows(self) if all_rows else None
+
+    async def _prefill_parts(self, parts: list[list[int] | Media]) -> None:
+        """Text and media in turn, all or nothing: on an error (or a
+        cancel) the branch goes back to where it was, logits included."""
+        start = self.position
+        try:
+            before: Logits | None = np.array(self.logits)
+        except ValueError:
+            before = None  # no logits yet
+        try:
+            for part in parts:
+                if isinstance(part, Media):
+                    await call_native(
+                        lambda done, m=part: self._prefill_media(m.data, m.size, done)
+                    )
+                else:
+                    _raise_first(await _step.submit(self._ctx, [(self, part)], False))
+        except BaseException:
+            if self.position != start and not self.disposed:
+                with anyio.CancelScope(shield=True):
+                    await self.truncate(start, before)
+            raise
 
     async def truncate(self, position: int, logits: npt.ArrayLike | None = None) -> None:
         """Drop this branch's KV from ``position`` on, so it continues from

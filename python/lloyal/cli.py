@@ -418,6 +418,7 @@ async def _serve(args: argparse.Namespace) -> int:
         control_vector_layers=args.control_vector_layer_range,
         deterministic=args.deterministic,
         reasoning_budget=args.reasoning_budget,
+        mmproj=args.mmproj,
     )
     server = uvicorn.Server(
         uvicorn.Config(create_app(config), host=args.host, port=args.port, log_level="warning")
@@ -562,6 +563,7 @@ def _parser() -> argparse.ArgumentParser:
         )
     srv.add_argument("--lora-init-without-apply", action="store_true", help="--lora at scale 0")
     srv.add_argument("--deterministic", action="store_true", help="batch-invariant replies")
+    srv.add_argument("--mmproj", metavar="FNAME", help="projector: images and audio in requests")
     srv.add_argument("--reasoning-budget", type=int, default=-1, help="-1: no limit")
     srv.add_argument(
         "--control-vector-layer-range", nargs=2, type=int, metavar=("START", "END"), default=None

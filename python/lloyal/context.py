@@ -33,6 +33,7 @@ from lloyal.chat.format import prepare_chat
 from lloyal.chat.prompt import ChatPrompt as ChatPrompt
 from lloyal.errors import ContextClosedError
 from lloyal.grammar import Grammar, _compile
+from lloyal.media import MEDIA_MARKER, Media, MediaTable, ProjectorInfo, flatten_media
 from lloyal.sampling import SamplingParams
 
 Base = Literal["nats", "bits"]
@@ -93,12 +94,15 @@ class ContextStats:
     counts the times a ``deterministic=True`` context ran out of cells and
     freed the cells branches had dropped (from then on a token may land
     before its prefix's cells: see ``docs/determinism.md``).
+    ``media_encodes`` counts the images and audio clips encoded (a fork
+    of a branch holding one shares its cells: no encode).
     """
 
     decode_calls: int
     tokens_decoded: int
     decode_seconds: float
     tombstone_purges: int = 0
+    media_encodes: int = 0
 
 
 _I32 = 2**31
@@ -156,6 +160,8 @@ class Context:
     def __init__(self, native: _lloyal.NativeContext) -> None:
         self._native = native
         self._turn_separator: tuple[int, ...] | None = None
+        self._media = MediaTable(native)
+        self._projector: ProjectorInfo | None = None
         _live_contexts.add(self)
 
     # -- lifecycle -----------------------------------------------------------
@@ -264,7 +270,12 @@ class Context:
         return list(self._native.tokenize(text, add_special, parse_special))
 
     async def tokenize(
-        self, text: str, add_special: bool | None = None, parse_special: bool = True
+        self,
+        text: str,
+        add_special: bool | None = None,
+        parse_special: bool = True,
+        *,
+        media: Sequence[Any] | None = None,
     ) -> list[int]:
         """Tokenize ``text`` (long texts on a thread, so the loop keeps running).
 
@@ -275,11 +286,46 @@ class Context:
         ...         return await ctx.detokenize(tokens)
         >>> asyncio.run(main())
         'Hello world'
+
+        With ``media`` (one per :data:`MEDIA_MARKER <lloyal.MEDIA_MARKER>`
+        in ``text``, anything :meth:`Media.coerce <lloyal.Media.coerce>`
+        takes), each marker becomes its medium's run of placeholder ids
+        (negative, one per position it takes; see :mod:`lloyal.media`),
+        which :meth:`Branch.prefill <lloyal.Branch.prefill>` encodes.
+        The text between markers is tokenized piece by piece, as libmtmd
+        does. Needs a projector (:meth:`load_projector`).
         """
         _check.instance(text, str, "text", "a str")
+        if media is not None:
+            return await self._tokenize_media(text, add_special, parse_special, media)
         if len(text) <= _INLINE_TOKENIZE_CHARS:
             return self.tokenize_sync(text, add_special, parse_special)
         return await anyio.to_thread.run_sync(self.tokenize_sync, text, add_special, parse_special)
+
+    async def _tokenize_media(
+        self,
+        text: str,
+        add_special: bool | None,
+        parse_special: bool,
+        media: Sequence[Any],
+    ) -> list[int]:
+        if isinstance(media, (str, bytes)) or not isinstance(media, Sequence):
+            raise TypeError("media must be a sequence of media (one per marker)")
+        items = [Media.coerce(m) for m in media]
+        pieces = text.split(MEDIA_MARKER)
+        if len(pieces) != len(items) + 1:
+            raise ValueError(
+                f"the text has {len(pieces) - 1} media markers and {len(items)} media were given"
+            )
+        self._check_open()
+        if self._projector is None:
+            raise ValueError("no projector is loaded: pass mmproj= or call load_projector")
+        out = await self.tokenize(pieces[0], add_special, parse_special)
+        for medium, piece in zip(items, pieces[1:], strict=True):
+            out += await self._media.placeholders(medium)
+            if piece:
+                out += await self.tokenize(piece, False, parse_special)
+        return out
 
     async def detokenize(self, tokens: Sequence[int], *, render_special: bool = False) -> str:
         """Text of ``tokens``. Special tokens are omitted unless
@@ -357,6 +403,10 @@ class Context:
         leaves tools out. ``parallel_tool_calls=False`` allows one call.
         ``json_schema`` constrains the whole reply instead.
         ``enable_thinking`` is passed to templates that read it (Qwen 3).
+        Content parts may hold images and audio (see :mod:`lloyal.media`):
+        each becomes a :data:`MEDIA_MARKER <lloyal.MEDIA_MARKER>` in the
+        text, and :attr:`ChatPrompt.media` lists them in order, for
+        ``ctx.tokenize(prompt.prompt, media=prompt.media)``.
         Earlier ``tool_calls`` and ``role: "tool"`` messages are accepted;
         for templates that know nothing of tools they are rewritten as text.
         :meth:`ChatPrompt.parse` reads the reply back.
@@ -377,6 +427,7 @@ class Context:
         self._check_open()
         if isinstance(messages, (str, bytes)) or not all(isinstance(m, Mapping) for m in messages):
             raise TypeError("messages must be a sequence of dicts with 'role' and 'content'")
+        messages, media = flatten_media(messages)
         if template is None:
             source = self.chat_template or ""
         elif template in BUILTIN_CHAT_TEMPLATES:
@@ -408,6 +459,11 @@ class Context:
             # (harmony's <|end|>): the reply goes on after it.
             closer = set(self._special_tokens([spec.think[1]]))
             stop = [t for t in stop if t not in closer]
+        if media and prompt.count(MEDIA_MARKER) != len(media):
+            raise ValueError(
+                f"the template wrote {prompt.count(MEDIA_MARKER)} media markers for "
+                f"{len(media)} media (it dropped a message, or a text holds the marker)"
+            )
         return ChatPrompt(
             prompt,
             tuple(stop),
@@ -418,6 +474,7 @@ class Context:
             preserved_tokens=tuple(self._special_tokens(spec.markers)),
             thinking_started=prompt.rstrip().endswith(spec.think[0]),
             think=spec.think,
+            media=tuple(media),
         )
 
     def _special_tokens(self, markers: Iterable[str]) -> list[int]:
@@ -720,6 +777,25 @@ class Context:
         """The default adapter set (see :meth:`set_adapters`)."""
         return _adapters.adapters(self._native.default_adapters())
 
+    # -- media (see lloyal.media) ---------------------------------------------
+
+    async def load_projector(self, path: str | os.PathLike[str]) -> ProjectorInfo:
+        """Load a projector (the ``mmproj`` GGUF of a vision or audio
+        model) for this context's model, replacing any loaded before.
+        Raises ``FileNotFoundError`` for a missing file and
+        :class:`ProjectorLoadError <lloyal.ProjectorLoadError>` for one
+        that is not a projector for this model (nothing changes then)."""
+        self._check_open()
+        p = Path(os.fspath(path))
+        info = await call_native(lambda done: self._native.load_projector(p, done))
+        self._projector = ProjectorInfo(**info)
+        return self._projector
+
+    @property
+    def projector(self) -> ProjectorInfo | None:
+        """What the loaded projector takes (``None``: none loaded)."""
+        return self._projector
+
     def create_perplexity_tracker(self) -> _lloyal.PerplexityTracker:
         """A fresh :class:`PerplexityTracker`."""
         return _lloyal.PerplexityTracker()
@@ -743,6 +819,7 @@ async def create_context(
     type_v: KVType | None = None,
     n_gpu_layers: int = -1,
     deterministic: bool = False,
+    mmproj: str | os.PathLike[str] | None = None,
 ) -> Context:
     """Load a GGUF model and create a context on its own worker thread.
 
@@ -761,6 +838,9 @@ async def create_context(
     ``GGML_CPU_TILED_MM=0`` for the whole process, so it must come before
     any other context of the process decodes (or the variable must be set
     at start).
+
+    ``mmproj``: a projector for images and audio (see :mod:`lloyal.media`
+    and :meth:`Context.load_projector`).
 
     Raises ``FileNotFoundError`` for a missing file, :class:`ModelLoadError`
     for a file llama.cpp cannot load, ``ValueError`` for bad options.
@@ -814,7 +894,14 @@ async def create_context(
             RuntimeWarning,
             stacklevel=2,
         )
-    return Context(native)
+    ctx = Context(native)
+    if mmproj is not None:
+        try:
+            await ctx.load_projector(mmproj)
+        except BaseException:
+            await ctx.aclose()
+            raise
+    return ctx
 
 
 BUILTIN_CHAT_TEMPLATES: tuple[str, ...] = tuple(_lloyal.builtin_chat_templates())

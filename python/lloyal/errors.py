@@ -25,8 +25,10 @@ from lloyal._lloyal import (
     InternalError,
     KVCacheFullError,
     LloyalError,
+    MediaError,
     ModelLoadError,
     NoLeaseError,
+    ProjectorLoadError,
     StateError,
 )
 
@@ -47,8 +49,10 @@ __all__ = [
     "InternalError",
     "KVCacheFullError",
     "LloyalError",
+    "MediaError",
     "ModelLoadError",
     "NoLeaseError",
+    "ProjectorLoadError",
     "StateError",
     "WorkerLostError",
 ]

@@ -8,6 +8,9 @@ in :func:`lloyal.models.cache_dir` like the test models.
   leaves them exactly as they are.
 - :func:`control_vector`: a ``cvector-generator``-style file with one random
   direction per layer.
+- :func:`mmproj`: a projector (llava's "mlp" kind) with a random two-layer
+  vision encoder, for 32x32 images of 16 positions, whose output fits the
+  model: SmolLM2 (or Gemma 3) becomes a tiny vision-language model.
 
 ``python -m lloyal.fixtures`` (``make fixtures``) writes them all and
 prints their paths; each is written once, then found in the cache.
@@ -116,11 +119,68 @@ def control_vector(model: str = "smollm2") -> Path:
     return _write(target, "controlvector", fill)
 
 
+MMPROJ_IMAGE_SIZE = 32
+MMPROJ_PATCH = 8
+
+
+def mmproj(model: str = "smollm2") -> Path:
+    """A random projector for test model ``model``: 32x32 RGB images in
+    8x8 patches through two encoder blocks of width 32, then a two-layer
+    MLP into the model's embedding width (16 positions an image)."""
+    target = cache_dir() / f"{model}-mmproj.gguf"
+    if target.is_file():
+        return target
+    _, shapes = _shapes(model)
+    n_text = shapes["token_embd.weight"][0]
+    size, patch, width, hidden, blocks = MMPROJ_IMAGE_SIZE, MMPROJ_PATCH, 32, 64, 2
+    n_patches = (size // patch) ** 2
+
+    def fill(w: Any) -> None:
+        rng = np.random.default_rng(29)
+
+        def rand(*shape: int, sd: float = 0.1) -> Any:
+            return rng.normal(0.0, sd, shape).astype(np.float32)
+
+        w.add_bool("clip.has_vision_encoder", True)
+        w.add_string("clip.projector_type", "mlp")
+        for key, value in (
+            ("embedding_length", width),
+            ("attention.head_count", 4),
+            ("feed_forward_length", hidden),
+            ("block_count", blocks),
+            ("projection_dim", n_text),
+            ("image_size", size),
+            ("patch_size", patch),
+        ):
+            w.add_uint32(f"clip.vision.{key}", value)
+        w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+        w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+        w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+        # numpy shapes, outermost first.
+        w.add_tensor("v.patch_embd.weight", rand(width, 3, patch, patch))
+        w.add_tensor("v.position_embd.weight", rand(n_patches, width))
+        for i in range(blocks):
+            for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
+                w.add_tensor(f"v.blk.{i}.{t}.weight", rand(width, width))
+            for t in ("ln1", "ln2"):
+                w.add_tensor(f"v.blk.{i}.{t}.weight", np.ones(width, np.float32))
+                w.add_tensor(f"v.blk.{i}.{t}.bias", np.zeros(width, np.float32))
+            w.add_tensor(f"v.blk.{i}.ffn_up.weight", rand(hidden, width))
+            w.add_tensor(f"v.blk.{i}.ffn_down.weight", rand(width, hidden))
+        w.add_tensor("mm.0.weight", rand(hidden, width))
+        w.add_tensor("mm.0.bias", rand(hidden))
+        w.add_tensor("mm.2.weight", rand(n_text, hidden, sd=0.5))
+        w.add_tensor("mm.2.bias", rand(n_text))
+
+    return _write(target, "clip", fill)
+
+
 def build_all() -> list[Path]:
     """Write every fixture (for each test model installed)."""
     return [
         *(lora(kind, model) for model in ("smollm2", "gemma3") for kind in ("random", "zero")),
         *(control_vector(model) for model in ("smollm2", "gemma3")),
+        *(mmproj(model) for model in ("smollm2", "gemma3")),
     ]
 
 

@@ -35,6 +35,7 @@ from lloyal.adapters import Adapters, normalized
 from lloyal.branch import Branch, BranchStore
 from lloyal.context import _token_list
 from lloyal.errors import KVCacheFullError, NoLeaseError, StateError
+from lloyal.media import whole_media_prefix
 from lloyal.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -265,8 +266,10 @@ class PrefixCache:
                     root = self._roots[adapters]  # made by the restore, if new
                     node, matched = _radix.walk(root, ids)
                 source = _radix.any_entry(node) if matched else None
-                # At least one token is decoded, for the logits after the last.
+                # At least one token is decoded, for the logits after the
+                # last; a medium is reused whole or not at all.
                 reuse = min(matched, len(ids) - 1) if source is not None else 0
+                reuse = whole_media_prefix(ids, reuse)
                 try:
                     if source is None or reuse == 0:
                         fresh = Branch.create(self._ctx, params)
@@ -400,6 +403,8 @@ class PrefixCache:
                 self._disk is not None
                 and victim.adapters == Adapters()
                 and victim.tokens not in self._on_disk
+                # Media placeholders mean something in this context only.
+                and min(victim.tokens) >= 0
             ):
                 await self._to_disk(victim)
         finally:

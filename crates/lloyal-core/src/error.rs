@@ -23,6 +23,15 @@ pub enum Error {
     /// another architecture, shapes that do not match, truncated...).
     #[error("could not load adapter {path}: {reason}")]
     AdapterLoad { path: PathBuf, reason: String },
+    /// The projector (mmproj) file is not one this model can use (not a
+    /// projector, a key of the wrong type, another model's width...).
+    #[error("could not load projector {path}: {reason}")]
+    ProjectorLoad { path: PathBuf, reason: String },
+    /// Media (an image or audio clip) that cannot be used: corrupt,
+    /// truncated, too large, a format libmtmd does not read, or a kind the
+    /// projector does not take.
+    #[error("bad media: {0}")]
+    Media(String),
     /// llama.cpp refused to create a context with these parameters.
     #[error("could not create context: {0}")]
     ContextCreate(String),

@@ -235,6 +235,28 @@ pub struct Tensors {
     pub size: u64,
 }
 
+impl Tensors {
+    /// Whether `info`'s data ends inside the file, for the plain float
+    /// types (quantized ones llama.cpp bounds itself; only their element
+    /// count is checked here).
+    pub fn fits_in_file(&self, info: &TensorInfo) -> bool {
+        let n = info.ne.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        let bytes = |n: u64| match info.ty {
+            0 => n.checked_mul(4),
+            1 | 30 => n.checked_mul(2),
+            _ => None,
+        };
+        match n.and_then(bytes) {
+            Some(bytes) => self
+                .data_start
+                .checked_add(info.offset)
+                .and_then(|s| s.checked_add(bytes))
+                .is_some_and(|end| end <= self.size),
+            None => n.is_some(),
+        }
+    }
+}
+
 /// Read the header and every tensor description from `file` (at byte 0),
 /// with the same bounds on every count and length as [`read_header`].
 pub fn read_tensors<R: Read + Seek>(file: R) -> Res<Tensors> {
@@ -400,13 +422,15 @@ pub fn check_hparams(h: &Header) -> Res<()> {
 /// A GGUF header writer for tests and fuzz targets. Not part of the API.
 #[doc(hidden)]
 pub mod build {
-    /// A metadata value (u32, string and u32-array values cover every check).
+    /// A metadata value.
     #[derive(Debug, Clone, Copy)]
     pub enum V<'a> {
         U32(u32),
         F32(f32),
+        Bool(bool),
         Str(&'a str),
         U32s(&'a [u32]),
+        F32s(&'a [f32]),
     }
 
     /// A GGUF v3 header with these key/value pairs and no tensors.
@@ -447,6 +471,10 @@ pub mod build {
                     b.extend(6u32.to_le_bytes());
                     b.extend(x.to_le_bytes());
                 }
+                V::Bool(x) => {
+                    b.extend(7u32.to_le_bytes());
+                    b.push(u8::from(*x));
+                }
                 V::Str(s) => {
                     b.extend(8u32.to_le_bytes());
                     string(&mut b, s);
@@ -454,6 +482,12 @@ pub mod build {
                 V::U32s(xs) => {
                     b.extend(9u32.to_le_bytes());
                     b.extend(4u32.to_le_bytes());
+                    b.extend((xs.len() as u64).to_le_bytes());
+                    xs.iter().for_each(|x| b.extend(x.to_le_bytes()));
+                }
+                V::F32s(xs) => {
+                    b.extend(9u32.to_le_bytes());
+                    b.extend(6u32.to_le_bytes());
                     b.extend((xs.len() as u64).to_le_bytes());
                     xs.iter().for_each(|x| b.extend(x.to_le_bytes()));
                 }

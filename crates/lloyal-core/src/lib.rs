@@ -65,7 +65,6 @@ pub mod gguf;
 pub mod grammar;
 mod isolate;
 mod kv;
-#[cfg(feature = "multimodal")]
 pub mod media;
 pub mod metrics;
 pub mod model;

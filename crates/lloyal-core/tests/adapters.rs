@@ -4,15 +4,13 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+mod common;
+
+use common::{model_path, Rng};
 use lloyal_core::gguf::build::{file, V};
 use lloyal_core::{
     Adapters, Branch, Context, ContextParams, ControlVector, Error, Lora, Reply, SamplingParams,
 };
-
-fn model_path() -> String {
-    std::env::var("LLOYAL_TEST_MODEL")
-        .expect("set LLOYAL_TEST_MODEL to a GGUF file (make test-rust does this)")
-}
 
 fn open() -> Arc<Context> {
     let params = ContextParams {
@@ -24,21 +22,6 @@ fn open() -> Arc<Context> {
         ..ContextParams::default()
     };
     Arc::new(Context::open_blocking(model_path(), params).expect("the test model loads"))
-}
-
-/// xorshift64*: enough randomness for weights, no dependency.
-struct Rng(u64);
-impl Rng {
-    fn normal(&mut self, sd: f32) -> f32 {
-        let mut u = || {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f32 / (1u64 << 53) as f32
-        };
-        let (a, b) = (u().max(1e-7), u());
-        sd * (-2.0 * a.ln()).sqrt() * (std::f32::consts::TAU * b).cos()
-    }
 }
 
 /// A rank-4 LoRA on every `attn_q` and `attn_v` of the model; B is zero

@@ -209,6 +209,7 @@ impl PyContext {
         d.set_item("tokens_decoded", s.tokens_decoded)?;
         d.set_item("decode_seconds", s.decode_seconds)?;
         d.set_item("tombstone_purges", s.tombstone_purges)?;
+        d.set_item("media_encodes", s.media_encodes)?;
         Ok(d)
     }
 

@@ -27,6 +27,19 @@ create_exception!(
 );
 create_exception!(
     lloyal,
+    ProjectorLoadError,
+    LloyalError,
+    "The file is not a projector (mmproj) this model can use."
+);
+create_exception!(
+    lloyal,
+    MediaError,
+    LloyalError,
+    "An image or audio clip that cannot be used: corrupt, truncated, too large, \
+     or a kind the projector does not take."
+);
+create_exception!(
+    lloyal,
     ContextClosedError,
     LloyalError,
     "The context was closed."
@@ -89,6 +102,8 @@ pub fn to_pyerr(error: Error) -> PyErr {
             PyFileNotFoundError::new_err(message)
         }
         Error::AdapterLoad { .. } => AdapterLoadError::new_err(message),
+        Error::ProjectorLoad { .. } => ProjectorLoadError::new_err(message),
+        Error::Media(_) => MediaError::new_err(message),
         Error::ModelIsDirectory(_) => PyIsADirectoryError::new_err(message),
         Error::OutOfMemory(_) => PyMemoryError::new_err(message),
         Error::ModelLoad { .. } | Error::ContextCreate(_) => ModelLoadError::new_err(message),
@@ -122,6 +137,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("LloyalError", py.get_type::<LloyalError>())?;
     m.add("ModelLoadError", py.get_type::<ModelLoadError>())?;
     m.add("AdapterLoadError", py.get_type::<AdapterLoadError>())?;
+    m.add("ProjectorLoadError", py.get_type::<ProjectorLoadError>())?;
+    m.add("MediaError", py.get_type::<MediaError>())?;
     m.add("ContextClosedError", py.get_type::<ContextClosedError>())?;
     m.add("DecodeError", py.get_type::<DecodeError>())?;
     m.add("KVCacheFullError", py.get_type::<KVCacheFullError>())?;

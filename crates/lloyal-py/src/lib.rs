@@ -9,6 +9,7 @@ mod embed;
 mod errors;
 mod grammar;
 mod kv;
+mod media;
 mod reply;
 mod sampling;
 mod store;

@@ -11,6 +11,7 @@ from lloyal.chat._markers import THINKING
 from lloyal.chat.budget import ReasoningBudget, Tokenizer
 from lloyal.chat.output import ChatOutput, parse_chat_output
 from lloyal.grammar import Grammar
+from lloyal.media import Media
 
 __all__ = ["ChatPrompt"]
 
@@ -40,6 +41,8 @@ class ChatPrompt:
     the markers of that convention that are special tokens of this model
     (render them when detokenizing, or the parser never sees them);
     ``thinking_started`` says the prompt already opened a ``<think>`` block.
+    ``media`` are the images and audio of the messages, one per
+    :data:`MEDIA_MARKER <lloyal.MEDIA_MARKER>` in ``prompt``, in order.
     """
 
     prompt: str
@@ -52,6 +55,8 @@ class ChatPrompt:
     thinking_started: bool = False
     # What opens and closes reasoning in this prompt's family.
     think: tuple[str, str] = THINKING
+    # The images and audio of the messages, one per media marker, in order.
+    media: tuple[Media, ...] = ()
 
     def reasoning_budget(self, ctx: Tokenizer, budget: int) -> ReasoningBudget:
         """A :class:`ReasoningBudget` for a reply to this prompt: at most

@@ -25,7 +25,7 @@ from lloyal.context import Context, create_context
 from lloyal.errors import ChatTemplateError, GrammarError, LloyalError
 from lloyal.server._adapters import load as load_adapters
 from lloyal.server._adapters import lora_adapters as _lora_adapters
-from lloyal.server._chat import ChatChoice, chat_grammar, chat_prompt
+from lloyal.server._chat import ChatChoice, chat_grammar, chat_prompt, prompt_tokens
 from lloyal.server._engine import Engine, Event
 from lloyal.server._protocol import (
     ApiError,
@@ -66,6 +66,8 @@ class ServerConfig:
     # create_context(deterministic=True): a request's tokens are the same
     # bits whatever it is batched with (docs/determinism.md).
     deterministic: bool = False
+    # A projector (mmproj GGUF): requests may hold images and audio.
+    mmproj: str | os.PathLike[str] | None = None
 
 
 class _State:
@@ -255,7 +257,7 @@ async def chat_completions(request: Request, state: _State) -> Response:
     gen = req.generation
     prompt = chat_prompt(state.ctx, state.config.template, req)
     grammar = chat_grammar(state.ctx, req, prompt)
-    tokens = await state.ctx.tokenize(prompt.prompt)
+    tokens = await prompt_tokens(state.ctx, prompt)
     if len(tokens) > 1 and tokens[0] == tokens[1] == state.ctx.bos_token:
         tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
     head = {
@@ -529,6 +531,7 @@ def create_app(config: ServerConfig) -> Starlette:
             n_seq_max=config.n_seq_max,
             n_threads=config.n_threads,
             deterministic=config.deterministic,
+            mmproj=config.mmproj,
         )
         try:
             loras = await load_adapters(

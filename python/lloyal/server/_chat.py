@@ -10,7 +10,7 @@ from typing import Any
 from lloyal.chat.output import ChatOutput, ChatOutputStream
 from lloyal.chat.prompt import ChatPrompt
 from lloyal.context import Context
-from lloyal.errors import ChatTemplateError, GrammarError
+from lloyal.errors import ChatTemplateError, GrammarError, MediaError
 from lloyal.grammar import Grammar
 from lloyal.server._protocol import ApiError, ChatRequest
 
@@ -88,10 +88,25 @@ def chat_prompt(ctx: Context, template: str | None, req: ChatRequest) -> ChatPro
             json_schema=req.json_schema,
             **_effort(req),
         )
-    except (ChatTemplateError, ValueError) as e:
+    except (ChatTemplateError, ValueError, MediaError) as e:
         # The tools were checked with the request: what is left is the
         # messages' (text the template or its JSON cannot take).
         raise ApiError(f"the chat could not be rendered: {e}", param="messages") from None
+
+
+async def prompt_tokens(ctx: Context, prompt: ChatPrompt) -> list[int]:
+    """The prompt's tokens, its media as placeholders (400 for media the
+    projector cannot read, or none loaded)."""
+    if not prompt.media:
+        return await ctx.tokenize(prompt.prompt)
+    if ctx.projector is None:
+        raise ApiError(
+            "this server takes no images or audio (start it with --mmproj)", param="messages"
+        )
+    try:
+        return await ctx.tokenize(prompt.prompt, media=prompt.media)
+    except MediaError as e:
+        raise ApiError(str(e), param="messages") from None
 
 
 def _effort(req: ChatRequest) -> dict[str, Any]:

@@ -315,6 +315,40 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> An
     return choice
 
 
+def _parts(content: list[Any], where: str) -> str | list[dict[str, Any]]:
+    """OpenAI content parts: text alone becomes a string; ``image_url``
+    (a ``data:`` URL: the server fetches nothing) and ``input_audio`` stay
+    parts, for ``format_chat`` to place."""
+    if not all(isinstance(p, dict) for p in content):
+        raise ApiError(f"{where}: content parts must be objects", param="messages")
+    for j, p in enumerate(content):
+        kind = p.get("type")
+        if kind == "text" and isinstance(p.get("text"), str):
+            continue
+        if kind == "image_url":
+            spec = p.get("image_url")
+            url = spec.get("url") if isinstance(spec, dict) else None
+            if not isinstance(url, str) or not url.startswith("data:"):
+                raise ApiError(
+                    f"{where}[{j}].image_url.url must be a data: URL (remote images are "
+                    "not fetched)",
+                    param="messages",
+                )
+            continue
+        if kind == "input_audio":
+            spec = p.get("input_audio")
+            if not isinstance(spec, dict) or not isinstance(spec.get("data"), str):
+                raise ApiError(f"{where}[{j}].input_audio needs base64 data", param="messages")
+            continue
+        raise ApiError(
+            f"{where}[{j}]: parts are text, image_url or input_audio, got {kind!r}",
+            param="messages",
+        )
+    if all(p["type"] == "text" for p in content):
+        return "".join(p["text"] for p in content)
+    return [dict(p) for p in content]
+
+
 def chat_request(raw: object, *, vocab_size: int) -> ChatRequest:
     body = _object(raw)
     messages = body.get("messages")
@@ -324,14 +358,8 @@ def chat_request(raw: object, *, vocab_size: int) -> ChatRequest:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(f"messages[{i}] must be an object with a role", param="messages")
         content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            texts = [p.get("text") if isinstance(p, dict) else None for p in content]
-            strings = [t for t in texts if isinstance(t, str)]
-            if len(strings) != len(content):
-                raise ApiError(
-                    f"messages[{i}].content: only text parts are supported", param="messages"
-                )
-            messages[i] = {**m, "content": "".join(strings)}
+        if isinstance(content, list):  # content parts: text, images, audio
+            messages[i] = {**m, "content": _parts(content, f"messages[{i}].content")}
         elif content is not None and not isinstance(content, str):
             raise ApiError(f"messages[{i}].content must be a string", param="messages")
     try:

@@ -35,19 +35,9 @@ fn open(path: &Path) -> Result<(std::fs::File, Tensors)> {
     Ok((file, tensors))
 }
 
-/// Bytes of a tensor of type `ty` with `n` values, for the plain float
-/// types (`None` for quantized ones, which llama.cpp bounds itself).
-fn plain_bytes(ty: u32, n: u64) -> Option<u64> {
-    match ty {
-        0 => n.checked_mul(4),
-        1 | 30 => n.checked_mul(2),
-        _ => None,
-    }
-}
-
 /// Refuse a tensor whose data would end past the end of the file.
 fn in_bounds(t: &Tensors, info: &TensorInfo, path: &Path) -> Result<()> {
-    if fits_in_file(t, info) {
+    if t.fits_in_file(info) {
         Ok(())
     } else {
         Err(refuse(
@@ -57,18 +47,6 @@ fn in_bounds(t: &Tensors, info: &TensorInfo, path: &Path) -> Result<()> {
                 info.name
             ),
         ))
-    }
-}
-
-fn fits_in_file(t: &Tensors, info: &TensorInfo) -> bool {
-    let n = info.ne.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-    match n.and_then(|n| plain_bytes(info.ty, n)) {
-        Some(bytes) => t
-            .data_start
-            .checked_add(info.offset)
-            .and_then(|s| s.checked_add(bytes))
-            .is_some_and(|end| end <= t.size),
-        None => n.is_some(),
     }
 }
 

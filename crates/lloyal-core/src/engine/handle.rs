@@ -205,6 +205,7 @@ impl Context {
             tokens_decoded: s.tokens_decoded.load(Ordering::Relaxed),
             decode_seconds: s.decode_micros.load(Ordering::Relaxed) as f64 / 1e6,
             tombstone_purges: s.tombstone_purges.load(Ordering::Relaxed),
+            media_encodes: s.media_encodes.load(Ordering::Relaxed),
         }
     }
 

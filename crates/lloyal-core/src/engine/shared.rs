@@ -22,6 +22,9 @@ pub struct Stats {
     /// (`Worker::remove_cells`); from then on a token may land before its
     /// prefix's cells, and bit-identity with other routes is not promised.
     pub tombstone_purges: u64,
+    /// Images and audio clips encoded (`media`): a fork of a branch that
+    /// holds one shares its cells and encodes nothing.
+    pub media_encodes: u64,
 }
 
 #[derive(Default)]
@@ -30,6 +33,7 @@ pub(crate) struct StatCounters {
     pub(crate) tokens_decoded: AtomicU64,
     pub(crate) decode_micros: AtomicU64,
     pub(crate) tombstone_purges: AtomicU64,
+    pub(crate) media_encodes: AtomicU64,
 }
 
 /// State the worker publishes for callers on other threads.

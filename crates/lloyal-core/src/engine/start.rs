@@ -176,7 +176,6 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         background: None,
         raw_ctx: crate::adapter::context_pointer(&ctx),
         adapters: Default::default(),
-        #[cfg(feature = "multimodal")]
         mtmd: None,
         ctx,
         model: Arc::clone(&model),

@@ -37,7 +37,6 @@ pub(crate) struct Worker<'m> {
     pub(crate) background: Option<crate::omp::Background>,
     /// The multimodal projector, once loaded (see `media`); it refers to
     /// the model, so it is declared (and dropped) before it.
-    #[cfg(feature = "multimodal")]
     pub(crate) mtmd: Option<llama_cpp_2::mtmd::MtmdContext>,
     /// Borrows `model` (declared after it, so dropped before it).
     pub(crate) ctx: LlamaContext<'m>,

@@ -1,0 +1,223 @@
+"""Images in a branch on both test models, each made a tiny vision-language
+model by a random projector from ``lloyal.fixtures`` (32x32 images, 16
+positions an image).
+
+Contexts are deterministic (``deterministic=True``): a branch's logits are
+then the same bits however it is batched, so "the same image gives the
+same logits" is an exact comparison.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import zlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import lloyal
+import numpy as np
+import pytest
+from lloyal import fixtures
+
+# deterministic_first: this module's contexts are deterministic (see
+# tests/doctest_model.py).
+pytestmark = [pytest.mark.anyio, pytest.mark.deterministic_first]
+
+POSITIONS = (fixtures.MMPROJ_IMAGE_SIZE // fixtures.MMPROJ_PATCH) ** 2
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    # Media prefills are engine work: one event loop is enough.
+    return "asyncio"
+
+
+@pytest.fixture
+async def ctx(model: Path, model_name: str) -> AsyncIterator[lloyal.Context]:
+    async with await lloyal.create_context(
+        model, n_ctx=1024, n_seq_max=6, deterministic=True, mmproj=fixtures.mmproj(model_name)
+    ) as c:
+        yield c
+
+
+def png(pixels: np.ndarray) -> bytes:
+    """A PNG file of RGB ``pixels`` (height, width, 3), written here."""
+    h, w, _ = pixels.shape
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    raw = b"".join(b"\0" + pixels[y].tobytes() for y in range(h))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
+
+
+def picture(seed: int, side: int = 32) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
+
+
+def ask(image: object) -> list[dict[str, object]]:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in this picture? "},
+                {"type": "image", "image": image},
+            ],
+        }
+    ]
+
+
+def render(ctx: lloyal.Context, image: object) -> lloyal.ChatPrompt:
+    # The Gemma 3 test model has no template of its own.
+    return ctx.format_chat(ask(image), template=None if ctx.chat_template else "gemma")
+
+
+async def prompt_tokens(ctx: lloyal.Context, image: object) -> list[int]:
+    chat = render(ctx, image)
+    assert chat.prompt.count(lloyal.MEDIA_MARKER) == 1 and len(chat.media) == 1
+    return await ctx.tokenize(chat.prompt, media=chat.media)
+
+
+async def test_an_image_is_encoded_once_and_its_forks_share_its_cells(
+    ctx: lloyal.Context,
+) -> None:
+    assert ctx.projector == lloyal.ProjectorInfo(vision=True, audio=False)
+    tokens = await prompt_tokens(ctx, picture(1))
+    holes = [t for t in tokens if t < 0]
+    assert len(holes) == POSITIONS and len(set(holes)) == 1
+    store = lloyal.BranchStore(ctx)
+    root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+    await root.prefill(tokens)
+    assert root.position == len(tokens)
+    assert ctx.stats.media_encodes == 1
+    held = store.cells_held
+    forks = [await root.fork() for _ in range(4)]
+    assert store.cells_held == held, "forks share the image's cells"
+    assert ctx.stats.media_encodes == 1, "no second encode"
+    produced = await store.produce(forks)
+    assert len({p.token for p in produced}) == 1, "the same prefix, the same greedy token"
+    await store.commit([(b, p.token) for b, p in zip(forks, produced, strict=True)])
+    assert store.cells_held == held + 4
+    await root.prune_subtree()
+
+
+async def test_the_same_image_gives_the_same_logits_another_image_others(
+    ctx: lloyal.Context,
+) -> None:
+    image = picture(2)
+
+    async def logits(pixels: object) -> np.ndarray:
+        async with lloyal.Branch.create(ctx) as b:
+            await b.prefill(await prompt_tokens(ctx, pixels))
+            return b.logits.copy()
+
+    first = await logits(image)
+    # The same image as a PNG file, raw pixels and a data: URL: the same bits.
+    url = "data:image/png;base64," + base64.b64encode(png(image)).decode()
+    assert np.array_equal(await logits(png(image)), await logits(url))
+    assert np.array_equal(await logits(image), first)
+    assert not np.array_equal(await logits(picture(3)), first)
+    text_only = await ctx.tokenize(render(ctx, image).prompt.replace(lloyal.MEDIA_MARKER, ""))
+    async with lloyal.Branch.create(ctx) as b:
+        await b.prefill(text_only)
+        assert not np.array_equal(b.logits, first), "the image is seen"
+
+
+async def test_bad_media_raise_typed_errors_and_change_nothing(ctx: lloyal.Context) -> None:
+    tokens = await prompt_tokens(ctx, picture(4))
+    b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+    await b.prefill(tokens)
+    before = (b.position, b.logits.copy(), ctx.stats.media_encodes)
+    good = png(picture(5))
+    huge = bytearray(good)
+    huge[16:24] = struct.pack(">II", 10_000, 10_000)  # IHDR's width and height
+    wav = b"RIFF" + struct.pack("<I", 36) + b"WAVEfmt " + bytes(24) + b"data" + bytes(4)
+    bad = {
+        "corrupt": b"\x89PNG\r\n\x1a\n" + bytes(range(200)),
+        "truncated": good[: len(good) // 2],
+        "huge": bytes(huge),
+        "not media": b"%PDF-1.4 not an image",
+        "empty": b"",
+        "audio to a vision projector": wav,
+    }
+    for name, data in bad.items():
+        with pytest.raises(lloyal.MediaError):
+            suffix = await ctx.tokenize(lloyal.MEDIA_MARKER, add_special=False, media=[data])
+            await b.prefill(suffix)
+            pytest.fail(f"{name} was taken")
+        assert (b.position, ctx.stats.media_encodes) == (before[0], before[2]), name
+        assert np.array_equal(b.logits, before[1]), name
+    with pytest.raises(lloyal.MediaError):
+        lloyal.Media.from_data_url("data:image/png;base64,***")
+    with pytest.raises(lloyal.MediaError):
+        lloyal.Media(bytes(10), size=(2, 2))
+    # Misused placeholders are refused before anything is decoded.
+    run = [t for t in tokens if t < 0]
+    with pytest.raises(ValueError, match="cut"):
+        await b.prefill(run[:-1])
+    with pytest.raises(ValueError, match="no medium"):
+        await b.prefill([-10_000] * 4)
+    with pytest.raises(ValueError, match="rows"):
+        await b.prefill(tokens, logits="all")
+    with pytest.raises(ValueError, match="markers"):
+        await ctx.tokenize("no marker", media=[good])
+    assert b.position == before[0]
+    # The context goes on: the good image after all that.
+    await b.prefill(await ctx.tokenize(lloyal.MEDIA_MARKER, add_special=False, media=[good]))
+    assert b.position == before[0] + POSITIONS
+    await b.prune()
+
+
+async def test_a_projector_for_another_model_is_refused_and_nothing_changes(
+    model: Path, model_name: str
+) -> None:
+    other = fixtures.mmproj("gemma3" if model_name == "smollm2" else "smollm2")
+    async with await lloyal.create_context(model, n_ctx=256) as ctx:
+        with pytest.raises(lloyal.ProjectorLoadError, match="another model"):
+            await ctx.load_projector(other)
+        with pytest.raises(lloyal.ProjectorLoadError, match="not a projector"):
+            await ctx.load_projector(model)
+        with pytest.raises(FileNotFoundError):
+            await ctx.load_projector(model.with_name("missing-mmproj.gguf"))
+        assert ctx.projector is None
+        with pytest.raises(ValueError, match="no projector"):
+            await ctx.tokenize(lloyal.MEDIA_MARKER, media=[png(picture(1))])
+        info = await ctx.load_projector(fixtures.mmproj(model_name))
+        assert info.vision and ctx.projector == info
+    with pytest.raises(lloyal.ProjectorLoadError):
+        await lloyal.create_context(model, n_ctx=256, mmproj=other)
+
+
+async def test_the_prefix_cache_reuses_an_image_by_content(ctx: lloyal.Context) -> None:
+    cache = lloyal.PrefixCache(ctx, max_branches=3)
+    image = picture(6)
+    first = await prompt_tokens(ctx, image)
+    a = await cache.branch(first)
+    encodes = ctx.stats.media_encodes
+    # The same picture sent again (as a PNG now): the cached prompt serves
+    # all but its last token, image included.
+    again = await prompt_tokens(ctx, png(image))
+    assert again == first
+    b = await cache.branch(again)
+    assert ctx.stats.media_encodes == encodes
+    assert cache.stats.saved_tokens == len(first) - 1
+    assert np.array_equal(a.logits, b.logits)
+    # Another picture in the same place: the text before it is reused, the
+    # image is encoded.
+    other = await prompt_tokens(ctx, picture(7))
+    start = other.index(min(other))
+    saved = cache.stats.saved_tokens
+    c = await cache.branch(other)
+    assert ctx.stats.media_encodes == encodes + 1
+    assert cache.stats.saved_tokens - saved == start
+    assert c.position == len(other)
+    for branch in (a, b, c):
+        await branch.prune()
+    await cache.aclose()
