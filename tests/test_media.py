@@ -10,7 +10,9 @@ same logits" is an exact comparison.
 from __future__ import annotations
 
 import base64
+import io
 import struct
+import wave
 import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -81,7 +83,8 @@ def render(ctx: lloyal.Context, image: object) -> lloyal.ChatPrompt:
 
 async def prompt_tokens(ctx: lloyal.Context, image: object) -> list[int]:
     chat = render(ctx, image)
-    assert chat.prompt.count(lloyal.MEDIA_MARKER) == 1 and len(chat.media) == 1
+    assert chat.prompt.count(lloyal.MEDIA_MARKER) == 1
+    assert len(chat.media) == 1
     return await ctx.tokenize(chat.prompt, media=chat.media)
 
 
@@ -91,7 +94,8 @@ async def test_an_image_is_encoded_once_and_its_forks_share_its_cells(
     assert ctx.projector == lloyal.ProjectorInfo(vision=True, audio=False)
     tokens = await prompt_tokens(ctx, picture(1))
     holes = [t for t in tokens if t < 0]
-    assert len(holes) == POSITIONS and len(set(holes)) == 1
+    assert len(holes) == POSITIONS
+    assert len(set(holes)) == 1
     store = lloyal.BranchStore(ctx)
     root = lloyal.Branch.create(ctx, lloyal.GREEDY)
     await root.prefill(tokens)
@@ -148,10 +152,11 @@ async def test_bad_media_raise_typed_errors_and_change_nothing(ctx: lloyal.Conte
         "audio to a vision projector": wav,
     }
     for name, data in bad.items():
+        # libmtmd reads the media when they are tokenized (their positions),
+        # before anything is decoded; tests/media.rs feeds bad media to the
+        # engine's prefill itself.
         with pytest.raises(lloyal.MediaError):
-            suffix = await ctx.tokenize(lloyal.MEDIA_MARKER, add_special=False, media=[data])
-            await b.prefill(suffix)
-            pytest.fail(f"{name} was taken")
+            await ctx.tokenize(lloyal.MEDIA_MARKER, add_special=False, media=[data])
         assert (b.position, ctx.stats.media_encodes) == (before[0], before[2]), name
         assert np.array_equal(b.logits, before[1]), name
     with pytest.raises(lloyal.MediaError):
@@ -190,7 +195,8 @@ async def test_a_projector_for_another_model_is_refused_and_nothing_changes(
         with pytest.raises(ValueError, match="no projector"):
             await ctx.tokenize(lloyal.MEDIA_MARKER, media=[png(picture(1))])
         info = await ctx.load_projector(fixtures.mmproj(model_name))
-        assert info.vision and ctx.projector == info
+        assert info.vision
+        assert ctx.projector == info
     with pytest.raises(lloyal.ProjectorLoadError):
         await lloyal.create_context(model, n_ctx=256, mmproj=other)
 
@@ -221,3 +227,78 @@ async def test_the_prefix_cache_reuses_an_image_by_content(ctx: lloyal.Context) 
     for branch in (a, b, c):
         await branch.prune()
     await cache.aclose()
+
+
+async def test_a_session_with_an_image_decodes_only_new_turns(ctx: lloyal.Context) -> None:
+    template = None if ctx.chat_template else "gemma"
+    async with await lloyal.Session.create(ctx, params=lloyal.GREEDY, template=template) as chat:
+        await chat.add_user(ask(picture(8))[0]["content"])  # type: ignore[arg-type]
+        assert ctx.stats.media_encodes == 1
+        assert chat.text.count(lloyal.MEDIA_MARKER) == 1
+        first = await chat.reply(max_tokens=4)
+        await chat.add_user("And the colours?")
+        assert ctx.stats.media_encodes == 1, "the image stays in the KV"
+        assert chat.last_delta < 20
+        # The messages keep the image as a part JSON can carry.
+        part = chat.messages[0]["content"][1]
+        assert part["type"] == "image"
+        assert part["image"]["size"] == [32, 32]
+        saved = await chat.save()
+        twin = await chat.fork()
+        async with await lloyal.Session.load(ctx, saved, params=lloyal.GREEDY) as loaded:
+            assert loaded.text == chat.text
+            a = await loaded.reply(max_tokens=4)
+            b = await twin.reply(max_tokens=4)
+            assert a.content == b.content
+            assert ctx.stats.media_encodes == 1, "loading and forking encode nothing"
+        await twin.aclose()
+        assert first.content is not None
+
+
+def wav(hz: float, seconds: float = 1.0, rate: int = 16_000) -> bytes:
+    """A WAV file of a sine tone, written here."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        t = np.arange(int(rate * seconds)) / rate
+        w.writeframes((8000 * np.sin(2 * np.pi * hz * t)).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+async def test_audio_through_an_audio_projector(smollm2: Path) -> None:
+    # One model: a clip takes 750 positions (Whisper pads it to 30 s), the
+    # longest prefill of the suite; the two architectures are covered above.
+    async with await lloyal.create_context(
+        smollm2,
+        n_ctx=2048,
+        n_seq_max=3,
+        deterministic=True,
+        mmproj=fixtures.mmproj("smollm2", "audio"),
+    ) as ctx:
+        assert ctx.projector == lloyal.ProjectorInfo(
+            vision=False, audio=True, audio_sample_rate=16_000
+        )
+
+        async def logits(clip: bytes) -> np.ndarray:
+            part = {
+                "type": "input_audio",
+                "input_audio": {"data": base64.b64encode(clip).decode(), "format": "wav"},
+            }
+            chat = ctx.format_chat(
+                [{"role": "user", "content": [{"type": "text", "text": "Hear: "}, part]}],
+            )
+            assert chat.media[0].kind == "audio"
+            async with lloyal.Branch.create(ctx) as b:
+                await b.prefill(await ctx.tokenize(chat.prompt, media=chat.media))
+                return b.logits.copy()
+
+        tone = await logits(wav(440))
+        assert np.array_equal(await logits(wav(440)), tone)
+        assert not np.array_equal(await logits(wav(880)), tone)
+        # Another sample rate is resampled to the projector's 16 kHz.
+        slow = await ctx.tokenize(lloyal.MEDIA_MARKER, media=[wav(440, rate=8000)])
+        assert len(slow) >= 750
+        with pytest.raises(lloyal.MediaError, match="does not take images"):
+            await ctx.tokenize(lloyal.MEDIA_MARKER, media=[png(picture(1))])

@@ -195,9 +195,7 @@ class Branch(NativeBranch):
         try:
             for part in parts:
                 if isinstance(part, Media):
-                    await call_native(
-                        lambda done, m=part: self._prefill_media(m.data, m.size, done)
-                    )
+                    await self._encode(part)
                 else:
                     _raise_first(await _step.submit(self._ctx, [(self, part)], False))
         except BaseException:
@@ -205,6 +203,9 @@ class Branch(NativeBranch):
                 with anyio.CancelScope(shield=True):
                     await self.truncate(start, before)
             raise
+
+    async def _encode(self, medium: Media) -> None:
+        await call_native(lambda done: self._prefill_media(medium.data, medium.size, done))
 
     async def truncate(self, position: int, logits: npt.ArrayLike | None = None) -> None:
         """Drop this branch's KV from ``position`` on, so it continues from

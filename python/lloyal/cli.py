@@ -547,9 +547,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--n-ctx", type=int, default=8192, help="KV cells shared by all requests")
-    srv.add_argument(
-        "--n-seq-max", type=int, default=32, help="KV sequences: choices generated at once"
-    )
+    srv.add_argument("--n-seq-max", type=int, default=32, help="KV sequences: choices at once")
     srv.add_argument("--threads", type=int, default=None)
     srv.add_argument("--max-queue", type=int, default=64, help="requests that may wait (then 429)")
     srv.add_argument("--cache-branches", type=int, default=None, help="prefix cache entries")

@@ -11,6 +11,8 @@ in :func:`lloyal.models.cache_dir` like the test models.
 - :func:`mmproj`: a projector (llava's "mlp" kind) with a random two-layer
   vision encoder, for 32x32 images of 16 positions, whose output fits the
   model: SmolLM2 (or Gemma 3) becomes a tiny vision-language model.
+  ``kind="audio"`` is an audio one instead (Qwen2-Audio's kind: a random
+  two-layer Whisper encoder), 750 positions for each 30 s of sound.
 
 ``python -m lloyal.fixtures`` (``make fixtures``) writes them all and
 prints their paths; each is written once, then found in the cache.
@@ -123,17 +125,24 @@ MMPROJ_IMAGE_SIZE = 32
 MMPROJ_PATCH = 8
 
 
-def mmproj(model: str = "smollm2") -> Path:
-    """A random projector for test model ``model``: 32x32 RGB images in
-    8x8 patches through two encoder blocks of width 32, then a two-layer
-    MLP into the model's embedding width (16 positions an image)."""
-    target = cache_dir() / f"{model}-mmproj.gguf"
+def mmproj(model: str = "smollm2", kind: Literal["vision", "audio"] = "vision") -> Path:
+    """A random projector for test model ``model``. Vision: 32x32 RGB
+    images in 8x8 patches through two encoder blocks of width 32, then a
+    two-layer MLP into the model's embedding width (16 positions an
+    image). Audio: 128 mel bins through Whisper's two convolutions and
+    two blocks of width 32, then one linear layer (750 positions for each
+    30 s of sound)."""
+    if kind not in ("vision", "audio"):
+        raise ValueError(f"kind must be 'vision' or 'audio', got {kind!r}")
+    suffix = "" if kind == "vision" else "-audio"
+    target = cache_dir() / f"{model}-mmproj{suffix}.gguf"
     if target.is_file():
         return target
     _, shapes = _shapes(model)
     n_text = shapes["token_embd.weight"][0]
     size, patch, width, hidden, blocks = MMPROJ_IMAGE_SIZE, MMPROJ_PATCH, 32, 64, 2
     n_patches = (size // patch) ** 2
+    prefix, modality = ("v", "vision") if kind == "vision" else ("a", "audio")
 
     def fill(w: Any) -> None:
         rng = np.random.default_rng(29)
@@ -141,36 +150,52 @@ def mmproj(model: str = "smollm2") -> Path:
         def rand(*shape: int, sd: float = 0.1) -> Any:
             return rng.normal(0.0, sd, shape).astype(np.float32)
 
-        w.add_bool("clip.has_vision_encoder", True)
-        w.add_string("clip.projector_type", "mlp")
+        w.add_bool(f"clip.has_{modality}_encoder", True)
+        w.add_string("clip.projector_type", "mlp" if kind == "vision" else "qwen2a")
         for key, value in (
             ("embedding_length", width),
             ("attention.head_count", 4),
             ("feed_forward_length", hidden),
             ("block_count", blocks),
             ("projection_dim", n_text),
-            ("image_size", size),
-            ("patch_size", patch),
         ):
-            w.add_uint32(f"clip.vision.{key}", value)
-        w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-        w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-        w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+            w.add_uint32(f"clip.{modality}.{key}", value)
+        w.add_float32(f"clip.{modality}.attention.layer_norm_epsilon", 1e-6)
         # numpy shapes, outermost first.
-        w.add_tensor("v.patch_embd.weight", rand(width, 3, patch, patch))
-        w.add_tensor("v.position_embd.weight", rand(n_patches, width))
+        if kind == "vision":
+            w.add_uint32("clip.vision.image_size", size)
+            w.add_uint32("clip.vision.patch_size", patch)
+            w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+            w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+            w.add_tensor("v.patch_embd.weight", rand(width, 3, patch, patch))
+            w.add_tensor("v.position_embd.weight", rand(n_patches, width))
+        else:
+            mels = 128
+            w.add_uint32("clip.audio.num_mel_bins", mels)
+            # Whisper's convolutions (kernel 3), their biases one per channel.
+            w.add_tensor("a.conv1d.1.weight", rand(width, mels, 3))
+            w.add_tensor("a.conv1d.1.bias", rand(width, 1))
+            w.add_tensor("a.conv1d.2.weight", rand(width, width, 3))
+            w.add_tensor("a.conv1d.2.bias", rand(width, 1))
+            w.add_tensor("a.position_embd.weight", rand(1500, width))
         for i in range(blocks):
             for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
-                w.add_tensor(f"v.blk.{i}.{t}.weight", rand(width, width))
+                w.add_tensor(f"{prefix}.blk.{i}.{t}.weight", rand(width, width))
+                if kind == "audio" and t != "attn_k":  # Whisper's k has no bias
+                    w.add_tensor(f"{prefix}.blk.{i}.{t}.bias", rand(width))
             for t in ("ln1", "ln2"):
-                w.add_tensor(f"v.blk.{i}.{t}.weight", np.ones(width, np.float32))
-                w.add_tensor(f"v.blk.{i}.{t}.bias", np.zeros(width, np.float32))
-            w.add_tensor(f"v.blk.{i}.ffn_up.weight", rand(hidden, width))
-            w.add_tensor(f"v.blk.{i}.ffn_down.weight", rand(width, hidden))
-        w.add_tensor("mm.0.weight", rand(hidden, width))
-        w.add_tensor("mm.0.bias", rand(hidden))
-        w.add_tensor("mm.2.weight", rand(n_text, hidden, sd=0.5))
-        w.add_tensor("mm.2.bias", rand(n_text))
+                w.add_tensor(f"{prefix}.blk.{i}.{t}.weight", np.ones(width, np.float32))
+                w.add_tensor(f"{prefix}.blk.{i}.{t}.bias", np.zeros(width, np.float32))
+            w.add_tensor(f"{prefix}.blk.{i}.ffn_up.weight", rand(hidden, width))
+            w.add_tensor(f"{prefix}.blk.{i}.ffn_down.weight", rand(width, hidden))
+        if kind == "vision":
+            w.add_tensor("mm.0.weight", rand(hidden, width))
+            w.add_tensor("mm.0.bias", rand(hidden))
+            w.add_tensor("mm.2.weight", rand(n_text, hidden, sd=0.5))
+            w.add_tensor("mm.2.bias", rand(n_text))
+        else:
+            w.add_tensor("mm.a.fc.weight", rand(n_text, width, sd=0.5))
+            w.add_tensor("mm.a.fc.bias", rand(n_text))
 
     return _write(target, "clip", fill)
 
@@ -180,7 +205,7 @@ def build_all() -> list[Path]:
     return [
         *(lora(kind, model) for model in ("smollm2", "gemma3") for kind in ("random", "zero")),
         *(control_vector(model) for model in ("smollm2", "gemma3")),
-        *(mmproj(model) for model in ("smollm2", "gemma3")),
+        *(mmproj(model, kind) for model in ("smollm2", "gemma3") for kind in ("vision", "audio")),
     ]
 
 

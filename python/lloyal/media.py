@@ -92,6 +92,14 @@ def _audio_magic(data: bytes) -> bool:
     )
 
 
+_IMAGE_TYPES = (
+    (b"\x89PNG", "image/png"),
+    (b"\xff\xd8", "image/jpeg"),
+    (b"GIF8", "image/gif"),
+    (b"BM", "image/bmp"),
+)
+
+
 @dataclass(frozen=True, eq=False)
 class Media:
     """One image or audio clip: an encoded file (PNG, JPEG, BMP, GIF, TGA;
@@ -111,18 +119,18 @@ class Media:
     def __post_init__(self) -> None:
         if not isinstance(self.data, bytes):
             object.__setattr__(self, "data", bytes(self.data))
+        digest = hashlib.sha256(self.data)
         if self.size is not None:
-            w, h = self.size
-            if not all(isinstance(v, int) and v > 0 for v in (w, h)):
+            width, height = self.size
+            if not all(isinstance(v, int) and v > 0 for v in (width, height)):
                 raise MediaError(f"size must be two positive ints, got {self.size!r}")
-            if len(self.data) != w * h * 3:
+            if len(self.data) != width * height * 3:
                 raise MediaError(
-                    f"RGB pixels of {w}x{h} are {w * h * 3} bytes, got {len(self.data)}"
+                    f"RGB pixels of {width}x{height} are {width * height * 3} bytes, "
+                    f"got {len(self.data)}"
                 )
-        h = hashlib.sha256(self.data)
-        if self.size is not None:
-            h.update(b"rgb%dx%d" % self.size)
-        object.__setattr__(self, "digest", h.hexdigest())
+            digest.update(b"rgb%dx%d" % self.size)
+        object.__setattr__(self, "digest", digest.hexdigest())
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Media) and other.digest == self.digest
@@ -173,12 +181,37 @@ class Media:
             )
         return cls(np.ascontiguousarray(arr).tobytes(), size=(arr.shape[1], arr.shape[0]))
 
+    def to_part(self) -> dict[str, Any]:
+        """A chat content part holding this medium that JSON can carry:
+        ``image_url`` with a ``data:`` URL, ``input_audio``, or for raw
+        pixels ``{"type": "image", "image": {"rgb": base64, "size": [w, h]}}``."""
+        b64 = base64.b64encode(self.data).decode()
+        if self.size is not None:
+            return {"type": "image", "image": {"rgb": b64, "size": list(self.size)}}
+        if self.kind == "audio":
+            fmt = (
+                "wav" if self.data[:4] == b"RIFF" else "flac" if self.data[:4] == b"fLaC" else "mp3"
+            )
+            return {"type": "input_audio", "input_audio": {"data": b64, "format": fmt}}
+        mime = next(
+            (m for magic, m in _IMAGE_TYPES if self.data.startswith(magic)),
+            "application/octet-stream",
+        )
+        return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{b64}"}}
+
     @classmethod
     def coerce(cls, value: Any) -> Media:
         """``value`` as a medium: a ``Media``; ``bytes``; a ``data:`` URL;
-        a path (``str`` or ``os.PathLike``); an RGB array."""
+        a path (``str`` or ``os.PathLike``); an RGB array; the
+        ``{"rgb": base64, "size": [w, h]}`` of :meth:`to_part`."""
         if isinstance(value, Media):
             return value
+        if isinstance(value, Mapping) and "rgb" in value:
+            size = value.get("size")
+            if not (isinstance(size, (list, tuple)) and len(size) == 2):
+                raise MediaError('raw pixels need "size": [width, height]')
+            pixels = cls.from_base64(value["rgb"]).data
+            return cls(pixels, size=(size[0], size[1]))
         if isinstance(value, (bytes, bytearray, memoryview)):
             return cls(bytes(value))
         if isinstance(value, str) and value.startswith("data:"):
@@ -211,6 +244,18 @@ def media_part(part: Mapping[str, Any]) -> Media | None:
     if kind in ("image", "audio"):
         return Media.coerce(part.get(kind))
     return None
+
+
+def portable_content(content: Any) -> Any:
+    """A message's content with every medium as :meth:`Media.to_part`
+    (what a saved session keeps); text is left as it is."""
+    if not isinstance(content, list):
+        return content
+    out = []
+    for p in content:
+        medium = media_part(p) if isinstance(p, Mapping) else None
+        out.append(p if medium is None else medium.to_part())
+    return out
 
 
 def flatten_media(

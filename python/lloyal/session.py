@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import re
 import struct
 import zlib
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -28,6 +29,7 @@ from lloyal.branch import Branch
 from lloyal.chat.format import check_messages
 from lloyal.chat.output import ChatOutput
 from lloyal.errors import StateError
+from lloyal.media import MEDIA_MARKER, Media, portable_content
 from lloyal.sampling import SamplingParams
 from lloyal.text import TextStream
 
@@ -131,8 +133,10 @@ class Session:
 
     @property
     def text(self) -> str:
-        """The text the branch's KV holds."""
-        return self._held.decode("utf-8", errors="replace")
+        """The text the branch's KV holds (a :data:`MEDIA_MARKER
+        <lloyal.MEDIA_MARKER>` for each medium)."""
+        held = _KEY.sub(MEDIA_MARKER.encode(), self._held)
+        return held.decode("utf-8", errors="replace")
 
     def render(self, *, add_generation_prompt: bool = True) -> ChatPrompt:
         """The whole chat rendered now (what the branch is synced to)."""
@@ -144,10 +148,20 @@ class Session:
 
     # -- adding turns ------------------------------------------------------------
 
-    async def add_user(self, content: str) -> None:
+    async def add_user(self, content: str | Sequence[Mapping[str, Any]]) -> None:
         """Append a user message and decode it with the assistant's turn
-        opener, ready for :meth:`generate`."""
-        await self.extend([{"role": "user", "content": _text(content)}])
+        opener, ready for :meth:`generate`. ``content`` is text, or content
+        parts holding images and audio (see :mod:`lloyal.media`; the
+        context needs a projector)."""
+        if isinstance(content, str):
+            await self.extend([{"role": "user", "content": content}])
+            return
+        parts: list[dict[str, Any]] = []
+        for p in content if isinstance(content, Sequence) else [None]:
+            if not isinstance(p, Mapping):
+                raise TypeError("content must be str or a list of content parts (dicts)")
+            parts.append(dict(p))
+        await self.extend([{"role": "user", "content": parts}])
 
     async def add_assistant(
         self, content: str | None = None, *, tool_calls: Sequence[Mapping[str, Any]] | None = None
@@ -178,13 +192,14 @@ class Session:
         message is refused (:func:`lloyal.chat.check_messages`)
         before anything is rendered."""
         check_messages(messages)
-        new = [dict(m) for m in messages]
+        # Media as parts JSON can carry (the messages are saved as JSON).
+        new = [{**m, "content": portable_content(m.get("content"))} for m in messages]
         if add_generation_prompt is None:
             add_generation_prompt = not new or new[-1]["role"] != "assistant"
         before = self._messages
         self._messages = before + new
         try:
-            await self._sync(self.render(add_generation_prompt=add_generation_prompt).prompt)
+            await self._sync(self.render(add_generation_prompt=add_generation_prompt))
         except BaseException:
             self._messages = before
             raise
@@ -208,7 +223,7 @@ class Session:
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         chat = self.render()
-        await self._sync(chat.prompt)
+        await self._sync(chat)
         grammar = chat.create_grammar(self._ctx) if constrain else None
         branch = self._branch
         if grammar is not None:
@@ -366,10 +381,13 @@ class Session:
 
     # -- the delta -----------------------------------------------------------------
 
-    async def _sync(self, target: str) -> None:
-        """Make the branch hold exactly ``target``: keep the longest prefix
-        (at a token boundary) it holds already, decode the rest."""
-        want = target.encode()
+    async def _sync(self, chat: ChatPrompt) -> None:
+        """Make the branch hold exactly ``chat``'s prompt: keep the longest
+        prefix (at a token boundary) it holds already, decode the rest.
+        Media are compared by content: each stands in the held bytes as a
+        key of its digest, and all its positions end where the key ends,
+        so a cut never falls inside one."""
+        want, media = _with_keys(chat)
         if want == self._held:
             self.last_delta = 0
             return
@@ -377,12 +395,30 @@ class Session:
         keep = bisect.bisect_right(self._ends, _common_prefix(self._held, want))
         if keep > 0 and self._ends[keep - 1] == len(want):
             keep -= 1  # nothing left to decode: redo the last token for its logits
-        # The cut must fall on a character boundary to tokenize the rest.
-        while keep > 0 and not _char_boundary(want, self._ends[keep - 1]):
+        # The cut must fall on a character boundary (and not inside a
+        # medium's run) to tokenize the rest.
+        while keep > 0 and (
+            not _char_boundary(want, self._ends[keep - 1])
+            or (keep < len(self._ends) and self._ends[keep] == self._ends[keep - 1])
+        ):
             keep -= 1
         start = self._ends[keep - 1] if keep else 0
-        rest = want[start:].decode()
-        tokens, ends = self._tokenize(rest, first=keep == 0, base=start)
+        tokens: list[int] = []
+        ends: list[int] = []
+        at = start
+        for i, piece in enumerate(_KEY.split(want[start:])):
+            if i % 2:  # a medium's digest
+                run = await self._ctx._media.placeholders(media[piece.decode()])
+                at += len(piece) + 2
+                tokens += run
+                ends += [at] * len(run)
+            elif piece:
+                more, more_ends = self._tokenize(
+                    piece.decode(), first=keep == 0 and at == 0, base=at
+                )
+                tokens += more
+                ends += more_ends
+                at += len(piece)
         if keep < len(self._ends):
             await self._branch.truncate(keep)
             self._held, self._ends = self._held[:start], self._ends[:keep]
@@ -413,6 +449,22 @@ class Session:
         if b"".join(pieces) != data:
             ends = [base + len(data)] * len(tokens)
         return tokens, ends
+
+
+# A medium in the held bytes: its digest between NUL bytes (no template
+# writes NUL).
+_KEY = re.compile(rb"\x00([0-9a-f]{64})\x00")
+
+
+def _with_keys(chat: ChatPrompt) -> tuple[bytes, dict[str, Media]]:
+    """The prompt's bytes with each media marker replaced by its medium's
+    key, and the media by digest."""
+    pieces = chat.prompt.split(MEDIA_MARKER)
+    out = [pieces[0].encode()]
+    for medium, piece in zip(chat.media, pieces[1:], strict=True):
+        out.append(b"\x00" + medium.digest.encode() + b"\x00")
+        out.append(piece.encode())
+    return b"".join(out), {m.digest: m for m in chat.media}
 
 
 def _text(content: object) -> str:

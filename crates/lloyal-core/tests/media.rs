@@ -29,8 +29,18 @@ fn write_projector(dir: &Path, name: &str, n_text: u64, size: V<'_>) -> PathBuf 
         let data = (0..n).map(|_| rng.normal(sd)).collect();
         owned.push((name, ne, data));
     };
-    add("v.patch_embd.weight".into(), vec![p, p, 3, e], 0.1, &mut rng);
-    add("v.position_embd.weight".into(), vec![e, n_patches], 0.1, &mut rng);
+    add(
+        "v.patch_embd.weight".into(),
+        vec![p, p, 3, e],
+        0.1,
+        &mut rng,
+    );
+    add(
+        "v.position_embd.weight".into(),
+        vec![e, n_patches],
+        0.1,
+        &mut rng,
+    );
     for i in 0..2 {
         for t in ["attn_q", "attn_k", "attn_v", "attn_out"] {
             add(format!("v.blk.{i}.{t}.weight"), vec![e, e], 0.1, &mut rng);
@@ -39,8 +49,18 @@ fn write_projector(dir: &Path, name: &str, n_text: u64, size: V<'_>) -> PathBuf 
             add(format!("v.blk.{i}.{t}.weight"), vec![e], 0.0, &mut rng);
             add(format!("v.blk.{i}.{t}.bias"), vec![e], 0.0, &mut rng);
         }
-        add(format!("v.blk.{i}.ffn_up.weight"), vec![e, e], 0.1, &mut rng);
-        add(format!("v.blk.{i}.ffn_down.weight"), vec![e, e], 0.1, &mut rng);
+        add(
+            format!("v.blk.{i}.ffn_up.weight"),
+            vec![e, e],
+            0.1,
+            &mut rng,
+        );
+        add(
+            format!("v.blk.{i}.ffn_down.weight"),
+            vec![e, e],
+            0.1,
+            &mut rng,
+        );
     }
     add("mm.0.weight".into(), vec![e, h], 0.1, &mut rng);
     add("mm.0.bias".into(), vec![h], 0.1, &mut rng);
@@ -107,11 +127,16 @@ fn image(seed: u8) -> Media {
 /// no text token, so the logits come from the text after it).
 fn prefill(ctx: &Context, b: &Branch, media: Media) -> lloyal_core::Result<i32> {
     let used = call(|r| ctx.branch_prefill_media(b.id(), media, r))?;
-    assert!(b.read(|s| s.logits().is_err()).unwrap(), "no logits after an image");
+    assert!(
+        b.read(|s| s.logits().is_err()).unwrap(),
+        "no logits after an image"
+    );
     let text = vec![504, 2343, 314];
     let n = text.len() as i32;
     let results = call(|r| ctx.branch_prefill(vec![(b.id(), text)], false, r))?;
-    results.into_iter().collect::<lloyal_core::Result<Vec<_>>>()?;
+    results
+        .into_iter()
+        .collect::<lloyal_core::Result<Vec<_>>>()?;
     Ok(used + n)
 }
 
@@ -161,7 +186,11 @@ fn an_image_in_a_branch_then_forks_share_its_cells() {
     let held = ctx.branch_cells_held();
     let forks: Vec<Branch> = (0..3).map(|_| a.fork(None).unwrap()).collect();
     settle(&ctx);
-    assert_eq!(ctx.branch_cells_held(), held, "forks share the image's cells");
+    assert_eq!(
+        ctx.branch_cells_held(),
+        held,
+        "forks share the image's cells"
+    );
     drop(forks);
 
     // Bad media: typed errors, the branch as it was.

@@ -48,8 +48,7 @@ impl PyContext {
     /// Load a projector on the worker; ``done(error, info)`` with ``info``
     /// a dict of ``vision``, ``audio``, ``audio_sample_rate``.
     fn load_projector(&self, path: PathBuf, done: Py<PyAny>) {
-        self.inner
-            .load_projector(path, py_reply(done, info_object));
+        self.inner.load_projector(path, py_reply(done, info_object));
     }
 
     /// The positions a medium takes and its content hash;
@@ -72,8 +71,10 @@ impl PyBranch {
     /// Encode a medium into this branch; ``done(error, positions)``.
     #[pyo3(signature = (data, size, done))]
     fn _prefill_media(&self, data: Vec<u8>, size: Option<(u32, u32)>, done: Py<PyAny>) {
-        self.inner
-            .context()
-            .branch_prefill_media(self.id(), media(data, size), py_reply(done, int_object));
+        self.inner.context().branch_prefill_media(
+            self.id(),
+            media(data, size),
+            py_reply(done, int_object),
+        );
     }
 }

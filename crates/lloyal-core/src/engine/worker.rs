@@ -176,6 +176,23 @@ impl Worker<'_> {
             .then_some(self.params.n_seq_max as i32)
     }
 
+    /// Free the tombstones' cells, if there are any (a full cache);
+    /// whether some were freed.
+    pub(crate) fn purge_tombstones(&mut self) -> bool {
+        let Some(tomb) = self.tomb() else {
+            return false;
+        };
+        if self.ctx.kv_cache_seq_pos_max(tomb) < 0 {
+            return false;
+        }
+        let _ = self.ctx.kv_cache_seq_rm(tomb, None, None);
+        self.shared
+            .stats
+            .tombstone_purges
+            .fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
     /// One `llama_decode` of the current batch, counted in the stats. With
     /// tombstones, a full cache frees them and tries once more.
     pub(crate) fn llama_decode(&mut self, n_tokens: usize) -> Result<()> {
@@ -183,15 +200,8 @@ impl Worker<'_> {
         DECODED.store(true, Ordering::Relaxed);
         let started = Instant::now();
         let mut result = self.ctx.decode(&mut self.batch);
-        if let (Err(DecodeError::NoKvCacheSlot), Some(tomb)) = (&result, self.tomb()) {
-            if self.ctx.kv_cache_seq_pos_max(tomb) >= 0 {
-                let _ = self.ctx.kv_cache_seq_rm(tomb, None, None);
-                self.shared
-                    .stats
-                    .tombstone_purges
-                    .fetch_add(1, Ordering::Relaxed);
-                result = self.ctx.decode(&mut self.batch);
-            }
+        if matches!(result, Err(DecodeError::NoKvCacheSlot)) && self.purge_tombstones() {
+            result = self.ctx.decode(&mut self.batch);
         }
         let stats = &self.shared.stats;
         stats.decode_calls.fetch_add(1, Ordering::Relaxed);

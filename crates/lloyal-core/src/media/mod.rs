@@ -93,10 +93,14 @@ pub struct MediaLayout {
 impl Task for Positions {
     fn run(self: Box<Self>, worker: &mut Worker<'_>) {
         let Positions { media, reply } = *self;
-        reply.send(worker.tokenize_media(&media).map(|(chunks, content)| MediaLayout {
-            positions: chunks.total_positions(),
-            content,
-        }));
+        reply.send(
+            worker
+                .tokenize_media(&media)
+                .map(|(chunks, content)| MediaLayout {
+                    positions: chunks.total_positions(),
+                    content,
+                }),
+        );
     }
 
     fn fail(self: Box<Self>, error: Error) {
@@ -139,12 +143,13 @@ impl Worker<'_> {
         };
         // llama.cpp's own message (another model's width, a missing tensor)
         // goes to its log; the error says where to look.
-        let loaded = MtmdContext::init_from_file(utf8, &self.model.llama, &params).map_err(|e| {
-            refuse(format!(
-                "libmtmd refused it ({e}): a projector made for another model, or a file it \
+        let loaded =
+            MtmdContext::init_from_file(utf8, &self.model.llama, &params).map_err(|e| {
+                refuse(format!(
+                    "libmtmd refused it ({e}): a projector made for another model, or a file it \
                  cannot read (llama.cpp's log has the reason)"
-            ))
-        })?;
+                ))
+            })?;
         let info = ProjectorInfo {
             vision: loaded.support_vision(),
             audio: loaded.support_audio(),
@@ -200,18 +205,20 @@ impl Worker<'_> {
         let ends_in_text = chunks
             .get(chunks.len().saturating_sub(1))
             .is_some_and(|c| c.chunk_type() == MtmdInputChunkType::Text);
-        let mtmd = self.mtmd.as_mut().expect("tokenize_media checked it");
-        let n_batch = self.n_batch as i32;
         self.shared
             .stats
             .media_encodes
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let end = match chunks.eval_chunks(mtmd, &mut self.ctx, start, seq, n_batch, true) {
+        let n_batch = self.n_batch as i32;
+        let mut result = self.eval(&chunks, start, seq, n_batch);
+        if matches!(result, Err(MtmdEvalError::EvalFailure(1))) && self.purge_tombstones() {
+            // A full cache frees the deterministic mode's tombstones and
+            // tries once more, as a text decode does.
+            result = self.eval(&chunks, start, seq, n_batch);
+        }
+        let end = match result {
             Ok(end) => end,
             Err(e) => {
-                // Nothing of it stays: the cells it took go back.
-                let _ = self.remove_cells(seq, u32::try_from(start).ok(), None);
-                self.refresh_seq(seq);
                 return Err(match e {
                     MtmdEvalError::EvalFailure(1) => {
                         Error::KvCacheFull("no room for the medium's cells".into())
@@ -231,6 +238,26 @@ impl Worker<'_> {
             None => b.clear_logits(),
         }
         Ok(end - start)
+    }
+}
+
+impl Worker<'_> {
+    /// Evaluate `chunks` into `seq` from `start`; on an error, nothing of
+    /// them stays (the cells they took go back).
+    fn eval(
+        &mut self,
+        chunks: &MtmdInputChunks,
+        start: i32,
+        seq: i32,
+        n_batch: i32,
+    ) -> std::result::Result<i32, MtmdEvalError> {
+        let mtmd = self.mtmd.as_mut().expect("tokenize_media checked it");
+        let result = chunks.eval_chunks(mtmd, &mut self.ctx, start, seq, n_batch, true);
+        if result.is_err() {
+            let _ = self.remove_cells(seq, u32::try_from(start).ok(), None);
+            self.refresh_seq(seq);
+        }
+        result
     }
 }
 
@@ -259,8 +286,10 @@ fn bitmap(mtmd: &MtmdContext, m: &Media) -> Result<MtmdBitmap> {
             // The header alone first (no pixel decoded), so that a huge
             // image is refused before it takes memory.
             let head = MtmdBitmap::from_buffer(mtmd, bytes, true).map_err(|_| {
-                bad("the media could not be read: not an image or audio format libmtmd reads \
-                     (PNG, JPEG, BMP, GIF, TGA, WAV, MP3, FLAC), or corrupt")
+                bad(
+                    "the media could not be read: not an image or audio format libmtmd reads \
+                     (PNG, JPEG, BMP, GIF, TGA, WAV, MP3, FLAC), or corrupt",
+                )
             })?;
             if !head.is_audio() {
                 check_sides(head.nx(), head.ny())?;
@@ -277,7 +306,14 @@ fn content_hash(bitmap: &MtmdBitmap) -> u128 {
     use std::hash::{DefaultHasher, Hash, Hasher};
     let half = |salt: u8| {
         let mut h = DefaultHasher::new();
-        (salt, bitmap.is_audio(), bitmap.nx(), bitmap.ny(), bitmap.data()).hash(&mut h);
+        (
+            salt,
+            bitmap.is_audio(),
+            bitmap.nx(),
+            bitmap.ny(),
+            bitmap.data(),
+        )
+            .hash(&mut h);
         h.finish()
     };
     (u128::from(half(0)) << 64) | u128::from(half(1))

@@ -1,0 +1,109 @@
+"""`lloyal serve --mmproj` (a subprocess: SmolLM2 with the random projector
+of ``lloyal.fixtures``) against the official openai client: images as
+OpenAI ``image_url`` parts, and the requests it must refuse."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from lloyal import fixtures
+
+from tests.server_fuzz import start_server, stop_server
+from tests.test_media import picture, png
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    proc, url = start_server(
+        "--n-seq-max", "4", "--n-ctx", "2048", "--mmproj", str(fixtures.mmproj()), "--deterministic"
+    )
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+def data_url(pixels: np.ndarray) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(pixels)).decode()
+
+
+def ask(url: str) -> list[Any]:
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Describe the picture."},
+                {"type": "image_url", "image_url": {"url": url}},
+            ],
+        }
+    ]
+
+
+def reply(client: openai.OpenAI, url: str) -> tuple[str, int]:
+    r = client.chat.completions.create(model="m", messages=ask(url), max_tokens=8, temperature=0.0)
+    assert r.usage is not None
+    return r.choices[0].message.content or "", r.usage.prompt_tokens
+
+
+def test_an_image_in_a_chat_request(client: openai.OpenAI, server: str) -> None:
+    text, used = reply(client, data_url(picture(1)))
+    assert text
+    # The 16 positions of the image count as prompt tokens.
+    plain = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Describe the picture."}],
+        max_tokens=1,
+    )
+    assert plain.usage is not None
+    assert used == plain.usage.prompt_tokens + 16
+    # The same image again: the same reply (from the prefix cache now).
+    assert reply(client, data_url(picture(1)))[0] == text
+    metrics = httpx.get(f"{server}/metrics").text
+    assert "lloyal_prefix_cache_saved_tokens_total" in metrics
+    # Streamed, the same text.
+    stream = client.chat.completions.create(
+        model="m", messages=ask(data_url(picture(1))), max_tokens=8, temperature=0.0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+@pytest.mark.parametrize(
+    ("part", "says"),
+    [
+        ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "data: URL"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "base64"),
+        (
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}},
+            "could not be read",
+        ),
+        ({"type": "input_audio", "input_audio": {"data": 3}}, "base64"),
+        ({"type": "video", "video": "x"}, "parts are"),
+    ],
+)
+def test_bad_media_are_400s(server: str, part: dict[str, Any], says: str) -> None:
+    body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 4}
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"]
+    # The server goes on.
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_a_server_without_a_projector_refuses_images() -> None:
+    proc, url = start_server("--n-seq-max", "2", "--n-ctx", "512", "--no-prefix-cache")
+    try:
+        body = {"messages": ask(data_url(picture(2))), "max_tokens": 4}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400
+        assert "--mmproj" in r.json()["error"]["message"]
+    finally:
+        stop_server(proc)
