@@ -23,8 +23,20 @@ fn refuse(path: &Path, reason: impl Into<String>) -> Error {
 }
 
 fn open(path: &Path) -> Result<(std::fs::File, Tensors)> {
+    open_gguf(path, refuse)
+}
+
+/// Open a GGUF file beside the model (an adapter, a projector) and read
+/// its tensor list; `refuse` makes the error for a file that is not one.
+pub(crate) fn open_gguf(
+    path: &Path,
+    refuse: impl Fn(&Path, String) -> Error,
+) -> Result<(std::fs::File, Tensors)> {
     if path.is_dir() {
-        return Err(refuse(path, "the path is a directory, not a GGUF file"));
+        return Err(refuse(
+            path,
+            "the path is a directory, not a GGUF file".into(),
+        ));
     }
     if !path.is_file() {
         return Err(Error::AdapterNotFound(path.to_path_buf()));

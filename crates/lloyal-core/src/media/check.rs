@@ -6,7 +6,6 @@
 use std::path::Path;
 
 use crate::error::{Error, Result};
-use crate::gguf::{self, Tensors};
 
 const U32: u32 = 4;
 const I32: u32 = 5;
@@ -118,15 +117,7 @@ fn type_name(ty: u32) -> &'static str {
 /// the file. Whether it matches the text model (its output width) libmtmd
 /// checks itself, with an error.
 pub(crate) fn check_projector(path: &Path) -> Result<()> {
-    if path.is_dir() {
-        return Err(refuse(path, "the path is a directory, not a GGUF file"));
-    }
-    if !path.is_file() {
-        return Err(Error::AdapterNotFound(path.to_path_buf()));
-    }
-    let file =
-        std::fs::File::open(path).map_err(|e| refuse(path, format!("cannot open it: {e}")))?;
-    let t: Tensors = gguf::read_tensors(&file).map_err(|e| refuse(path, e.0))?;
+    let (_, t) = crate::adapter::load::open_gguf(path, refuse)?;
     let arch = t.header.string("general.architecture");
     if arch != Some("clip") {
         return Err(refuse(
