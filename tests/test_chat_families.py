@@ -329,3 +329,25 @@ def test_a_negative_budget_never_interferes(ctx: lloyal.Context) -> None:
     assert [limit.choose(t) for t in tokens] == tokens
     with pytest.raises(TypeError):
         lloyal.ReasoningBudget(ctx, 1.5)  # type: ignore[arg-type]
+
+
+def test_a_marker_that_is_a_special_token_is_written_as_that_token(ctx: lloyal.Context) -> None:
+    # SmolLM2's <|im_start|> stands in for a family marker that is one
+    # special token (GPT-OSS's <|call|>, Kimi's section markers).
+    from lloyal.chat import _families
+
+    token = _families._SPECIALS.set(frozenset({"<|im_start|>"}))
+    try:
+        literal = _families._lark("call<|im_start|>now")
+    finally:
+        _families._SPECIALS.reset(token)
+    assert literal == '"call" <|im_start|> "now"'
+    grammar = ctx.create_grammar(lark=f"start: {literal}")
+    assert grammar is not None
+    (special,) = ctx.tokenize_sync("<|im_start|>", add_special=False, parse_special=True)
+    for t in ctx.tokenize_sync("call", add_special=False):
+        grammar.accept(t)
+    assert grammar.allows(special)
+    plain = ctx.tokenize_sync("<|im_start|>", add_special=False, parse_special=False)
+    assert len(plain) > 1
+    assert not grammar.allows(plain[0]), "the marker is the special token, not its text"

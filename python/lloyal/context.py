@@ -442,6 +442,7 @@ class Context:
             parallel_tool_calls=parallel_tool_calls,
             json_schema=json_schema,
             enable_thinking=enable_thinking,
+            is_special=lambda marker: bool(self._special_tokens([marker])),
         )
         extra = {**spec.variables, **template_kwargs}
         try:

@@ -11,7 +11,9 @@ kimi-k2, granite, command-r and gpt-oss.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,8 +116,22 @@ def _call_schema(functions: list[dict[str, Any]], args_key: str) -> dict[str, An
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
+# The markers that are single special tokens of the model the grammar is
+# for (see ``tool_grammar``): written as llguidance's ``<|name|>`` special
+# tokens, since the token env marks special tokens apart (a quoted literal
+# would make the model spell the marker out of plain pieces).
+_SPECIALS: ContextVar[frozenset[str]] = ContextVar("_SPECIALS", default=frozenset())
+
+
 def _lark(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
+    """``text`` as a Lark literal, its special-token markers as tokens."""
+    specials = [m for m in _SPECIALS.get() if m in text]
+    if not specials:
+        return json.dumps(text, ensure_ascii=False)
+    parts = re.split(
+        "(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")", text
+    )
+    return " ".join(p if p in specials else json.dumps(p, ensure_ascii=False) for p in parts if p)
 
 
 def _calls(parallel: bool, sep: str) -> str:
@@ -411,10 +427,19 @@ def family(template: str) -> str | None:
 
 
 def tool_grammar(
-    chat_format: str, functions: _Functions, parallel: bool
+    chat_format: str,
+    functions: _Functions,
+    parallel: bool,
+    specials: frozenset[str] = frozenset(),
 ) -> tuple[str, tuple[str, ...]]:
-    """Lark grammar for the calls of ``chat_format``, and its trigger words."""
+    """Lark grammar for the calls of ``chat_format``, and its trigger words.
+    ``specials``: the family's markers that are single special tokens of
+    the model (written as tokens, not text)."""
     f = FAMILIES.get(chat_format)
     if f is None or f.grammar is None:
         raise ValueError(f"no tool-call grammar for chat format {chat_format!r}")
-    return f.grammar(functions, parallel)
+    token = _SPECIALS.set(specials)
+    try:
+        return f.grammar(functions, parallel)
+    finally:
+        _SPECIALS.reset(token)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,9 +246,12 @@ def prepare_chat(
     parallel_tool_calls: bool,
     json_schema: Mapping[str, Any] | bool | None,
     enable_thinking: bool | None,
+    is_special: Callable[[str], bool] = lambda marker: False,
 ) -> ToolSpec:
     """Decide how to render ``messages`` with ``template`` and which grammar
-    constrains the reply (see the module docs)."""
+    constrains the reply (see the module docs). ``is_special`` says whether
+    a marker is a single special token of the model (the grammar then
+    names the token)."""
     check_messages(messages)
     variables: dict[str, Any] = {}
     if enable_thinking is not None:
@@ -271,7 +274,8 @@ def prepare_chat(
     if json_schema is not None:
         raise ValueError("give json_schema= or tools=, not both")
     allowed, required = _chosen(functions, tool_choice)
-    grammar, triggers = tool_grammar(chat_format, allowed, parallel_tool_calls)
+    specials = frozenset(m for m in FAMILIES[chat_format].markers if is_special(m))
+    grammar, triggers = tool_grammar(chat_format, allowed, parallel_tool_calls, specials)
     if native:
         variables["tools"] = [{"type": "function", "function": f} for f in functions]
         rendered = [dict(m) for m in messages]
