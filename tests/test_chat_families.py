@@ -336,18 +336,38 @@ def test_a_marker_that_is_a_special_token_is_written_as_that_token(ctx: lloyal.C
     # special token (GPT-OSS's <|call|>, Kimi's section markers).
     from lloyal.chat import _families
 
-    token = _families._SPECIALS.set(frozenset({"<|im_start|>"}))
+    (special,) = ctx.tokenize_sync("<|im_start|>", add_special=False, parse_special=True)
+    token = _families._SPECIALS.set({"<|im_start|>": special})
     try:
         literal = _families._lark("call<|im_start|>now")
     finally:
         _families._SPECIALS.reset(token)
-    assert literal == '"call" <|im_start|> "now"'
+    assert literal == f'"call" <[{special}]> "now"'
     grammar = ctx.create_grammar(lark=f"start: {literal}")
     assert grammar is not None
-    (special,) = ctx.tokenize_sync("<|im_start|>", add_special=False, parse_special=True)
     for t in ctx.tokenize_sync("call", add_special=False):
         grammar.accept(t)
     assert grammar.allows(special)
     plain = ctx.tokenize_sync("<|im_start|>", add_special=False, parse_special=False)
     assert len(plain) > 1
     assert not grammar.allows(plain[0]), "the marker is the special token, not its text"
+
+
+def test_a_lazy_grammar_whose_trigger_is_a_special_token_fires_on_that_token(
+    ctx: lloyal.Context,
+) -> None:
+    # The grammar names the special token itself (as it does for a family
+    # whose opener is one, GPT-OSS's <|start|> say): when the model emits
+    # it, the grammar is fed that token, not the trigger's text tokenized.
+    grammar = ctx.create_grammar(lark='start: <|im_start|> "call"', triggers=["<|im_start|>"])
+    assert grammar is not None
+    (special,) = ctx.tokenize_sync("<|im_start|>", add_special=False, parse_special=True)
+    for t in ctx.tokenize_sync("Some text first. ", add_special=False):
+        grammar.accept(t)
+    assert grammar.allows(special)
+    grammar.accept(special)
+    (call,) = ctx.tokenize_sync("call", add_special=False)
+    other = ctx.tokenize_sync(" nope", add_special=False)[0]
+    assert not grammar.allows(other), "fired: the grammar constrains now"
+    grammar.accept(call)
+    assert grammar.is_accepting

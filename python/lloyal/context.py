@@ -442,7 +442,7 @@ class Context:
             parallel_tool_calls=parallel_tool_calls,
             json_schema=json_schema,
             enable_thinking=enable_thinking,
-            is_special=lambda marker: bool(self._special_tokens([marker])),
+            special_id=lambda marker: next(iter(self._special_tokens([marker])), None),
         )
         extra = {**spec.variables, **template_kwargs}
         try:

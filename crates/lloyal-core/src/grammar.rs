@@ -178,9 +178,10 @@ pub struct Grammar {
 struct Lazy {
     words: Arc<[Vec<u8>]>,
     /// The bytes accepted tokens render as (special tokens as their text),
-    /// and the length after each accepted token.
+    /// the length after each accepted token, and the tokens themselves.
     seen: Vec<u8>,
     ends: Vec<usize>,
+    tokens: Vec<u32>,
     /// `consumed` once the trigger's token was accepted; `None` while
     /// waiting.
     fired_at: Option<usize>,
@@ -274,6 +275,7 @@ impl Grammar {
             words: triggers.iter().map(|w| w.as_bytes().to_vec()).collect(),
             seen: Vec::new(),
             ends: Vec::new(),
+            tokens: Vec::new(),
             fired_at: None,
         }));
         Ok(grammar)
@@ -305,8 +307,24 @@ impl Grammar {
         let lazy = self.lazy.as_ref().filter(|l| l.fired_at.is_none())?;
         let more = self.text_of(token);
         let at = lazy.find(more)?;
-        // The trigger may start in the earlier text or inside this token's
-        // own text (" Paris" for "Paris"): what precedes it is not fed.
+        // Where the trigger starts on a token boundary, the grammar gets
+        // the tokens themselves: a trigger that is a special token (a
+        // family's `<|call|>`) is that token, not text spelling it.
+        if at == lazy.seen.len() {
+            return Some(vec![token as u32]);
+        }
+        if let Ok(i) = lazy.ends.binary_search(&at) {
+            let mut tokens = lazy.tokens[i + 1..].to_vec();
+            tokens.push(token as u32);
+            return Some(tokens);
+        }
+        if at == 0 {
+            let mut tokens = lazy.tokens.clone();
+            tokens.push(token as u32);
+            return Some(tokens);
+        }
+        // The trigger starts inside a token (" Paris" for "Paris"): what
+        // precedes it is not fed, and the rest is tokenized again.
         let tail = match at.checked_sub(lazy.seen.len()) {
             None => [&lazy.seen[at..], more].concat(),
             Some(inside) => more[inside..].to_vec(),
@@ -404,6 +422,7 @@ impl Grammar {
             if let Some(lazy) = self.lazy.as_mut() {
                 lazy.seen.extend_from_slice(&more);
                 lazy.ends.push(lazy.seen.len());
+                lazy.tokens.push(token as u32);
                 lazy.fired_at = tail.map(|_| consumed);
             }
             self.consumed = consumed;
@@ -434,6 +453,7 @@ impl Grammar {
             }
             if lazy.fired_at.is_none() {
                 lazy.ends.truncate(count);
+                lazy.tokens.truncate(count);
                 lazy.seen.truncate(lazy.ends.last().copied().unwrap_or(0));
                 self.consumed = count;
                 return Ok(());
@@ -453,6 +473,7 @@ impl Grammar {
         if let Some(lazy) = self.lazy.as_mut() {
             lazy.seen.clear();
             lazy.ends.clear();
+            lazy.tokens.clear();
             lazy.fired_at = None;
         }
         Ok(())

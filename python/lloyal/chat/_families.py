@@ -117,21 +117,27 @@ def _call_schema(functions: list[dict[str, Any]], args_key: str) -> dict[str, An
 
 
 # The markers that are single special tokens of the model the grammar is
-# for (see ``tool_grammar``): written as llguidance's ``<|name|>`` special
-# tokens, since the token env marks special tokens apart (a quoted literal
-# would make the model spell the marker out of plain pieces).
-_SPECIALS: ContextVar[frozenset[str]] = ContextVar("_SPECIALS", default=frozenset())
+# for, with their ids (see ``tool_grammar``): written as llguidance token
+# references (``<[id]>``), since the token env keeps special tokens apart
+# from text (a quoted literal would make the model spell the marker out of
+# plain pieces).
+_SPECIALS: ContextVar[Mapping[str, int]] = ContextVar("_SPECIALS", default={})
 
 
 def _lark(text: str) -> str:
     """``text`` as a Lark literal, its special-token markers as tokens."""
-    specials = [m for m in _SPECIALS.get() if m in text]
-    if not specials:
+    specials = _SPECIALS.get()
+    found = [m for m in specials if m in text]
+    if not found:
         return json.dumps(text, ensure_ascii=False)
     parts = re.split(
-        "(" + "|".join(map(re.escape, sorted(specials, key=len, reverse=True))) + ")", text
+        "(" + "|".join(map(re.escape, sorted(found, key=len, reverse=True))) + ")", text
     )
-    return " ".join(p if p in specials else json.dumps(p, ensure_ascii=False) for p in parts if p)
+    return " ".join(
+        f"<[{specials[p]}]>" if p in specials else json.dumps(p, ensure_ascii=False)
+        for p in parts
+        if p
+    )
 
 
 def _calls(parallel: bool, sep: str) -> str:
@@ -430,15 +436,15 @@ def tool_grammar(
     chat_format: str,
     functions: _Functions,
     parallel: bool,
-    specials: frozenset[str] = frozenset(),
+    specials: Mapping[str, int] | None = None,
 ) -> tuple[str, tuple[str, ...]]:
     """Lark grammar for the calls of ``chat_format``, and its trigger words.
     ``specials``: the family's markers that are single special tokens of
-    the model (written as tokens, not text)."""
+    the model, with their ids (written as tokens, not text)."""
     f = FAMILIES.get(chat_format)
     if f is None or f.grammar is None:
         raise ValueError(f"no tool-call grammar for chat format {chat_format!r}")
-    token = _SPECIALS.set(specials)
+    token = _SPECIALS.set(specials or {})
     try:
         return f.grammar(functions, parallel)
     finally:

@@ -246,12 +246,12 @@ def prepare_chat(
     parallel_tool_calls: bool,
     json_schema: Mapping[str, Any] | bool | None,
     enable_thinking: bool | None,
-    is_special: Callable[[str], bool] = lambda marker: False,
+    special_id: Callable[[str], int | None] = lambda marker: None,
 ) -> ToolSpec:
     """Decide how to render ``messages`` with ``template`` and which grammar
-    constrains the reply (see the module docs). ``is_special`` says whether
-    a marker is a single special token of the model (the grammar then
-    names the token)."""
+    constrains the reply (see the module docs). ``special_id`` gives a
+    marker's id when it is a single special token of the model (the
+    grammar then names the token)."""
     check_messages(messages)
     variables: dict[str, Any] = {}
     if enable_thinking is not None:
@@ -274,7 +274,8 @@ def prepare_chat(
     if json_schema is not None:
         raise ValueError("give json_schema= or tools=, not both")
     allowed, required = _chosen(functions, tool_choice)
-    specials = frozenset(m for m in FAMILIES[chat_format].markers if is_special(m))
+    ids = {m: special_id(m) for m in FAMILIES[chat_format].markers}
+    specials = {m: i for m, i in ids.items() if i is not None}
     grammar, triggers = tool_grammar(chat_format, allowed, parallel_tool_calls, specials)
     if native:
         variables["tools"] = [{"type": "function", "function": f} for f in functions]
