@@ -121,12 +121,12 @@ def _call_schema(functions: list[dict[str, Any]], args_key: str) -> dict[str, An
 # references (``<[id]>``), since the token env keeps special tokens apart
 # from text (a quoted literal would make the model spell the marker out of
 # plain pieces).
-_SPECIALS: ContextVar[Mapping[str, int]] = ContextVar("_SPECIALS", default={})
+_SPECIALS: ContextVar[Mapping[str, int] | None] = ContextVar("_SPECIALS", default=None)
 
 
 def _lark(text: str) -> str:
     """``text`` as a Lark literal, its special-token markers as tokens."""
-    specials = _SPECIALS.get()
+    specials = _SPECIALS.get() or {}
     found = [m for m in specials if m in text]
     if not found:
         return json.dumps(text, ensure_ascii=False)
