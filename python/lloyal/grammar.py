@@ -20,7 +20,11 @@ character on, the output must match the grammar, so write the grammar to
 start with the trigger. This is how tool calls are constrained without
 constraining the prose around them (:meth:`Context.format_chat` with
 ``tools=`` returns such a grammar). A token that completes a trigger but
-continues in a way the grammar rejects is not allowed.
+continues in a way the grammar rejects is not allowed. When the trigger
+starts where a token starts, the grammar is given the tokens themselves,
+so a trigger that is a special token (``<|call|>``) matches a grammar
+that names that token (``<[id]>`` or ``<|call|>`` in Lark); a trigger
+starting inside a token is given as its text.
 
 Supported GBNF: rules (continued after ``|`` or inside parentheses),
 ``root``, string literals, character classes, ``.``, grouping, alternation,

@@ -261,9 +261,11 @@ impl Grammar {
     /// text the branch produces contains one of `triggers` (a tool-call
     /// opener such as `<tool_call>`); from the trigger's first byte on, the
     /// output must match `spec`, so the grammar is written to start with
-    /// the trigger. The text from the trigger to the end of the token that
-    /// completed it is fed to the grammar when that token is accepted (a
-    /// token whose tail the grammar rejects is not allowed).
+    /// the trigger. What the branch produced from the trigger to the end of
+    /// the token that completed it is fed to the grammar when that token is
+    /// accepted (a token whose tail the grammar rejects is not allowed): the
+    /// tokens themselves when the trigger starts on a token boundary (so a
+    /// special-token trigger is that token), else that text tokenized.
     pub fn lazy(model: &Model, spec: &GrammarSpec, triggers: &[String]) -> Result<Self> {
         if triggers.is_empty() || triggers.iter().any(String::is_empty) {
             return Err(grammar_error(
