@@ -16,6 +16,7 @@ documented, runnable example, and the examples are most of the file.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -199,8 +200,10 @@ class Branch(NativeBranch):
                 else:
                     _raise_first(await _step.submit(self._ctx, [(self, part)], False))
         except BaseException:
-            if self.position != start and not self.disposed:
-                with anyio.CancelScope(shield=True):
+            # Always, not only when the position moved: a cancelled await
+            # leaves its job running, and the truncate queues behind it.
+            if not self.disposed:
+                with anyio.CancelScope(shield=True), contextlib.suppress(LloyalError, ValueError):
                     await self.truncate(start, before)
             raise
 
