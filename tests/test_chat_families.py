@@ -255,9 +255,13 @@ async def test_a_reasoning_budget_closes_the_thinking_then_the_model_goes_on(
         await b.prefill(await ctx.tokenize(chat.prompt, add_special=False))
         stream = lloyal.TextStream(ctx)
         text = ""
+        after = 0  # tokens the model chose after the closer
         for _ in range(40):
             p = await b.produce()
             token = limit.choose(p.token)
+            if "</think>" in text:
+                assert token == p.token, "after the closer, the model decides"
+                after += 1
             if token == p.token and p.is_stop:
                 break
             await b.commit(token)
@@ -267,7 +271,10 @@ async def test_a_reasoning_budget_closes_the_thinking_then_the_model_goes_on(
     out = chat.parse(text + stream.flush())
     reasoning = ctx.tokenize_sync(out.reasoning, add_special=False) if out.reasoning else []
     assert len(reasoning) <= budget + 1, out  # one token of rounding at the cut
-    assert out.content, "the model answers after its reasoning"
+    # The budget ends the reasoning, not the reply: the model is asked on.
+    # (What it answers, or whether it stops at once, is the model's greedy
+    # choice, which may differ by host.)
+    assert after >= 1
 
 
 @pytest.mark.asyncio
