@@ -118,7 +118,6 @@ def test_history_with_calls_and_results_renders(
         {"tools": [WEATHER, WEATHER]},
         {"tools": [WEATHER], "tool_choice": "sometimes"},
         {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-        {"tools": [WEATHER], "json_schema": {"type": "object"}},
     ],
 )
 def test_bad_tools_are_value_errors(
@@ -278,3 +277,86 @@ async def test_a_token_with_text_before_the_trigger_fires_it(smollm2: Path) -> N
         with pytest.raises(lloyal.GrammarError):
             await b.commit(comma)
         assert b.grammar_triggered is True
+
+
+ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 30}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.asyncio
+async def test_tools_and_a_reply_format_give_a_call_or_a_formatted_answer(
+    tool_ctx: tuple[lloyal.Context, str | None],
+) -> None:
+    ctx, template = tool_ctx
+    chat = ctx.format_chat(ASK, template=template, tools=[WEATHER], json_schema=ANSWER)
+    assert chat.grammar_triggers == (), "from the first token"
+    # Both ways in are open, and nothing else.
+    for text, allowed in (
+        ('<tool_call>\n{"name": "get_weather"', True),
+        ('{"answer": "Sunny"}', True),
+        ("Sunny, I think.", False),
+    ):
+        grammar = chat.create_grammar(ctx)
+        assert grammar is not None
+        tokens = ctx.tokenize_sync(text, add_special=False, parse_special=False)
+        ok = True
+        for t in tokens:
+            if not grammar.allows(t):
+                ok = False
+                break
+            grammar.accept(t)
+        assert ok is allowed, text
+    # A greedy reply under it is one or the other, well formed.
+    async with lloyal.Branch.create(ctx, lloyal.GREEDY, chat.create_grammar(ctx)) as b:
+        await b.prefill(await ctx.tokenize(chat.prompt, add_special=False))
+        text = await _run(b, ctx)
+    out = chat.parse(text)
+    if out.tool_calls:
+        _check_call(out.tool_calls[0])
+    else:
+        jsonschema.validate(json.loads(out.content), ANSWER)
+
+
+NESTED = {
+    "type": "function",
+    "function": {
+        "name": "ship",
+        "parameters": {
+            # As pydantic writes nested models.
+            "$defs": {
+                "Address": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 12}},
+                    "required": ["city"],
+                    "additionalProperties": False,
+                }
+            },
+            "type": "object",
+            "properties": {"to": {"$ref": "#/$defs/Address"}},
+            "required": ["to"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.asyncio
+async def test_tool_parameters_with_defs_and_refs_are_inlined(
+    tool_ctx: tuple[lloyal.Context, str | None],
+) -> None:
+    ctx, template = tool_ctx
+    chat = ctx.format_chat(ASK, template=template, tools=[NESTED], tool_choice="required")
+    async with lloyal.Branch.create(
+        ctx, lloyal.SamplingParams(seed=3), chat.create_grammar(ctx)
+    ) as b:
+        await b.prefill(await ctx.tokenize(chat.prompt, add_special=False))
+        text = await _run(b, ctx)
+    (call,) = chat.parse(text).tool_calls[:1]
+    jsonschema.validate(call.parsed_arguments(), NESTED["function"]["parameters"])
+    broken = {"name": "f", "parameters": {"properties": {"a": {"$ref": "#/$defs/Gone"}}}}
+    with pytest.raises(ValueError, match="points at nothing"):
+        ctx.format_chat(ASK, template=template, tools=[broken])

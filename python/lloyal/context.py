@@ -401,7 +401,10 @@ class Context:
         from the first token with ``"required"`` or
         ``{"type": "function", "function": {"name": ...}}``; ``"none"``
         leaves tools out. ``parallel_tool_calls=False`` allows one call.
-        ``json_schema`` constrains the whole reply instead.
+        ``json_schema`` constrains the whole reply; with tools too (as
+        OpenAI's ``response_format``), the reply is either the calls or an
+        answer matching the schema, from its first token (with
+        ``tool_choice="required"``, the calls).
         ``enable_thinking`` is passed to templates that read it (Qwen 3).
         Content parts may hold images and audio (see :mod:`lloyal.media`):
         each becomes a :data:`MEDIA_MARKER <lloyal.MEDIA_MARKER>` in the

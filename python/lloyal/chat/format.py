@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,63 @@ class ToolSpec:
     think: tuple[str, str] = THINKING
 
 
+# An inlined schema of more nodes than this is refused (a chain of
+# references can multiply a schema's size).
+_MAX_NODES = 100_000
+
+
+def inline_refs(schema: Mapping[str, Any], what: str = "the schema") -> dict[str, Any]:
+    """``schema`` with its local references (``#/$defs/...``,
+    ``#/definitions/...``, ``#``) replaced by what they point at, and its
+    definitions dropped: a tool's parameters are placed inside a call's
+    schema (or one argument at a time), where a reference to the tool's own
+    root would point elsewhere (pydantic writes nested models this way). A
+    reference back into itself (a recursive model) becomes any value, one
+    level down. Raises ``ValueError`` for a reference to nothing.
+
+    >>> inline_refs({"$defs": {"A": {"type": "integer"}},
+    ...              "properties": {"a": {"$ref": "#/$defs/A"}}})
+    {'properties': {'a': {'type': 'integer'}}}
+    """
+
+    def resolve(ref: str) -> Any:
+        node: Any = schema
+        for part in ref[2:].split("/") if ref != "#" else ():
+            key = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, Mapping) and key in node:
+                node = node[key]
+            elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+                node = node[int(key)]
+            else:
+                raise ValueError(f"{what}: $ref {ref!r} points at nothing")
+        return node
+
+    budget = [_MAX_NODES]
+
+    def walk(node: Any, seen: frozenset[str]) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ValueError(f"{what}: the schema with its references inlined is too large")
+        if isinstance(node, list):
+            return [walk(x, seen) for x in node]
+        if not isinstance(node, Mapping):
+            return node
+        ref = node.get("$ref")
+        rest = {k: walk(v, seen) for k, v in node.items() if k != "$ref"}
+        if not (isinstance(ref, str) and ref.startswith("#")):
+            return rest
+        if ref in seen:
+            return rest  # recursion: any value here
+        target = walk(resolve(ref), seen | {ref})
+        if not isinstance(target, Mapping):
+            return rest
+        inlined = {k: v for k, v in target.items() if k not in ("$defs", "definitions")}
+        return {**inlined, **rest}
+
+    top = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    return dict(walk(top, frozenset()))
+
+
 def _functions(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The ``function`` objects of OpenAI-style tools (bare function objects
     are accepted too), checked enough to build a grammar from."""
@@ -85,7 +143,7 @@ def _functions(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         params = fn.get("parameters", {"type": "object"})
         if not isinstance(params, Mapping):
             raise ValueError(f"tool {fn['name']!r}: parameters must be a JSON schema object")
-        out.append({**fn, "parameters": dict(params)})
+        out.append({**fn, "parameters": inline_refs(params, f"tool {fn['name']!r}")})
     names = [f["name"] for f in out]
     if len(set(names)) != len(names):
         raise ValueError(f"tool names must be unique, got {names}")
@@ -271,12 +329,16 @@ def prepare_chat(
         return ToolSpec(
             rendered, variables, chat_format if tools else "content", grammar, (), think, opens
         )
-    if json_schema is not None:
-        raise ValueError("give json_schema= or tools=, not both")
     allowed, required = _chosen(functions, tool_choice)
     ids = {m: special_id(m) for m in FAMILIES[chat_format].markers}
     specials = {m: i for m, i in ids.items() if i is not None}
     grammar, triggers = tool_grammar(chat_format, allowed, parallel_tool_calls, specials)
+    if json_schema is not None and not required:
+        # Tools and a reply format, as OpenAI takes them: the reply is the
+        # calls or an answer in the format, from its first token.
+        calls = re.sub(r"^start:", "tool_calls_:", grammar, count=1, flags=re.M)
+        grammar = f"start: tool_calls_ | %json {inline_json(json_schema)}\n{calls}"
+        triggers = ()
     if native:
         variables["tools"] = [{"type": "function", "function": f} for f in functions]
         rendered = [dict(m) for m in messages]

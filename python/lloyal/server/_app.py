@@ -6,12 +6,10 @@ import asyncio
 import base64
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
@@ -21,12 +19,12 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from lloyal.branch import BranchStore
-from lloyal.context import Context, create_context
+from lloyal.context import create_context
 from lloyal.errors import ChatTemplateError, GrammarError, LloyalError
 from lloyal.server._adapters import load as load_adapters
 from lloyal.server._adapters import lora_adapters as _lora_adapters
 from lloyal.server._chat import ChatChoice, chat_grammar, chat_prompt, prompt_tokens
-from lloyal.server._engine import Engine, Event
+from lloyal.server._engine import Event
 from lloyal.server._protocol import (
     ApiError,
     chat_request,
@@ -34,87 +32,11 @@ from lloyal.server._protocol import (
     embedding_request,
     parse_json,
 )
+from lloyal.server._state import ServerConfig, State
 
 __all__ = ["ServerConfig", "create_app"]
 
 log = logging.getLogger("lloyal.server")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """How :func:`create_app` opens its model (see ``lloyal serve --help``)."""
-
-    model_path: str | os.PathLike[str]
-    model_name: str | None = None
-    template: str | None = None
-    n_ctx: int = 8192
-    n_seq_max: int = 32
-    n_threads: int | None = None
-    prefix_cache: bool = True
-    cache_branches: int | None = None
-    cache_dir: str | os.PathLike[str] | None = None
-    max_queue: int = 64
-    embeddings: bool = True
-    # Adapters (``lloyal.server._adapters``): LoRA files with their default
-    # scales, ids in this order; a control vector with its scale and layers.
-    loras: tuple[tuple[str | os.PathLike[str], float], ...] = ()
-    control_vector: tuple[str | os.PathLike[str], float] | None = None
-    control_vector_layers: tuple[int, int] | None = None
-    # Tokens of reasoning before the end-of-thinking marker is forced (-1:
-    # no limit); a request's reasoning_budget overrides it.
-    reasoning_budget: int = -1
-    # create_context(deterministic=True): a request's tokens are the same
-    # bits whatever it is batched with (docs/determinism.md).
-    deterministic: bool = False
-    # A projector (mmproj GGUF): requests may hold images and audio.
-    mmproj: str | os.PathLike[str] | None = None
-
-
-class _State:
-    def __init__(self, config: ServerConfig, ctx: Context) -> None:
-        self.config = config
-        self.ctx = ctx
-        self._token_info: dict[int, tuple[str, list[int]]] = {}
-        self.engine = Engine(
-            ctx,
-            prefix_cache=config.prefix_cache,
-            cache_branches=config.cache_branches,
-            cache_dir=config.cache_dir,
-            max_queue=config.max_queue,
-        )
-        self.name = config.model_name or ctx.model_info.name or "lloyal"
-        self._embedder: Context | None = None
-        self._embed_lock = asyncio.Lock()
-
-    def token_info(self, token: int) -> tuple[str, list[int]]:
-        """A token's text and bytes for logprobs, asked of the model once
-        per token (a step's logprobs then cost no native call per entry)."""
-        info = self._token_info.get(token)
-        if info is None:
-            info = self._token_info[token] = (
-                self.ctx.token_to_text(token),
-                list(self.ctx.token_bytes(token)),
-            )
-        return info
-
-    async def embedder(self) -> Context:
-        """A pooling context on the same model, opened on first use."""
-        async with self._embed_lock:
-            if self._embedder is None:
-                self._embedder = await create_context(
-                    self.config.model_path,
-                    embeddings=True,
-                    pooling="mean",
-                    n_ctx=min(self.config.n_ctx, 4096),
-                    n_threads=self.config.n_threads,
-                )
-            return self._embedder
-
-    async def aclose(self) -> None:
-        await self.engine.aclose()
-        if self._embedder is not None:
-            await self._embedder.aclose()
-        await self.ctx.aclose()
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -132,13 +54,13 @@ def _internal(e: BaseException) -> ApiError:
 
 
 def _handler(
-    fn: Callable[[Request, _State], Awaitable[Response]],
+    fn: Callable[[Request, State], Awaitable[Response]],
 ) -> Callable[[Request], Awaitable[Response]]:
     """Map errors to OpenAI error bodies: bad input is a 400, never a 500,
     and whatever else goes wrong is a 500 with the same body, never text."""
 
     async def route(request: Request) -> Response:
-        state: _State = request.app.state.lloyal
+        state: State = request.app.state.lloyal
         try:
             return await fn(request, state)
         except ApiError as e:
@@ -163,7 +85,7 @@ def _sse(obj: object) -> bytes:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
-def _logprob_entry(state: _State, token: int, logprob: float, top: Any) -> dict[str, Any]:
+def _logprob_entry(state: State, token: int, logprob: float, top: Any) -> dict[str, Any]:
     text, raw = state.token_info(token)
     return {
         "token": text,
@@ -184,7 +106,7 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
         done, _ = await asyncio.wait({task}, timeout=0.1)
         if not done and await request.is_disconnected():
             task.cancel()
-            state: _State = request.app.state.lloyal
+            state: State = request.app.state.lloyal
             state.engine.metrics.disconnects += 1
             await asyncio.gather(task, return_exceptions=True)
             return Response(status_code=499)
@@ -225,7 +147,7 @@ class _Primed:
 
 
 def _event_stream(
-    state: _State, source: _Primed, bodies: AsyncGenerator[dict[str, Any], None]
+    state: State, source: _Primed, bodies: AsyncGenerator[dict[str, Any], None]
 ) -> StreamingResponse:
     """Server-sent events: each body, then ``[DONE]``; an error mid-stream
     as an error body; a client gone counted, and its branches freed."""
@@ -252,7 +174,7 @@ def _event_stream(
 # -- chat completions -------------------------------------------------------------
 
 
-async def chat_completions(request: Request, state: _State) -> Response:
+async def chat_completions(request: Request, state: State) -> Response:
     req = chat_request(await _body(request), vocab_size=state.ctx.vocab_size)
     gen = req.generation
     prompt = chat_prompt(state.ctx, state.config.template, req)
@@ -302,18 +224,30 @@ async def chat_completions(request: Request, state: _State) -> Response:
 
         async def bodies() -> AsyncGenerator[dict[str, Any], None]:
             for i in range(gen.n):
-                opener = {"index": i, "delta": {"role": "assistant", "content": ""}}
+                opener = {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 yield {**chunk, "choices": [opener]}
             async for event in source:
                 c = choices[event.index]
-                choice: dict[str, Any] = {"index": event.index, "delta": {}}
+                # OpenAI sends both keys in every chunk, null until set.
+                choice: dict[str, Any] = {
+                    "index": event.index,
+                    "delta": {},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 if event.finish is not None:
+                    choice["delta"] = c.closing_delta()
                     _, choice["finish_reason"] = c.final(event.finish)
                 else:
                     choice["delta"] = c.delta(event.text)
                     if event.logprob is not None:
                         choice["logprobs"] = {"content": [c.logprobs[-1]]}
-                    if not choice["delta"] and "logprobs" not in choice:
+                    if not choice["delta"] and choice["logprobs"] is None:
                         continue
                 yield {**chunk, "choices": [choice]}
             if gen.include_usage:
@@ -344,7 +278,7 @@ async def chat_completions(request: Request, state: _State) -> Response:
 # -- completions ---------------------------------------------------------------------
 
 
-async def completions(request: Request, state: _State) -> Response:
+async def completions(request: Request, state: State) -> Response:
     ctx = state.ctx
     req = completion_request(await _body(request), vocab_size=ctx.vocab_size)
     gen = req.generation
@@ -392,13 +326,20 @@ async def completions(request: Request, state: _State) -> Response:
         chunk = {**head, "object": "text_completion"}
 
         async def bodies() -> AsyncGenerator[dict[str, Any], None]:
+            if req.echo:  # the prompt first, as OpenAI streams it
+                for i in range(gen.n):
+                    echoed = {"index": i, "text": prompt_text, "logprobs": None}
+                    yield {**chunk, "choices": [{**echoed, "finish_reason": None}]}
             async for event in source:
-                if event.finish is None and not event.text:
+                token_lp = event.finish is None and event.logprob is not None
+                if event.finish is None and not event.text and not token_lp:
                     continue
+                lp = lps[event.index]
                 choice = {
                     "index": event.index,
                     "text": event.text,
-                    "logprobs": None,
+                    # This token's entry (``record`` saw the event first).
+                    "logprobs": {k: v[-1:] for k, v in lp.items()} if token_lp else None,
                     "finish_reason": event.finish,
                 }
                 yield {**chunk, "choices": [choice]}
@@ -431,7 +372,7 @@ async def completions(request: Request, state: _State) -> Response:
 # -- the rest ------------------------------------------------------------------------
 
 
-async def embeddings(request: Request, state: _State) -> Response:
+async def embeddings(request: Request, state: State) -> Response:
     req = embedding_request(await _body(request))
     if not state.config.embeddings:
         raise ApiError("embeddings are off on this server", status=404)
@@ -462,31 +403,40 @@ async def embeddings(request: Request, state: _State) -> Response:
     )
 
 
-async def models(request: Request, state: _State) -> Response:
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.name,
-                    "object": "model",
-                    "created": int(state.engine.metrics.started),
-                    "owned_by": "lloyal",
-                }
-            ],
-        }
-    )
+def _model_object(state: State) -> dict[str, Any]:
+    return {
+        "id": state.name,
+        "object": "model",
+        "created": int(state.engine.metrics.started),
+        "owned_by": "lloyal",
+    }
 
 
-async def lora_adapters(request: Request, state: _State) -> Response:
+async def models(request: Request, state: State) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_object(state)]})
+
+
+async def model(request: Request, state: State) -> Response:
+    """``GET /v1/models/{id}``: the model, or OpenAI's 404."""
+    if request.path_params["model"] != state.name:
+        raise ApiError(
+            f"The model '{request.path_params['model']}' does not exist",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
+    return JSONResponse(_model_object(state))
+
+
+async def lora_adapters(request: Request, state: State) -> Response:
     return await _lora_adapters(request, state.ctx, state.engine.loras)
 
 
-async def health(request: Request, state: _State) -> Response:
+async def health(request: Request, state: State) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-async def metrics(request: Request, state: _State) -> Response:
+async def metrics(request: Request, state: State) -> Response:
     m = state.engine.metrics
     stats = state.ctx.stats
     store = BranchStore(state.ctx)
@@ -518,9 +468,9 @@ def create_app(config: ServerConfig) -> Starlette:
 
     >>> from lloyal.server import ServerConfig, create_app
     >>> app = create_app(ServerConfig(model_path=MODEL, n_seq_max=4))
-    >>> sorted(r.path for r in app.routes)  # doctest: +NORMALIZE_WHITESPACE
-    ['/health', '/lora-adapters', '/metrics', '/v1/chat/completions', '/v1/completions',
-     '/v1/embeddings', '/v1/models']
+    >>> [r.path for r in app.routes if r.path.startswith("/v1")]  # doctest: +NORMALIZE_WHITESPACE
+    ['/v1/chat/completions', '/v1/completions', '/v1/embeddings', '/v1/models',
+     '/v1/models/{model:path}']
     """
 
     @asynccontextmanager
@@ -540,7 +490,7 @@ def create_app(config: ServerConfig) -> Starlette:
         except BaseException:
             await ctx.aclose()
             raise
-        state = _State(config, ctx)
+        state = State(config, ctx)
         state.engine.loras = loras
         app.state.lloyal = state
         try:
@@ -548,11 +498,20 @@ def create_app(config: ServerConfig) -> Starlette:
         finally:
             await state.aclose()
 
+    openai_routes = [
+        ("/chat/completions", chat_completions, ["POST"]),
+        ("/completions", completions, ["POST"]),
+        ("/embeddings", embeddings, ["POST"]),
+        ("/models", models, ["GET"]),
+        ("/models/{model:path}", model, ["GET"]),
+    ]
     routes = [
-        Route("/v1/chat/completions", _handler(chat_completions), methods=["POST"]),
-        Route("/v1/completions", _handler(completions), methods=["POST"]),
-        Route("/v1/embeddings", _handler(embeddings), methods=["POST"]),
-        Route("/v1/models", _handler(models), methods=["GET"]),
+        # Under /v1 and, as llama-server also serves them, without it.
+        *(
+            Route(prefix + path, _handler(fn), methods=methods)
+            for prefix in ("/v1", "")
+            for path, fn, methods in openai_routes
+        ),
         Route("/health", _handler(health), methods=["GET"]),
         Route("/metrics", _handler(metrics), methods=["GET"]),
         Route("/lora-adapters", _handler(lora_adapters), methods=["GET", "POST"]),

@@ -29,7 +29,15 @@ class ChatChoice:
         self.tokens = 0
 
     def delta(self, more: str) -> dict[str, Any]:
-        now = self.stream.feed(more)
+        return self._since_seen(self.stream.feed(more))
+
+    def closing_delta(self) -> dict[str, Any]:
+        """What the final parse has that the deltas did not send: text held
+        back as a possible marker's start, a call cut by ``max_tokens``
+        (the stream then ends as the whole reply would)."""
+        return self._since_seen(self.stream.finish()) if self.stream.text else {}
+
+    def _since_seen(self, now: ChatOutput) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if now.content.startswith(self.seen.content) and len(now.content) > len(self.seen.content):
             out["content"] = now.content[len(self.seen.content) :]

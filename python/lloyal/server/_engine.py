@@ -141,10 +141,7 @@ class Engine:
                 f"n={n} needs more KV sequences than the server has ({self.capacity})", param="n"
             )
         if len(tokens) >= self.ctx.n_ctx:
-            raise ApiError(
-                f"the prompt has {len(tokens)} tokens; the context holds {self.ctx.n_ctx}",
-                param="messages",
-            )
+            raise _too_long(len(tokens), self.ctx.n_ctx)
         cells = self.cells_needed(tokens, gen)
         self.metrics.requests += 1
 
@@ -391,10 +388,7 @@ class Engine:
             raise ApiError("the prompt is empty", param="prompt")
         room = self.ctx.n_ctx - len(tokens)
         if room < 1:
-            raise ApiError(
-                f"the prompt has {len(tokens)} tokens; the context holds {self.ctx.n_ctx}",
-                param="messages",
-            )
+            raise _too_long(len(tokens), self.ctx.n_ctx)
         limit = min(gen.max_tokens or room, room)
         self.metrics.prompt_tokens += len(tokens)
         branches = await self._branches(tokens, gen)
@@ -571,3 +565,12 @@ def _partial_stop(text: str, stops: Sequence[str]) -> int:
                 best = k
                 break
     return best
+
+
+def _too_long(n: int, n_ctx: int) -> ApiError:
+    """OpenAI's error for a prompt over the context (clients key on its code)."""
+    return ApiError(
+        f"This model's maximum context length is {n_ctx} tokens; the prompt has {n} tokens",
+        param="messages",
+        code="context_length_exceeded",
+    )

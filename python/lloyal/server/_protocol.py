@@ -46,16 +46,23 @@ class ApiError(Exception):
         status: int = 400,
         param: str | None = None,
         kind: str = "invalid_request_error",
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.kind = kind
+        self.code = code
 
     def body(self) -> dict[str, Any]:
         return {
-            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
         }
 
 
@@ -403,11 +410,6 @@ def chat_request(raw: object, *, vocab_size: int) -> ChatRequest:
                     param="response_format",
                 )
             schema = spec.get("schema", {"type": "object"})
-        if schema is not None and tools and tool_choice != "none":
-            raise ApiError(
-                "response_format cannot constrain the reply along with tools",
-                param="response_format",
-            )
     return ChatRequest(
         messages=messages,
         generation=_generation(body, logprobs=top, vocab_size=vocab_size),

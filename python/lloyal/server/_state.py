@@ -1,0 +1,89 @@
+"""The server's configuration and the state its routes share."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+
+from lloyal.context import Context, create_context
+from lloyal.server._engine import Engine
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How :func:`create_app` opens its model (see ``lloyal serve --help``)."""
+
+    model_path: str | os.PathLike[str]
+    model_name: str | None = None
+    template: str | None = None
+    n_ctx: int = 8192
+    n_seq_max: int = 32
+    n_threads: int | None = None
+    prefix_cache: bool = True
+    cache_branches: int | None = None
+    cache_dir: str | os.PathLike[str] | None = None
+    max_queue: int = 64
+    embeddings: bool = True
+    # Adapters (``lloyal.server._adapters``): LoRA files with their default
+    # scales, ids in this order; a control vector with its scale and layers.
+    loras: tuple[tuple[str | os.PathLike[str], float], ...] = ()
+    control_vector: tuple[str | os.PathLike[str], float] | None = None
+    control_vector_layers: tuple[int, int] | None = None
+    # Tokens of reasoning before the end-of-thinking marker is forced (-1:
+    # no limit); a request's reasoning_budget overrides it.
+    reasoning_budget: int = -1
+    # create_context(deterministic=True): a request's tokens are the same
+    # bits whatever it is batched with (docs/determinism.md).
+    deterministic: bool = False
+    # A projector (mmproj GGUF): requests may hold images and audio.
+    mmproj: str | os.PathLike[str] | None = None
+
+
+class State:
+    """The server's model, engine and caches, shared by its routes."""
+
+    def __init__(self, config: ServerConfig, ctx: Context) -> None:
+        self.config = config
+        self.ctx = ctx
+        self._token_info: dict[int, tuple[str, list[int]]] = {}
+        self.engine = Engine(
+            ctx,
+            prefix_cache=config.prefix_cache,
+            cache_branches=config.cache_branches,
+            cache_dir=config.cache_dir,
+            max_queue=config.max_queue,
+        )
+        self.name = config.model_name or ctx.model_info.name or "lloyal"
+        self._embedder: Context | None = None
+        self._embed_lock = asyncio.Lock()
+
+    def token_info(self, token: int) -> tuple[str, list[int]]:
+        """A token's text and bytes for logprobs, asked of the model once
+        per token (a step's logprobs then cost no native call per entry)."""
+        info = self._token_info.get(token)
+        if info is None:
+            info = self._token_info[token] = (
+                self.ctx.token_to_text(token),
+                list(self.ctx.token_bytes(token)),
+            )
+        return info
+
+    async def embedder(self) -> Context:
+        """A pooling context on the same model, opened on first use."""
+        async with self._embed_lock:
+            if self._embedder is None:
+                self._embedder = await create_context(
+                    self.config.model_path,
+                    embeddings=True,
+                    pooling="mean",
+                    n_ctx=min(self.config.n_ctx, 4096),
+                    n_threads=self.config.n_threads,
+                )
+            return self._embedder
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+        if self._embedder is not None:
+            await self._embedder.aclose()
+        await self.ctx.aclose()

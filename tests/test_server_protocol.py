@@ -1,0 +1,182 @@
+"""What third-party OpenAI clients expect of `lloyal serve` beyond the
+everyday requests (issue 30's protocol findings), against a subprocess on
+SmolLM2, with raw HTTP and the official ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from lloyal.models import model_path
+
+from tests.conftest import open_sync
+from tests.server_fuzz import start_server, stop_server
+
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    proc, url = start_server("--n-seq-max", "4", "--n-ctx", "1024", "--deterministic")
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def lt_token() -> int:
+    """SmolLM2's token for ``<`` (a possible tool-call opener's start)."""
+    ctx = open_sync(model_path("smollm2"), n_ctx=64)
+    try:
+        (token,) = ctx.tokenize_sync("<", add_special=False)
+        return token
+    finally:
+        ctx.close()
+
+
+def sse(r: httpx.Response) -> list[dict[str, Any]]:
+    out = []
+    for line in r.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[len("data: ") :]))
+    return out
+
+
+def test_a_streamed_reply_with_tools_keeps_its_last_text(server: str, lt_token: int) -> None:
+    # "<" could open a tool call, so the stream holds it back; the finish
+    # chunk must send what was held (before, "<<<" streamed as "<<").
+    body = {
+        "messages": [{"role": "user", "content": "Say something."}],
+        "tools": [WEATHER],
+        "max_tokens": 3,
+        "temperature": 0,
+        "logit_bias": {str(lt_token): 100},
+    }
+    whole = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).json()
+    content = whole["choices"][0]["message"]["content"]
+    assert content == "<<<"
+    r = httpx.post(f"{server}/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+    chunks = sse(r)
+    streamed = "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+    )
+    assert streamed == content
+    # OpenAI's keys in every chunk, null until set.
+    for c in chunks:
+        for choice in c["choices"]:
+            assert {"finish_reason", "logprobs"} <= choice.keys(), choice
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.fixture
+def client(server: str) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def test_tools_and_response_format_together(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 20}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    r = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER],  # type: ignore[list-item]
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "answer", "schema": schema},
+        },
+        max_tokens=40,
+        temperature=0,
+    )
+    message = r.choices[0].message
+    if message.tool_calls:
+        assert message.tool_calls[0].function.name == "get_weather"
+    else:
+        assert "answer" in json.loads(message.content or "")
+
+
+def test_tool_parameters_with_defs(server: str) -> None:
+    nested = {
+        "type": "function",
+        "function": {
+            "name": "ship",
+            "parameters": {
+                "$defs": {
+                    "Address": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string", "maxLength": 12}},
+                        "required": ["city"],
+                    }
+                },
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/Address"}},
+                "required": ["to"],
+            },
+        },
+    }
+    body = {
+        "messages": [{"role": "user", "content": "Ship it to Paris."}],
+        "tools": [nested],
+        "tool_choice": "required",
+        "max_tokens": 40,
+        "temperature": 0,
+    }
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"][:1]
+    assert "city" in json.loads(call["function"]["arguments"])["to"]
+
+
+def test_streamed_completions_echo_and_logprobs(server: str) -> None:
+    body = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
+    whole = httpx.post(
+        f"{server}/v1/completions", json={**body, "echo": True, "logprobs": 2}, timeout=60
+    ).json()["choices"][0]
+    r = httpx.post(
+        f"{server}/v1/completions",
+        json={**body, "echo": True, "logprobs": 2, "stream": True},
+        timeout=60,
+    )
+    chunks = [c["choices"][0] for c in sse(r) if c["choices"]]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert chunks[0]["text"] == body["prompt"], "the echo comes first"
+    streamed = [lp for c in chunks if c["logprobs"] for lp in c["logprobs"]["token_logprobs"]]
+    assert streamed == whole["logprobs"]["token_logprobs"]
+
+
+def test_model_by_id_unprefixed_paths_and_error_codes(server: str, client: openai.OpenAI) -> None:
+    (listed,) = client.models.list().data
+    assert client.models.retrieve(listed.id).id == listed.id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    # llama-server's unprefixed paths.
+    assert httpx.get(f"{server}/models").json()["data"][0]["id"] == listed.id
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert httpx.post(f"{server}/chat/completions", json=body, timeout=60).status_code == 200
+    # JSON bodies for Starlette's own 404 and 405.
+    for r in (httpx.get(f"{server}/nope"), httpx.get(f"{server}/v1/chat/completions")):
+        assert r.status_code in (404, 405)
+        assert "message" in r.json()["error"]
+    # A prompt over the context: OpenAI's code.
+    long = {"prompt": [1000 + i % 5000 for i in range(1100)], "max_tokens": 1}
+    r = httpx.post(f"{server}/v1/completions", json=long, timeout=60)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
