@@ -180,3 +180,33 @@ def test_model_by_id_unprefixed_paths_and_error_codes(server: str, client: opena
     r = httpx.post(f"{server}/v1/completions", json=long, timeout=60)
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_llama_server_routes(server: str) -> None:
+    r = httpx.post(f"{server}/tokenize", json={"content": "Hello world"})
+    tokens = r.json()["tokens"]
+    assert tokens
+    assert all(isinstance(t, int) for t in tokens)
+    pieces = httpx.post(
+        f"{server}/tokenize", json={"content": "Hello world", "with_pieces": True}
+    ).json()["tokens"]
+    assert [p["id"] for p in pieces] == tokens
+    assert "".join(p["piece"] for p in pieces) == "Hello world"
+    assert httpx.post(f"{server}/detokenize", json={"tokens": tokens}).json() == {
+        "content": "Hello world"
+    }
+    for bad in ({"tokens": [-1]}, {"tokens": "x"}, {"tokens": [10**9]}):
+        r = httpx.post(f"{server}/detokenize", json=bad)
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "tokens"
+    assert httpx.post(f"{server}/tokenize", json={"content": 3}).status_code == 400
+    prompt = httpx.post(
+        f"{server}/apply-template", json={"messages": [{"role": "user", "content": "Hi"}]}
+    ).json()["prompt"]
+    assert "<|im_start|>user\nHi<|im_end|>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    props = httpx.get(f"{server}/props").json()
+    assert props["default_generation_settings"]["n_ctx"] == 1024
+    assert props["total_slots"] == 4
+    assert props["modalities"] == {"vision": False, "audio": False}
+    assert "<|im_start|>" in props["chat_template"]

@@ -25,6 +25,7 @@ from lloyal.server._adapters import load as load_adapters
 from lloyal.server._adapters import lora_adapters as _lora_adapters
 from lloyal.server._chat import ChatChoice, chat_grammar, chat_prompt, prompt_tokens
 from lloyal.server._engine import Event
+from lloyal.server._llama import apply_template, detokenize, props, tokenize
 from lloyal.server._protocol import (
     ApiError,
     chat_request,
@@ -513,6 +514,11 @@ def create_app(config: ServerConfig) -> Starlette:
             for path, fn, methods in openai_routes
         ),
         Route("/health", _handler(health), methods=["GET"]),
+        # llama-server's own.
+        Route("/tokenize", _handler(tokenize), methods=["POST"]),
+        Route("/detokenize", _handler(detokenize), methods=["POST"]),
+        Route("/apply-template", _handler(apply_template), methods=["POST"]),
+        Route("/props", _handler(props), methods=["GET"]),
         Route("/metrics", _handler(metrics), methods=["GET"]),
         Route("/lora-adapters", _handler(lora_adapters), methods=["GET", "POST"]),
     ]
