@@ -14,6 +14,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -23,6 +24,7 @@ from lloyal.context import create_context
 from lloyal.errors import ChatTemplateError, GrammarError, LloyalError
 from lloyal.server._adapters import load as load_adapters
 from lloyal.server._adapters import lora_adapters as _lora_adapters
+from lloyal.server._auth import RequireKey
 from lloyal.server._chat import ChatChoice, chat_grammar, chat_prompt, prompt_tokens
 from lloyal.server._engine import Event
 from lloyal.server._llama import apply_template, detokenize, props, tokenize
@@ -526,6 +528,7 @@ def create_app(config: ServerConfig) -> Starlette:
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _unhandled},
+        middleware=[Middleware(RequireKey, keys=config.api_keys)],
     )
 
 

