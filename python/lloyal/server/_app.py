@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import json
-import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -16,76 +13,35 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from lloyal.branch import BranchStore
 from lloyal.context import create_context
-from lloyal.errors import ChatTemplateError, GrammarError, LloyalError
 from lloyal.server._adapters import load as load_adapters
 from lloyal.server._adapters import lora_adapters as _lora_adapters
 from lloyal.server._auth import RequireKey
 from lloyal.server._chat import ChatChoice, chat_grammar, chat_prompt, prompt_tokens
 from lloyal.server._engine import Event
+from lloyal.server._http import (
+    error_response,
+    event_stream,
+    handler,
+    internal_error,
+    primed,
+    read_body,
+    until_disconnect,
+)
 from lloyal.server._llama import apply_template, detokenize, props, tokenize
 from lloyal.server._protocol import (
     ApiError,
     chat_request,
     completion_request,
     embedding_request,
-    parse_json,
 )
 from lloyal.server._state import ServerConfig, State
 
 __all__ = ["ServerConfig", "create_app"]
-
-log = logging.getLogger("lloyal.server")
-
-
-def _error(e: ApiError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-
-def _internal(e: BaseException) -> ApiError:
-    """What a client is told of a failure that is not its request's fault
-    (the traceback goes to the log)."""
-    log.error("a request failed", exc_info=e)
-    return ApiError(
-        f"the server failed on this request ({type(e).__name__})", status=500, kind="server_error"
-    )
-
-
-def _handler(
-    fn: Callable[[Request, State], Awaitable[Response]],
-) -> Callable[[Request], Awaitable[Response]]:
-    """Map errors to OpenAI error bodies: bad input is a 400, never a 500,
-    and whatever else goes wrong is a 500 with the same body, never text."""
-
-    async def route(request: Request) -> Response:
-        state: State = request.app.state.lloyal
-        try:
-            return await fn(request, state)
-        except ApiError as e:
-            return _error(e)
-        except (GrammarError, ChatTemplateError) as e:
-            return _error(ApiError(str(e)))
-        except (ValueError, TypeError) as e:
-            return _error(ApiError(str(e)))
-        except LloyalError as e:
-            return _error(ApiError(str(e), status=500, kind="server_error"))
-        except Exception as e:
-            return _error(_internal(e))
-
-    return route
-
-
-async def _body(request: Request) -> object:
-    return parse_json(await request.body())
-
-
-def _sse(obj: object) -> bytes:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
 
 def _logprob_entry(state: State, token: int, logprob: float, top: Any) -> dict[str, Any]:
@@ -101,84 +57,11 @@ def _logprob_entry(state: State, token: int, logprob: float, top: Any) -> dict[s
     }
 
 
-async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
-    """Run ``work``, cancelling it if the client goes away (its branches
-    are freed by the generator's cleanup)."""
-    task = asyncio.ensure_future(work)
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.1)
-        if not done and await request.is_disconnected():
-            task.cancel()
-            state: State = request.app.state.lloyal
-            state.engine.metrics.disconnects += 1
-            await asyncio.gather(task, return_exceptions=True)
-            return Response(status_code=499)
-    return task.result()
-
-
-async def _primed(events: AsyncGenerator[Event, None]) -> _Primed:
-    """``events`` with its first item already taken, so that admission,
-    the prompt and the first token happen before the response starts and
-    their errors get a status code of their own (429, 503, 400)."""
-    first: Event | None = None
-    try:
-        first = await events.__anext__()
-    except StopAsyncIteration:
-        pass
-    except BaseException:
-        await events.aclose()
-        raise
-    return _Primed(first, events)
-
-
-class _Primed:
-    def __init__(self, first: Event | None, rest: AsyncGenerator[Event, None]) -> None:
-        self._first = first
-        self._rest = rest
-
-    def __aiter__(self) -> _Primed:
-        return self
-
-    async def __anext__(self) -> Event:
-        if self._first is not None:
-            first, self._first = self._first, None
-            return first
-        return await self._rest.__anext__()
-
-    async def aclose(self) -> None:
-        await self._rest.aclose()
-
-
-def _event_stream(
-    state: State, source: _Primed, bodies: AsyncGenerator[dict[str, Any], None]
-) -> StreamingResponse:
-    """Server-sent events: each body, then ``[DONE]``; an error mid-stream
-    as an error body; a client gone counted, and its branches freed."""
-
-    async def stream() -> AsyncIterator[bytes]:
-        try:
-            async for body in bodies:
-                yield _sse(body)
-            yield b"data: [DONE]\n\n"
-        except ApiError as e:
-            yield _sse(e.body())
-        except Exception as e:  # the status went out with the first chunk
-            yield _sse(_internal(e).body())
-        except asyncio.CancelledError:
-            state.engine.metrics.disconnects += 1
-            raise
-        finally:
-            await bodies.aclose()
-            await source.aclose()
-
-    return StreamingResponse(stream(), media_type="text/event-stream")
-
-
 # -- chat completions -------------------------------------------------------------
 
 
 async def chat_completions(request: Request, state: State) -> Response:
-    req = chat_request(await _body(request), vocab_size=state.ctx.vocab_size)
+    req = chat_request(await read_body(request), vocab_size=state.ctx.vocab_size)
     gen = req.generation
     prompt = chat_prompt(state.ctx, state.config.template, req)
     grammar = chat_grammar(state.ctx, req, prompt)
@@ -222,7 +105,7 @@ async def chat_completions(request: Request, state: State) -> Response:
                 yield event
 
     if gen.stream:
-        source = await _primed(events())
+        source = await primed(events())
         chunk = {**head, "object": "chat.completion.chunk"}
 
         async def bodies() -> AsyncGenerator[dict[str, Any], None]:
@@ -256,7 +139,7 @@ async def chat_completions(request: Request, state: State) -> Response:
             if gen.include_usage:
                 yield {**chunk, "choices": [], "usage": usage()}
 
-        return _event_stream(state, source, bodies())
+        return event_stream(state, source, bodies())
 
     async def collect() -> Response:
         finishes: dict[int, str] = {}
@@ -275,7 +158,7 @@ async def chat_completions(request: Request, state: State) -> Response:
             {**head, "object": "chat.completion", "choices": body_choices, "usage": usage()}
         )
 
-    return await _until_disconnect(request, collect())
+    return await until_disconnect(request, collect())
 
 
 # -- completions ---------------------------------------------------------------------
@@ -283,7 +166,7 @@ async def chat_completions(request: Request, state: State) -> Response:
 
 async def completions(request: Request, state: State) -> Response:
     ctx = state.ctx
-    req = completion_request(await _body(request), vocab_size=ctx.vocab_size)
+    req = completion_request(await read_body(request), vocab_size=ctx.vocab_size)
     gen = req.generation
     if isinstance(req.prompt, str):
         tokens = await ctx.tokenize(req.prompt)
@@ -325,7 +208,7 @@ async def completions(request: Request, state: State) -> Response:
                 yield event
 
     if gen.stream:
-        source = await _primed(events())
+        source = await primed(events())
         chunk = {**head, "object": "text_completion"}
 
         async def bodies() -> AsyncGenerator[dict[str, Any], None]:
@@ -349,7 +232,7 @@ async def completions(request: Request, state: State) -> Response:
             if gen.include_usage:
                 yield {**chunk, "choices": [], "usage": usage()}
 
-        return _event_stream(state, source, bodies())
+        return event_stream(state, source, bodies())
 
     async def collect() -> Response:
         finishes: dict[int, str] = {}
@@ -369,14 +252,14 @@ async def completions(request: Request, state: State) -> Response:
             {**head, "object": "text_completion", "choices": choices, "usage": usage()}
         )
 
-    return await _until_disconnect(request, collect())
+    return await until_disconnect(request, collect())
 
 
 # -- the rest ------------------------------------------------------------------------
 
 
 async def embeddings(request: Request, state: State) -> Response:
-    req = embedding_request(await _body(request))
+    req = embedding_request(await read_body(request))
     if not state.config.embeddings:
         raise ApiError("embeddings are off on this server", status=404)
     ctx = await state.embedder()
@@ -511,18 +394,18 @@ def create_app(config: ServerConfig) -> Starlette:
     routes = [
         # Under /v1 and, as llama-server also serves them, without it.
         *(
-            Route(prefix + path, _handler(fn), methods=methods)
+            Route(prefix + path, handler(fn), methods=methods)
             for prefix in ("/v1", "")
             for path, fn, methods in openai_routes
         ),
-        Route("/health", _handler(health), methods=["GET"]),
+        Route("/health", handler(health), methods=["GET"]),
         # llama-server's own.
-        Route("/tokenize", _handler(tokenize), methods=["POST"]),
-        Route("/detokenize", _handler(detokenize), methods=["POST"]),
-        Route("/apply-template", _handler(apply_template), methods=["POST"]),
-        Route("/props", _handler(props), methods=["GET"]),
-        Route("/metrics", _handler(metrics), methods=["GET"]),
-        Route("/lora-adapters", _handler(lora_adapters), methods=["GET", "POST"]),
+        Route("/tokenize", handler(tokenize), methods=["POST"]),
+        Route("/detokenize", handler(detokenize), methods=["POST"]),
+        Route("/apply-template", handler(apply_template), methods=["POST"]),
+        Route("/props", handler(props), methods=["GET"]),
+        Route("/metrics", handler(metrics), methods=["GET"]),
+        Route("/lora-adapters", handler(lora_adapters), methods=["GET", "POST"]),
     ]
     return Starlette(
         routes=routes,
@@ -536,9 +419,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own refusals (404 no such route, 405 wrong method) as
     OpenAI error bodies."""
     assert isinstance(exc, HTTPException)
-    return _error(ApiError(exc.detail, status=exc.status_code))
+    return error_response(ApiError(exc.detail, status=exc.status_code))
 
 
 async def _unhandled(request: Request, exc: Exception) -> Response:
     """The last resort: an exception outside every route's own mapping."""
-    return _error(_internal(exc))
+    return error_response(internal_error(exc))

@@ -1,0 +1,148 @@
+"""The HTTP plumbing every API's routes share: error bodies, the handler
+that maps exceptions to them, server-sent events, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from lloyal.errors import ChatTemplateError, GrammarError, LloyalError
+from lloyal.server._engine import Event
+from lloyal.server._protocol import ApiError, parse_json
+from lloyal.server._state import State
+
+log = logging.getLogger("lloyal.server")
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def internal_error(e: BaseException) -> ApiError:
+    """What a client is told of a failure that is not its request's fault
+    (the traceback goes to the log)."""
+    log.error("a request failed", exc_info=e)
+    return ApiError(
+        f"the server failed on this request ({type(e).__name__})", status=500, kind="server_error"
+    )
+
+
+def handler(
+    fn: Callable[[Request, State], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """Map errors to OpenAI error bodies: bad input is a 400, never a 500,
+    and whatever else goes wrong is a 500 with the same body, never text."""
+
+    async def route(request: Request) -> Response:
+        state: State = request.app.state.lloyal
+        try:
+            return await fn(request, state)
+        except ApiError as e:
+            return error_response(e)
+        except (GrammarError, ChatTemplateError) as e:
+            return error_response(ApiError(str(e)))
+        except (ValueError, TypeError) as e:
+            return error_response(ApiError(str(e)))
+        except LloyalError as e:
+            return error_response(ApiError(str(e), status=500, kind="server_error"))
+        except Exception as e:
+            return error_response(internal_error(e))
+
+    return route
+
+
+async def read_body(request: Request) -> object:
+    return parse_json(await request.body())
+
+
+def sse(obj: object) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run ``work``, cancelling it if the client goes away (its branches
+    are freed by the generator's cleanup)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.1)
+        if not done and await request.is_disconnected():
+            task.cancel()
+            state: State = request.app.state.lloyal
+            state.engine.metrics.disconnects += 1
+            await asyncio.gather(task, return_exceptions=True)
+            return Response(status_code=499)
+    return task.result()
+
+
+async def primed(events: AsyncGenerator[Event, None]) -> Primed:
+    """``events`` with its first item already taken, so that admission,
+    the prompt and the first token happen before the response starts and
+    their errors get a status code of their own (429, 503, 400)."""
+    first: Event | None = None
+    try:
+        first = await events.__anext__()
+    except StopAsyncIteration:
+        pass
+    except BaseException:
+        await events.aclose()
+        raise
+    return Primed(first, events)
+
+
+class Primed:
+    def __init__(self, first: Event | None, rest: AsyncGenerator[Event, None]) -> None:
+        self._first = first
+        self._rest = rest
+
+    def __aiter__(self) -> Primed:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await self._rest.__anext__()
+
+    async def aclose(self) -> None:
+        await self._rest.aclose()
+
+
+def event_stream(
+    state: State,
+    source: Primed,
+    bodies: AsyncGenerator[dict[str, Any], None],
+    *,
+    encode: Callable[[dict[str, Any]], bytes] | None = None,
+    done: bytes | None = b"data: [DONE]\n\n",
+    error_body: Callable[[ApiError], dict[str, Any]] = ApiError.body,
+) -> StreamingResponse:
+    """Server-sent events: each body (``encode``: OpenAI's ``data:``
+    lines by default), then ``done``; an error mid-stream as an error body;
+    a client gone counted, and its branches freed."""
+    encode = encode or sse
+
+    async def stream() -> AsyncIterator[bytes]:
+        try:
+            async for body in bodies:
+                yield encode(body)
+            if done is not None:
+                yield done
+        except ApiError as e:
+            yield encode(error_body(e))
+        except Exception as e:  # the status went out with the first chunk
+            yield encode(error_body(internal_error(e)))
+        except asyncio.CancelledError:
+            state.engine.metrics.disconnects += 1
+            raise
+        finally:
+            await bodies.aclose()
+            await source.aclose()
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
