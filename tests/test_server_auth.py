@@ -50,6 +50,11 @@ def test_every_route_but_health_wants_a_key(server: str) -> None:
             r = httpx.request(method, f"{server}{path}", json=json, headers=headers)
             assert r.status_code == 401, (path, headers)
             assert r.json()["error"]["code"] == "invalid_api_key"
+    # Anthropic's routes answer in Anthropic's body.
+    r = httpx.post(f"{server}/v1/messages", json=body, headers={"x-api-key": "wrong"})
+    assert r.status_code == 401
+    assert r.json()["error"]["type"] == "authentication_error"
+    assert r.json()["type"] == "error"
     for headers in (
         {"Authorization": "Bearer secret"},
         {"authorization": "bearer from-file"},

@@ -20,8 +20,9 @@ from lloyal.branch import BranchStore
 from lloyal.context import create_context
 from lloyal.server._adapters import load as load_adapters
 from lloyal.server._adapters import lora_adapters as _lora_adapters
+from lloyal.server._anthropic import count_tokens, error_body, messages
 from lloyal.server._auth import RequireKey
-from lloyal.server._chat import ChatChoice, chat_grammar, chat_prompt, prompt_tokens
+from lloyal.server._chat import ChatChoice, chat_events, chat_grammar, chat_prompt, prompt_tokens
 from lloyal.server._engine import Event
 from lloyal.server._http import (
     error_response,
@@ -84,25 +85,14 @@ async def chat_completions(request: Request, state: State) -> Response:
         }
 
     async def events() -> AsyncGenerator[Event, None]:
-        async with state.engine.admitted(tokens, gen):
-            limit = state.config.reasoning_budget
-            if gen.reasoning_budget is not None:
-                limit = gen.reasoning_budget
-            async for event in state.engine.generate(
-                tokens,
-                gen,
-                grammar=grammar,
-                stop_tokens=prompt.stop_tokens,
-                preserved=prompt.preserved_tokens,
-                budget=(lambda: prompt.reasoning_budget(state.ctx, limit)) if limit >= 0 else None,
-            ):
-                if event.token is not None:
-                    choices[event.index].tokens += 1
-                    if event.logprob is not None:
-                        choices[event.index].logprobs.append(
-                            _logprob_entry(state, event.token, event.logprob, event.top)
-                        )
-                yield event
+        async for event in chat_events(state, tokens, gen, prompt, grammar):
+            if event.token is not None:
+                choices[event.index].tokens += 1
+                if event.logprob is not None:
+                    choices[event.index].logprobs.append(
+                        _logprob_entry(state, event.token, event.logprob, event.top)
+                    )
+            yield event
 
     if gen.stream:
         source = await primed(events())
@@ -398,6 +388,9 @@ def create_app(config: ServerConfig) -> Starlette:
             for prefix in ("/v1", "")
             for path, fn, methods in openai_routes
         ),
+        # Anthropic's Messages API.
+        Route("/v1/messages", handler(messages, error_body), methods=["POST"]),
+        Route("/v1/messages/count_tokens", handler(count_tokens, error_body), methods=["POST"]),
         Route("/health", handler(health), methods=["GET"]),
         # llama-server's own.
         Route("/tokenize", handler(tokenize), methods=["POST"]),

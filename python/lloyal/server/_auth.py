@@ -1,7 +1,8 @@
 """API keys: every route but ``/health`` wants one of the server's keys,
 as ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key:
 <key>`` (Anthropic's). A request without a right key gets 401 with
-OpenAI's error body. Keys come from ``--api-key`` (repeatable),
+the error body of the caller's API (Anthropic's on ``/v1/messages``,
+OpenAI's elsewhere). Keys come from ``--api-key`` (repeatable),
 ``--api-key-file`` (one key a line) and ``LLOYAL_API_KEY``."""
 
 from __future__ import annotations
@@ -65,16 +66,20 @@ class RequireKey:
             await self.app(scope, receive, send)
             return
         message = "Invalid API key" if given is not None else "An API key is required"
-        body = json.dumps(
-            {
+        message += ": send Authorization: Bearer <key> or x-api-key"
+        error: dict[str, object]
+        if scope["path"].startswith("/v1/messages"):  # Anthropic's clients
+            error = {"type": "error", "error": {"type": "authentication_error", "message": message}}
+        else:
+            error = {
                 "error": {
-                    "message": f"{message}: send Authorization: Bearer <key> or x-api-key",
+                    "message": message,
                     "type": "authentication_error",
                     "param": None,
                     "code": "invalid_api_key",
                 }
             }
-        ).encode()
+        body = json.dumps(error).encode()
         await send(
             {
                 "type": "http.response.start",

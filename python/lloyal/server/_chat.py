@@ -5,6 +5,7 @@ final message with its tool calls."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from lloyal.chat.output import ChatOutput, ChatOutputStream
@@ -12,7 +13,9 @@ from lloyal.chat.prompt import ChatPrompt
 from lloyal.context import Context
 from lloyal.errors import ChatTemplateError, GrammarError, MediaError
 from lloyal.grammar import Grammar
-from lloyal.server._protocol import ApiError, ChatRequest
+from lloyal.server._engine import Event
+from lloyal.server._protocol import ApiError, ChatRequest, Generation
+from lloyal.server._state import State
 
 
 class ChatChoice:
@@ -128,3 +131,27 @@ def chat_grammar(ctx: Context, req: ChatRequest, prompt: ChatPrompt) -> Grammar 
     except GrammarError as e:
         param = "response_format" if req.json_schema is not None else "tools"
         raise ApiError(str(e), param=param) from None
+
+
+async def chat_events(
+    state: State,
+    tokens: list[int],
+    gen: Generation,
+    prompt: ChatPrompt,
+    grammar: Grammar | None,
+) -> AsyncGenerator[Event, None]:
+    """A chat request's events, once admitted (its reasoning budget: the
+    request's, else the server's)."""
+    async with state.engine.admitted(tokens, gen):
+        limit = state.config.reasoning_budget
+        if gen.reasoning_budget is not None:
+            limit = gen.reasoning_budget
+        async for event in state.engine.generate(
+            tokens,
+            gen,
+            grammar=grammar,
+            stop_tokens=prompt.stop_tokens,
+            preserved=prompt.preserved_tokens,
+            budget=(lambda: prompt.reasoning_budget(state.ctx, limit)) if limit >= 0 else None,
+        ):
+            yield event

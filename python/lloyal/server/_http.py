@@ -20,9 +20,12 @@ from lloyal.server._state import State
 log = logging.getLogger("lloyal.server")
 
 
-def error_response(e: ApiError) -> JSONResponse:
+ErrorBody = Callable[[ApiError], dict[str, Any]]
+
+
+def error_response(e: ApiError, body: ErrorBody = ApiError.body) -> JSONResponse:
     headers = {"Retry-After": "1"} if e.status in (429, 503) else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    return JSONResponse(body(e), status_code=e.status, headers=headers)
 
 
 def internal_error(e: BaseException) -> ApiError:
@@ -35,25 +38,26 @@ def internal_error(e: BaseException) -> ApiError:
 
 
 def handler(
-    fn: Callable[[Request, State], Awaitable[Response]],
+    fn: Callable[[Request, State], Awaitable[Response]], body: ErrorBody = ApiError.body
 ) -> Callable[[Request], Awaitable[Response]]:
-    """Map errors to OpenAI error bodies: bad input is a 400, never a 500,
-    and whatever else goes wrong is a 500 with the same body, never text."""
+    """Map errors to error bodies (OpenAI's unless ``body`` says otherwise):
+    bad input is a 400, never a 500, and whatever else goes wrong is a 500
+    with the same body, never text."""
 
     async def route(request: Request) -> Response:
         state: State = request.app.state.lloyal
         try:
             return await fn(request, state)
         except ApiError as e:
-            return error_response(e)
+            return error_response(e, body)
         except (GrammarError, ChatTemplateError) as e:
-            return error_response(ApiError(str(e)))
+            return error_response(ApiError(str(e)), body)
         except (ValueError, TypeError) as e:
-            return error_response(ApiError(str(e)))
+            return error_response(ApiError(str(e)), body)
         except LloyalError as e:
-            return error_response(ApiError(str(e), status=500, kind="server_error"))
+            return error_response(ApiError(str(e), status=500, kind="server_error"), body)
         except Exception as e:
-            return error_response(internal_error(e))
+            return error_response(internal_error(e), body)
 
     return route
 
@@ -121,7 +125,7 @@ def event_stream(
     *,
     encode: Callable[[dict[str, Any]], bytes] | None = None,
     done: bytes | None = b"data: [DONE]\n\n",
-    error_body: Callable[[ApiError], dict[str, Any]] = ApiError.body,
+    error_body: ErrorBody = ApiError.body,
 ) -> StreamingResponse:
     """Server-sent events: each body (``encode``: OpenAI's ``data:``
     lines by default), then ``done``; an error mid-stream as an error body;

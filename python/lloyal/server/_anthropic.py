@@ -1,0 +1,396 @@
+"""Anthropic's Messages API (``POST /v1/messages`` and
+``/v1/messages/count_tokens``) over the same engine as the OpenAI routes.
+
+A request is translated into an OpenAI chat request: the system prompt is
+a system message; ``tool_use`` blocks become ``tool_calls``; each
+``tool_result`` becomes a ``tool`` message; base64 images become
+``image_url`` parts; ``tools`` with ``input_schema``, ``tool_choice``
+(``auto``, ``any``, ``tool``, ``none``), ``stop_sequences``, ``thinking``
+(its ``budget_tokens`` as the reasoning budget). It then goes through the
+same checks, template, grammar and step loop. The reply comes back as
+content blocks (``thinking``, ``text``, ``tool_use``), streamed with
+Anthropic's events. Errors use Anthropic's body:
+``{"type": "error", "error": {"type": ..., "message": ...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from lloyal.server._chat import ChatChoice, chat_events, chat_grammar, chat_prompt, prompt_tokens
+from lloyal.server._engine import Event
+from lloyal.server._http import event_stream, primed, until_disconnect
+from lloyal.server._protocol import ApiError, chat_request, parse_json
+from lloyal.server._state import State
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
+    """Anthropic's error body for ``e``."""
+    kind = _ERROR_TYPES.get(e.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def _sse(body: dict[str, Any]) -> bytes:
+    """An Anthropic event: its type on an ``event:`` line, then the data."""
+    return f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+
+def _bad(message: str) -> ApiError:
+    return ApiError(message, param="messages")
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A string, or text blocks joined (a system prompt, a tool result)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for block in content:
+            if not isinstance(block, dict) or block.get("type") != "text":
+                raise _bad(f"{where}: only text blocks are taken here")
+            if not isinstance(block.get("text"), str):
+                raise _bad(f"{where}: a text block needs a string text")
+            texts.append(block["text"])
+        return "".join(texts)
+    raise _bad(f"{where} must be a string or a list of text blocks")
+
+
+def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
+    source = block.get("source")
+    if not isinstance(source, dict) or source.get("type") != "base64":
+        raise _bad(f"{where}: images must be base64 sources (nothing is fetched)")
+    media, data = source.get("media_type"), source.get("data")
+    if not isinstance(media, str) or not isinstance(data, str):
+        raise _bad(f"{where}: a base64 source needs media_type and data")
+    return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+
+
+def _user(content: Any, where: str) -> list[dict[str, Any]]:
+    """A user turn: its tool results as ``tool`` messages first, then
+    the rest as one user message."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content must be a string or a list of blocks")
+    out: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            parts.append(_image_part(block, at))
+        elif kind == "tool_result":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise _bad(f"{at}: a tool_result needs its tool_use_id")
+            result = _text_of(block.get("content", ""), at)
+            if block.get("is_error"):
+                result = f"Error: {result}"
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
+        else:
+            raise _bad(f"{at}: user blocks are text, image or tool_result, got {kind!r}")
+    if parts:
+        text_only = all(p["type"] == "text" for p in parts)
+        body = "".join(p["text"] for p in parts) if text_only else parts
+        out.append({"role": "user", "content": body})
+    return out
+
+
+def _assistant(content: Any, where: str) -> dict[str, Any]:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content must be a string or a list of blocks")
+    text, calls = [], []
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            text.append(block["text"])
+        elif kind == "tool_use":
+            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+                raise _bad(f"{at}: a tool_use needs an id and a name")
+            arguments = json.dumps(block.get("input", {}), ensure_ascii=False)
+            call = {"name": block["name"], "arguments": arguments}
+            calls.append({"id": block["id"], "type": "function", "function": call})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # earlier reasoning is not shown to the model again
+        else:
+            raise _bad(f"{at}: assistant blocks are text, tool_use or thinking, got {kind!r}")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _tools(body: dict[str, Any]) -> dict[str, Any]:
+    """``tools`` and ``tool_choice`` as OpenAI's fields."""
+    out: dict[str, Any] = {}
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise ApiError("tools must be a list", param="tools")
+        functions = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+                raise ApiError(f"tools[{i}] needs a name", param="tools")
+            if t.get("type") not in (None, "custom"):
+                raise ApiError(
+                    f"tools[{i}]: server tools ({t['type']}) are not run here", param="tools"
+                )
+            fn = {"name": t["name"], "parameters": t.get("input_schema", {"type": "object"})}
+            if isinstance(t.get("description"), str):
+                fn["description"] = t["description"]
+            functions.append({"type": "function", "function": fn})
+        out["tools"] = functions
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if not isinstance(choice, dict) or choice.get("type") not in (
+            "auto",
+            "any",
+            "tool",
+            "none",
+        ):
+            raise ApiError("tool_choice.type must be auto, any, tool or none", param="tool_choice")
+        kind = choice["type"]
+        if kind == "tool":
+            out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+        else:
+            out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+        if choice.get("disable_parallel_tool_use"):
+            out["parallel_tool_calls"] = False
+    return out
+
+
+def to_openai(raw: object, *, need_max_tokens: bool = True) -> dict[str, Any]:
+    """An Anthropic Messages request as an OpenAI chat request body."""
+    if not isinstance(raw, dict):
+        raise ApiError("the body must be a JSON object")
+    body: dict[str, Any] = raw
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages must be a non-empty list")
+    chat: list[dict[str, Any]] = []
+    system = body.get("system")
+    if system is not None:
+        chat.append({"role": "system", "content": _text_of(system, "system")})
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise _bad(f"{where}.role must be user or assistant")
+        if m["role"] == "user":
+            chat += _user(m.get("content"), where)
+        else:
+            chat.append(_assistant(m.get("content"), where))
+    out: dict[str, Any] = {"messages": chat, **_tools(body)}
+    max_tokens = body.get("max_tokens")
+    if need_max_tokens and max_tokens is None:
+        raise ApiError("max_tokens is required", param="max_tokens")
+    if max_tokens is not None:
+        out["max_tokens"] = max_tokens
+    for key in ("temperature", "top_p", "top_k", "stream"):
+        if key in body:
+            out[key] = body[key]
+    if body.get("stop_sequences") is not None:
+        out["stop"] = body["stop_sequences"]
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        out["reasoning_budget"] = thinking.get("budget_tokens")
+    return out
+
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def _input(arguments: str) -> Any:
+    try:
+        return json.loads(arguments) if arguments else {}
+    except ValueError:
+        return {}
+
+
+def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """An OpenAI assistant message as Anthropic content blocks."""
+    blocks: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        blocks.append(
+            {"type": "thinking", "thinking": message["reasoning_content"], "signature": ""}
+        )
+    if message.get("content"):
+        blocks.append({"type": "text", "text": message["content"]})
+    for call in message.get("tool_calls", []):
+        fn = call["function"]
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": call["id"],
+                "name": fn["name"],
+                "input": _input(fn["arguments"]),
+            }
+        )
+    return blocks
+
+
+async def count_tokens(request: Request, state: State) -> Response:
+    """``{"input_tokens": n}``: the prompt a Messages request would decode."""
+    body = to_openai(parse_json(await request.body()), need_max_tokens=False)
+    req = chat_request(body, vocab_size=state.ctx.vocab_size)
+    prompt = chat_prompt(state.ctx, state.config.template, req)
+    return JSONResponse({"input_tokens": len(await prompt_tokens(state.ctx, prompt))})
+
+
+async def messages(request: Request, state: State) -> Response:
+    body = to_openai(parse_json(await request.body()))
+    req = chat_request(body, vocab_size=state.ctx.vocab_size)
+    gen = req.generation
+    prompt = chat_prompt(state.ctx, state.config.template, req)
+    grammar = chat_grammar(state.ctx, req, prompt)
+    tokens = await prompt_tokens(state.ctx, prompt)
+    if len(tokens) > 1 and tokens[0] == tokens[1] == state.ctx.bos_token:
+        tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
+    message_id = f"msg_{uuid.uuid4().hex[:24]}"
+    choice = ChatChoice(prompt)
+
+    def usage() -> dict[str, int]:
+        return {"input_tokens": len(tokens), "output_tokens": choice.tokens}
+
+    async def events() -> AsyncGenerator[Event, None]:
+        async for event in chat_events(state, tokens, gen, prompt, grammar):
+            if event.token is not None:
+                choice.tokens += 1
+            yield event
+
+    head = {"id": message_id, "type": "message", "role": "assistant", "model": state.name}
+    if gen.stream:
+        source = await primed(events())
+        return event_stream(
+            state,
+            source,
+            _stream(head, source, choice, usage),
+            encode=_sse,
+            done=None,
+            error_body=error_body,
+        )
+
+    async def collect() -> Response:
+        finish = "stop"
+        async for event in events():
+            if event.finish is not None:
+                finish = event.finish
+            else:
+                choice.text += event.text
+        message, finish = choice.final(finish)
+        return JSONResponse(
+            {
+                **head,
+                "content": _blocks(message),
+                "stop_reason": _STOP_REASONS.get(finish, "end_turn"),
+                "stop_sequence": None,
+                "usage": usage(),
+            }
+        )
+
+    return await until_disconnect(request, collect())
+
+
+async def _stream(
+    head: dict[str, Any], source: Any, choice: ChatChoice, usage: Any
+) -> AsyncGenerator[dict[str, Any], None]:
+    """Anthropic's events for one reply: ``message_start``, each content
+    block's ``start`` / ``delta`` / ``stop``, ``message_delta`` with the stop
+    reason, ``message_stop``."""
+    start = {**head, "content": [], "stop_reason": None, "stop_sequence": None}
+    yield {"type": "message_start", "message": {**start, "usage": {**usage(), "output_tokens": 0}}}
+    yield {"type": "ping"}
+    blocks = _Blocks()
+    finish = "stop"
+    async for event in source:
+        if event.finish is not None:
+            for out in blocks.feed(choice.closing_delta()):
+                yield out
+            _, finish = choice.final(event.finish)
+        else:
+            for out in blocks.feed(choice.delta(event.text)):
+                yield out
+    for out in blocks.close():
+        yield out
+    reason = "tool_use" if blocks.calls else _STOP_REASONS.get(finish, "end_turn")
+    yield {
+        "type": "message_delta",
+        "delta": {"stop_reason": reason, "stop_sequence": None},
+        "usage": {"output_tokens": usage()["output_tokens"]},
+    }
+    yield {"type": "message_stop"}
+
+
+class _Blocks:
+    """OpenAI-style deltas (``ChatChoice.delta``) as Anthropic's content
+    block events: one block open at a time, a new one when the kind
+    changes."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # "thinking", "text", or a call's index
+        self.calls = 0
+
+    def _start(self, key: str, block: dict[str, Any]) -> list[dict[str, Any]]:
+        out = self.close()
+        self.index += 1
+        self.open = key
+        return [*out, {"type": "content_block_start", "index": self.index, "content_block": block}]
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": self.index, "delta": delta}
+
+    def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if delta.get("reasoning_content"):
+            if self.open != "thinking":
+                out += self._start("thinking", {"type": "thinking", "thinking": ""})
+            out.append(
+                self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]})
+            )
+        if delta.get("content"):
+            if self.open != "text":
+                out += self._start("text", {"type": "text", "text": ""})
+            out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+        for call in delta.get("tool_calls", []):
+            key = f"call{call['index']}"
+            fn = call.get("function", {})
+            if self.open != key:
+                self.calls += 1
+                block = {
+                    "type": "tool_use",
+                    "id": call.get("id", ""),
+                    "name": fn.get("name", ""),
+                    "input": {},
+                }
+                out += self._start(key, block)
+            if fn.get("arguments"):
+                out.append(
+                    self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
+                )
+        return out
+
+    def close(self) -> list[dict[str, Any]]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [{"type": "content_block_stop", "index": self.index}]

@@ -1,0 +1,152 @@
+"""`lloyal serve` through Anthropic's Messages API, with the official
+``anthropic`` SDK (a subprocess on SmolLM2, deterministic so that a
+streamed and a whole reply are the same tokens)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+
+from tests.server_fuzz import start_server, stop_server
+
+WEATHER: dict[str, Any] = {
+    "name": "get_weather",
+    "description": "The weather in a city now.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+# The SDK has no sampling fields any more; the server reads them if sent.
+GREEDY = {"temperature": 0}
+ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    proc, url = start_server("--n-seq-max", "4", "--n-ctx", "2048", "--deterministic")
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture
+def client(server: str) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def test_a_message_whole_and_streamed(client: anthropic.Anthropic) -> None:
+    kw: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": 12,
+        "extra_body": GREEDY,
+        "system": "You are brief.",
+        "messages": [{"role": "user", "content": "Name a colour."}],
+    }
+    whole = client.messages.create(**kw)
+    assert whole.role == "assistant"
+    assert whole.type == "message"
+    (block,) = whole.content
+    assert block.type == "text"
+    assert block.text
+    assert whole.stop_reason in ("end_turn", "max_tokens")
+    assert whole.usage.input_tokens > 0
+    assert whole.usage.output_tokens > 0
+    with client.messages.stream(**kw) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == block.text
+    assert final.content[0].type == "text"
+    assert final.content[0].text == block.text
+    assert final.stop_reason == whole.stop_reason
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_a_tool_round_trip(client: anthropic.Anthropic) -> None:
+    first = client.messages.create(
+        model="m",
+        max_tokens=60,
+        extra_body=GREEDY,
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "any"},
+        messages=ASK,
+    )
+    assert first.stop_reason == "tool_use"
+    calls = [b for b in first.content if b.type == "tool_use"]
+    assert calls
+    assert calls[0].name == "get_weather"
+    assert isinstance(calls[0].input, dict)
+    assert "city" in calls[0].input
+    # Streamed, the same call, its input in input_json_delta pieces.
+    with client.messages.stream(
+        model="m",
+        max_tokens=60,
+        extra_body=GREEDY,
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "any"},
+        messages=ASK,
+    ) as stream:
+        final = stream.get_final_message()
+    streamed = [b for b in final.content if b.type == "tool_use"]
+    assert [(b.name, b.input) for b in streamed] == [(b.name, b.input) for b in calls]
+    # The result goes back and the model answers.
+    reply = client.messages.create(
+        model="m",
+        max_tokens=16,
+        extra_body=GREEDY,
+        tools=[WEATHER],  # type: ignore[list-item]
+        messages=[
+            *ASK,
+            {"role": "assistant", "content": first.content},  # type: ignore[typeddict-item]
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": calls[0].id, "content": "Sunny, 21 C"}
+                ],
+            },
+        ],
+    )
+    assert reply.content
+
+
+def test_count_tokens_and_errors(client: anthropic.Anthropic, server: str) -> None:
+    counted = client.messages.count_tokens(model="m", messages=ASK)
+    plain = httpx.post(f"{server}/tokenize", json={"content": "x"})  # the route is up
+    assert plain.status_code == 200
+    assert counted.input_tokens > 5
+    more = client.messages.count_tokens(model="m", messages=ASK, tools=[WEATHER])  # type: ignore[list-item]
+    assert more.input_tokens > counted.input_tokens, "the tools are in the prompt"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(
+            model="m", max_tokens=4, messages=[{"role": "system", "content": "x"}]
+        )  # type: ignore[misc,list-item]
+    assert "role" in str(e.value)
+    # Anthropic's error body, raw.
+    r = httpx.post(f"{server}/v1/messages", json={"messages": ASK})
+    assert r.status_code == 400
+    assert r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in r.json()["error"]["message"]
+
+
+def test_streamed_events_in_order(server: str) -> None:
+    body = {"model": "m", "max_tokens": 6, "stream": True, "messages": ASK}
+    r = httpx.post(f"{server}/v1/messages", json=body, timeout=60)
+    kinds = [
+        json.loads(line[len("data: ") :])["type"]
+        for line in r.text.splitlines()
+        if line.startswith("data: ")
+    ]
+    assert kinds[0] == "message_start"
+    assert kinds[-2:] == ["message_delta", "message_stop"]
+    assert "content_block_start" in kinds
+    assert kinds.index("content_block_start") < kinds.index("content_block_stop")
+    events = [line for line in r.text.splitlines() if line.startswith("event: ")]
+    assert len(events) == len(kinds), "each data line has its event line"
