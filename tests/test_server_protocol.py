@@ -210,3 +210,25 @@ def test_llama_server_routes(server: str) -> None:
     assert props["total_slots"] == 4
     assert props["modalities"] == {"vision": False, "audio": False}
     assert "<|im_start|>" in props["chat_template"]
+
+
+def test_embeddings_take_token_ids_and_refuse_other_dimensions(
+    server: str, client: openai.OpenAI
+) -> None:
+    text = "a cat sat on the mat"
+    tokens = httpx.post(f"{server}/tokenize", json={"content": text}).json()["tokens"]
+    by_text = client.embeddings.create(model="m", input=text).data[0].embedding
+    by_ids = client.embeddings.create(model="m", input=tokens).data[0].embedding
+    both = client.embeddings.create(model="m", input=[tokens, tokens]).data
+    assert len(both) == 2
+    assert max(abs(a - b) for a, b in zip(by_text, by_ids, strict=True)) < 1e-6
+    body = {"input": [[-1]]}
+    assert httpx.post(f"{server}/v1/embeddings", json=body).status_code == 400
+    r = httpx.post(f"{server}/v1/embeddings", json={"input": "x", "dimensions": 3})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "dimensions"
+    full = {"input": "x", "dimensions": len(by_text)}
+    assert httpx.post(f"{server}/v1/embeddings", json=full).status_code == 200
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "def f(", "suffix": "return 1"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "suffix"

@@ -698,12 +698,34 @@ class Context:
         texts = [text] if isinstance(text, str) else list(text)
         if not all(isinstance(t, str) for t in texts):
             raise TypeError("embed() takes a string or a sequence of strings")
-        inputs = [await self.tokenize(t) for t in texts]
-        native = self._native
-        rows: npt.NDArray[np.float32] = await call_native(lambda done: native.embed(inputs, done))
-        if normalize:
-            rows = _unit_rows(rows)
+        rows = await self.embed_tokens([await self.tokenize(t) for t in texts], normalize)
         return rows[0] if single else rows
+
+    async def embed_tokens(
+        self, inputs: Sequence[Sequence[int]], normalize: bool = True
+    ) -> npt.NDArray[np.float32]:
+        """:meth:`embed` of token lists (``(n, dim)``), as tokenized
+        elsewhere (an OpenAI client's token-id input, say).
+
+        >>> import asyncio, lloyal
+        >>> import numpy as np
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, embeddings=True) as ctx:
+        ...         ids = await ctx.tokenize("a cat sat")
+        ...         by_ids = await ctx.embed_tokens([ids])
+        ...         return by_ids.shape, bool(np.allclose(by_ids[0], await ctx.embed("a cat sat")))
+        >>> asyncio.run(main())
+        ((1, 576), True)
+        """
+        self._check_open()
+        if isinstance(inputs, (str, bytes)):
+            raise TypeError("embed_tokens() takes a sequence of token lists")
+        ids = [_token_list(t) for t in inputs]
+        if not ids or not all(ids):
+            raise ValueError("embed_tokens() needs at least one input, none of them empty")
+        native = self._native
+        rows: npt.NDArray[np.float32] = await call_native(lambda done: native.embed(ids, done))
+        return _unit_rows(rows) if normalize else rows
 
     def create_grammar(
         self,

@@ -249,14 +249,21 @@ async def completions(request: Request, state: State) -> Response:
 
 
 async def embeddings(request: Request, state: State) -> Response:
-    req = embedding_request(await read_body(request))
+    req = embedding_request(await read_body(request), vocab_size=state.ctx.vocab_size)
     if not state.config.embeddings:
         raise ApiError("embeddings are off on this server", status=404)
     ctx = await state.embedder()
-    counts = [len(await ctx.tokenize(t)) for t in req.inputs]
+    if req.dimensions is not None and req.dimensions != ctx.embedding_dim:
+        raise ApiError(
+            f"this model's embeddings have {ctx.embedding_dim} dimensions; "
+            "other sizes are not made",
+            param="dimensions",
+        )
+    inputs = [t if isinstance(t, list) else await ctx.tokenize(t) for t in req.inputs]
+    counts = [len(t) for t in inputs]
     if max(counts) > ctx.n_batch:
         raise ApiError(f"each input may have at most {ctx.n_batch} tokens", param="input")
-    rows = await ctx.embed(req.inputs)
+    rows = await ctx.embed_tokens(inputs)
     data = [
         {
             "object": "embedding",

@@ -107,8 +107,9 @@ class CompletionRequest:
 
 @dataclass(frozen=True)
 class EmbeddingRequest:
-    inputs: list[str]
+    inputs: list[str] | list[list[int]]
     base64: bool = False
+    dimensions: int | None = None
 
 
 def parse_json(raw: bytes) -> object:
@@ -451,18 +452,41 @@ def completion_request(raw: object, *, vocab_size: int) -> CompletionRequest:
         )
     if isinstance(tokens, list) and any(not 0 <= t < vocab_size for t in tokens):
         raise ApiError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+    if body.get("suffix") not in (None, ""):
+        raise ApiError(
+            "suffix (fill-in-the-middle) is not supported by this server", param="suffix"
+        )
     top = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     generation = _generation(body, logprobs=top, vocab_size=vocab_size)
     return CompletionRequest(prompt=tokens, generation=generation, echo=_flag(body, "echo", False))
 
 
-def embedding_request(raw: object) -> EmbeddingRequest:
+def embedding_request(raw: object, *, vocab_size: int) -> EmbeddingRequest:
     body = _object(raw)
     value = body.get("input")
-    texts = [value] if isinstance(value, str) else value
-    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
-        raise ApiError("input must be a non-empty string or list of strings", param="input")
+    # A string, strings, a list of token ids, or lists of them (OpenAI's
+    # four shapes; langchain sends token ids by default).
+    if isinstance(value, list) and value and all(_is_id(t) for t in value):
+        value = [value]
+    inputs = [value] if isinstance(value, str) else value
+    texts = isinstance(inputs, list) and all(isinstance(t, str) and t for t in inputs)
+    ids = isinstance(inputs, list) and all(
+        isinstance(t, list) and t and all(_is_id(x) for x in t) for t in inputs
+    )
+    if not isinstance(inputs, list) or not inputs or not (texts or ids):
+        raise ApiError(
+            "input must be a non-empty string, a list of strings, a list of token ids "
+            "or a list of such lists",
+            param="input",
+        )
+    if ids and any(not 0 <= x < vocab_size for t in inputs for x in t):
+        raise ApiError(f"input token ids must be in [0, {vocab_size})", param="input")
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise ApiError("encoding_format must be 'float' or 'base64'", param="encoding_format")
-    return EmbeddingRequest(inputs=list(texts), base64=encoding == "base64")
+    dimensions = _integer(body, "dimensions", None, 1, 1 << 20)
+    return EmbeddingRequest(inputs=list(inputs), base64=encoding == "base64", dimensions=dimensions)
+
+
+def _is_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
