@@ -4,7 +4,9 @@ SmolLM2, with raw HTTP and the official ``openai`` client."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +16,7 @@ import pytest
 from lloyal.models import model_path
 
 from tests.conftest import open_sync
-from tests.server_fuzz import start_server, stop_server
+from tests.server_fuzz import metrics, start_server, stop_server
 
 WEATHER: dict[str, Any] = {
     "type": "function",
@@ -232,3 +234,44 @@ def test_embeddings_take_token_ids_and_refuse_other_dimensions(
     r = httpx.post(f"{server}/v1/completions", json={"prompt": "def f(", "suffix": "return 1"})
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "suffix"
+
+
+def test_a_client_that_leaves_while_queued_is_dropped_at_once() -> None:
+    """One KV sequence: a long stream holds it, a second streaming request
+    waits in the queue and its client leaves. The waiting request must go
+    at once (before, it was admitted and prefilled when the first ended,
+    and dropped only at its first token)."""
+    proc, url = start_server("--n-seq-max", "1", "--n-ctx", "4096", "--no-prefix-cache")
+    try:
+
+        async def run() -> None:
+            holder = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True}
+            queued = {"prompt": [1000 + i for i in range(300)], "max_tokens": 4}
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=120) as c,
+                c.stream("POST", "/v1/completions", json={**holder, "stream": True}) as a,
+            ):
+                assert a.status_code == 200
+                lines = a.aiter_lines()
+                await anext(lines)  # the holder is running
+                before = metrics(url)
+                b = asyncio.create_task(c.post("/v1/completions", json={**queued, "stream": True}))
+                # A hang guard, not a speed check: the request is seen
+                # waiting, then its client leaves.
+                deadline = time.monotonic() + 60
+                while metrics(url)["lloyal_requests_waiting"] < 1:
+                    assert time.monotonic() < deadline, "the request never queued"
+                    await asyncio.sleep(0.05)
+                b.cancel()
+                await asyncio.gather(b, return_exceptions=True)
+                while metrics(url)["lloyal_requests_waiting"] > 0:
+                    assert time.monotonic() < deadline, "the request that left still waits"
+                    await asyncio.sleep(0.05)
+                after = metrics(url)
+                assert after["lloyal_requests_active"] == 1, "the holder still runs"
+                assert after["lloyal_prompt_tokens_total"] == before["lloyal_prompt_tokens_total"]
+                assert after["lloyal_client_disconnects_total"] >= 1
+
+        asyncio.run(run())
+    finally:
+        stop_server(proc)

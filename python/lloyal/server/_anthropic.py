@@ -279,7 +279,7 @@ async def messages(request: Request, state: State) -> Response:
 
     head = {"id": message_id, "type": "message", "role": "assistant", "model": state.name}
     if gen.stream:
-        source = await primed(events())
+        source = await primed(events(), request)
         return event_stream(
             state,
             source,

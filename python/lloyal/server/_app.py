@@ -95,7 +95,7 @@ async def chat_completions(request: Request, state: State) -> Response:
             yield event
 
     if gen.stream:
-        source = await primed(events())
+        source = await primed(events(), request)
         chunk = {**head, "object": "chat.completion.chunk"}
 
         async def bodies() -> AsyncGenerator[dict[str, Any], None]:
@@ -198,7 +198,7 @@ async def completions(request: Request, state: State) -> Response:
                 yield event
 
     if gen.stream:
-        source = await primed(events())
+        source = await primed(events(), request)
         chunk = {**head, "object": "text_completion"}
 
         async def bodies() -> AsyncGenerator[dict[str, Any], None]:

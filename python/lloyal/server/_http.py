@@ -48,6 +48,8 @@ def handler(
         state: State = request.app.state.lloyal
         try:
             return await fn(request, state)
+        except ClientGone:
+            return Response(status_code=499)
         except ApiError as e:
             return error_response(e, body)
         except (GrammarError, ChatTemplateError) as e:
@@ -85,16 +87,33 @@ async def until_disconnect(request: Request, work: Awaitable[Response]) -> Respo
     return task.result()
 
 
-async def primed(events: AsyncGenerator[Event, None]) -> Primed:
+class ClientGone(Exception):
+    """The client left before its response started (answered 499, which
+    it never sees)."""
+
+
+async def primed(events: AsyncGenerator[Event, None], request: Request) -> Primed:
     """``events`` with its first item already taken, so that admission,
     the prompt and the first token happen before the response starts and
-    their errors get a status code of their own (429, 503, 400)."""
-    first: Event | None = None
+    their errors get a status code of their own (429, 503, 400). A client
+    that leaves meanwhile (waiting in the queue, or during its prefill) is
+    dropped at once: its work is cancelled and its branches freed."""
+    first_item = asyncio.ensure_future(events.__anext__())
     try:
-        first = await events.__anext__()
+        while not first_item.done():
+            done, _ = await asyncio.wait({first_item}, timeout=0.1)
+            if not done and await request.is_disconnected():
+                first_item.cancel()
+                await asyncio.gather(first_item, return_exceptions=True)
+                state: State = request.app.state.lloyal
+                state.engine.metrics.disconnects += 1
+                raise ClientGone()
+        first: Event | None = first_item.result()
     except StopAsyncIteration:
-        pass
+        first = None
     except BaseException:
+        first_item.cancel()
+        await asyncio.gather(first_item, return_exceptions=True)
         await events.aclose()
         raise
     return Primed(first, events)
