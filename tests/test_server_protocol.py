@@ -275,3 +275,22 @@ def test_a_client_that_leaves_while_queued_is_dropped_at_once() -> None:
         asyncio.run(run())
     finally:
         stop_server(proc)
+
+
+def test_rerank(server: str) -> None:
+    body = {
+        "query": "a cat sat on the mat",
+        "documents": ["tax law of the federal republic", "a kitten sat on a rug", "stocks"],
+        "top_n": 2,
+        "return_documents": True,
+    }
+    for path in ("/v1/rerank", "/rerank"):
+        r = httpx.post(f"{server}{path}", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert len(results) == 2
+        assert results[0]["index"] == 1, "the kitten is nearest"
+        assert results[0]["relevance_score"] >= results[1]["relevance_score"]
+        assert results[0]["document"] == {"text": body["documents"][1]}
+    for bad in ({**body, "documents": []}, {**body, "query": ""}, {**body, "top_n": 0}):
+        assert httpx.post(f"{server}/v1/rerank", json=bad).status_code == 400

@@ -33,7 +33,7 @@ from lloyal.server._http import (
     read_body,
     until_disconnect,
 )
-from lloyal.server._llama import apply_template, detokenize, props, tokenize
+from lloyal.server._llama import apply_template, detokenize, props, rerank, tokenize
 from lloyal.server._protocol import (
     ApiError,
     chat_request,
@@ -404,6 +404,7 @@ def create_app(config: ServerConfig) -> Starlette:
         Route("/detokenize", handler(detokenize), methods=["POST"]),
         Route("/apply-template", handler(apply_template), methods=["POST"]),
         Route("/props", handler(props), methods=["GET"]),
+        *(Route(p, handler(rerank), methods=["POST"]) for p in ("/v1/rerank", "/rerank")),
         Route("/metrics", handler(metrics), methods=["GET"]),
         Route("/lora-adapters", handler(lora_adapters), methods=["GET", "POST"]),
     ]

@@ -1,5 +1,6 @@
 """llama-server's own routes that editors and tools call: ``/tokenize``,
-``/detokenize``, ``/apply-template`` and ``/props``, in its shapes."""
+``/detokenize``, ``/apply-template``, ``/props`` and ``/v1/rerank``, in
+its shapes."""
 
 from __future__ import annotations
 
@@ -102,5 +103,55 @@ async def props(request: Request, state: State) -> Response:
                 "audio": bool(projector and projector.audio),
             },
             "build_info": f"lloyal (llama-cpp-2 {LLAMA_CPP_2_VERSION})",
+        }
+    )
+
+
+MAX_DOCUMENTS = 1000
+
+
+async def rerank(request: Request, state: State) -> Response:
+    """``{"query", "documents": [str], "top_n"?, "return_documents"?}`` ->
+    ``{"results": [{"index", "relevance_score"}]}``, best first (Jina's and
+    Cohere's shape, as llama-server answers it). Scores are the cosine of
+    the query's and each document's embedding on the server's pooling
+    context (:class:`lloyal.Rerank` with ``method="embedding"``)."""
+    body = _body(await request.body())
+    query, documents = body.get("query"), body.get("documents")
+    if not isinstance(query, str) or not query.strip():
+        raise ApiError("query must be a non-empty string", param="query")
+    if (
+        not isinstance(documents, list)
+        or not 0 < len(documents) <= MAX_DOCUMENTS
+        or not all(isinstance(d, str) and d for d in documents)
+    ):
+        raise ApiError(
+            f"documents must be 1 to {MAX_DOCUMENTS} non-empty strings", param="documents"
+        )
+    top_n = body.get("top_n", len(documents))
+    if type(top_n) is not int or top_n < 1:
+        raise ApiError("top_n must be a positive integer", param="top_n")
+    if not state.config.embeddings:
+        raise ApiError("embeddings (and so rerank) are off on this server", status=404)
+    ctx = await state.embedder()
+    inputs = [await ctx.tokenize(t) for t in (query, *documents)]
+    if max(len(t) for t in inputs) > ctx.n_batch:
+        raise ApiError(f"the query and each document may have at most {ctx.n_batch} tokens")
+    rows = await ctx.embed_tokens(inputs)
+    scores = rows[1:] @ rows[0]
+    order = sorted(range(len(documents)), key=lambda i: -float(scores[i]))[:top_n]
+    results: list[dict[str, Any]] = []
+    for i in order:
+        entry: dict[str, Any] = {"index": i, "relevance_score": float(scores[i])}
+        if _flag(body, "return_documents", False):
+            entry["document"] = {"text": documents[i]}
+        results.append(entry)
+    total = sum(len(t) for t in inputs)
+    return JSONResponse(
+        {
+            "model": state.name,
+            "object": "list",
+            "results": results,
+            "usage": {"prompt_tokens": total, "total_tokens": total},
         }
     )
