@@ -243,12 +243,6 @@ C, P = CHAT, COMPLETIONS
         (C, b'{"messages": %s, "tool_choice": "sometimes"}' % HI, "tool_choice"),
         (
             C,
-            b'{"messages": %s, "tools": [{"type": "function", "function": {"name": "f"}}],'
-            b' "response_format": {"type": "json_object"}}' % HI,
-            "response_format",
-        ),
-        (
-            C,
             b'{"messages": %s, "response_format": {"type": "json_schema",'
             b' "json_schema": {"schema": {"type": "nothing"}}}}' % HI,
             "response_format",

@@ -294,3 +294,20 @@ def test_rerank(server: str) -> None:
         assert results[0]["document"] == {"text": body["documents"][1]}
     for bad in ({**body, "documents": []}, {**body, "query": ""}, {**body, "top_n": 0}):
         assert httpx.post(f"{server}/v1/rerank", json=bad).status_code == 400
+
+
+def test_several_prompts_in_one_completions_request(server: str) -> None:
+    prompts = ["The capital of France is", "One, two, three,"]
+    body = {"max_tokens": 3, "temperature": 0, "n": 2}
+    r = httpx.post(f"{server}/v1/completions", json={**body, "prompt": prompts}, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    alone = [
+        httpx.post(f"{server}/v1/completions", json={**body, "prompt": p}, timeout=60).json()
+        for p in prompts
+    ]
+    assert [c["text"] for c in out["choices"]] == [c["text"] for a in alone for c in a["choices"]]
+    assert out["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    streamed = {**body, "prompt": prompts, "stream": True}
+    assert httpx.post(f"{server}/v1/completions", json=streamed).status_code == 400

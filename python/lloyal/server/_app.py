@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 import uuid
@@ -36,6 +37,7 @@ from lloyal.server._http import (
 from lloyal.server._llama import apply_template, detokenize, props, rerank, tokenize
 from lloyal.server._protocol import (
     ApiError,
+    CompletionRequest,
     chat_request,
     completion_request,
     embedding_request,
@@ -154,95 +156,125 @@ async def chat_completions(request: Request, state: State) -> Response:
 # -- completions ---------------------------------------------------------------------
 
 
-async def completions(request: Request, state: State) -> Response:
-    ctx = state.ctx
-    req = completion_request(await read_body(request), vocab_size=ctx.vocab_size)
-    gen = req.generation
-    if isinstance(req.prompt, str):
-        tokens = await ctx.tokenize(req.prompt)
-        prompt_text = req.prompt
-    else:
-        tokens = req.prompt
-        prompt_text = await ctx.detokenize(tokens)
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.name}
-    texts = [""] * gen.n
-    counts = [0] * gen.n
-    lps: list[dict[str, list[Any]]] = [
-        {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for _ in range(gen.n)
-    ]
+class _Completion:
+    """One prompt's choices of a completions request, as they grow."""
 
-    def record(event: Event) -> None:
+    def __init__(self, state: State, req: CompletionRequest, offset: int) -> None:
+        self.state, self.req, self.gen, self.offset = state, req, req.generation, offset
+        n = self.gen.n
+        self.texts = [""] * n
+        self.counts = [0] * n
+        self.lps: list[dict[str, list[Any]]] = [
+            {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            for _ in range(n)
+        ]
+        self.tokens: list[int] = []
+        self.prompt_text = ""
+
+    async def prepare(self, prompt: str | list[int]) -> None:
+        ctx = self.state.ctx
+        if isinstance(prompt, str):
+            self.tokens, self.prompt_text = await ctx.tokenize(prompt), prompt
+        else:
+            self.tokens, self.prompt_text = prompt, await ctx.detokenize(prompt)
+
+    def record(self, event: Event) -> None:
         i = event.index
         if event.token is not None:
-            counts[i] += 1
+            self.counts[i] += 1
             if event.logprob is not None:
-                lp = lps[i]
-                lp["text_offset"].append(len(prompt_text if req.echo else "") + len(texts[i]))
+                ctx, lp = self.state.ctx, self.lps[i]
+                echoed = len(self.prompt_text) if self.req.echo else 0
+                lp["text_offset"].append(echoed + len(self.texts[i]))
                 lp["tokens"].append(ctx.token_to_text(event.token))
                 lp["token_logprobs"].append(event.logprob)
                 lp["top_logprobs"].append({ctx.token_to_text(t): v for t, v in event.top})
-        texts[i] += event.text
+        self.texts[i] += event.text
 
-    def usage() -> dict[str, int]:
+    def usage(self) -> dict[str, int]:
+        done = sum(self.counts)
         return {
-            "prompt_tokens": len(tokens),
-            "completion_tokens": sum(counts),
-            "total_tokens": len(tokens) + sum(counts),
+            "prompt_tokens": len(self.tokens),
+            "completion_tokens": done,
+            "total_tokens": len(self.tokens) + done,
         }
 
-    async def events() -> AsyncGenerator[Event, None]:
-        async with state.engine.admitted(tokens, gen):
-            async for event in state.engine.generate(tokens, gen):
-                record(event)
+    async def events(self) -> AsyncGenerator[Event, None]:
+        engine = self.state.engine
+        async with engine.admitted(self.tokens, self.gen):
+            async for event in engine.generate(self.tokens, self.gen):
+                self.record(event)
                 yield event
 
-    if gen.stream:
-        source = await primed(events(), request)
-        chunk = {**head, "object": "text_completion"}
-
-        async def bodies() -> AsyncGenerator[dict[str, Any], None]:
-            if req.echo:  # the prompt first, as OpenAI streams it
-                for i in range(gen.n):
-                    echoed = {"index": i, "text": prompt_text, "logprobs": None}
-                    yield {**chunk, "choices": [{**echoed, "finish_reason": None}]}
-            async for event in source:
-                token_lp = event.finish is None and event.logprob is not None
-                if event.finish is None and not event.text and not token_lp:
-                    continue
-                lp = lps[event.index]
-                choice = {
-                    "index": event.index,
-                    "text": event.text,
-                    # This token's entry (``record`` saw the event first).
-                    "logprobs": {k: v[-1:] for k, v in lp.items()} if token_lp else None,
-                    "finish_reason": event.finish,
-                }
-                yield {**chunk, "choices": [choice]}
-            if gen.include_usage:
-                yield {**chunk, "choices": [], "usage": usage()}
-
-        return event_stream(state, source, bodies())
-
-    async def collect() -> Response:
+    async def choices(self) -> list[dict[str, Any]]:
+        """Run to the end: the choices, numbered from ``offset``."""
         finishes: dict[int, str] = {}
-        async for event in events():
+        async for event in self.events():
             if event.finish is not None:
                 finishes[event.index] = event.finish
-        choices = [
+        return [
             {
-                "index": i,
-                "text": (prompt_text if req.echo else "") + texts[i],
-                "logprobs": lps[i] if gen.logprobs is not None else None,
+                "index": self.offset + i,
+                "text": (self.prompt_text if self.req.echo else "") + self.texts[i],
+                "logprobs": self.lps[i] if self.gen.logprobs is not None else None,
                 "finish_reason": finishes.get(i, "stop"),
             }
-            for i in range(gen.n)
+            for i in range(self.gen.n)
         ]
+
+
+async def completions(request: Request, state: State) -> Response:
+    req = completion_request(await read_body(request), vocab_size=state.ctx.vocab_size)
+    gen = req.generation
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.name}
+    runs = [_Completion(state, req, i * gen.n) for i in range(len(req.prompts))]
+    for run, prompt in zip(runs, req.prompts, strict=True):
+        await run.prepare(prompt)
+    if gen.stream:
+        return await _stream_completion(request, state, runs[0], head)
+
+    async def collect() -> Response:
+        # Several prompts run side by side, each admitted on its own.
+        parts = await asyncio.gather(*(run.choices() for run in runs))
+        usages = [run.usage() for run in runs]
+        usage = {k: sum(u[k] for u in usages) for k in usages[0]}
+        choices = [c for part in parts for c in part]
         return JSONResponse(
-            {**head, "object": "text_completion", "choices": choices, "usage": usage()}
+            {**head, "object": "text_completion", "choices": choices, "usage": usage}
         )
 
     return await until_disconnect(request, collect())
+
+
+async def _stream_completion(
+    request: Request, state: State, run: _Completion, head: dict[str, Any]
+) -> Response:
+    gen, req = run.gen, run.req
+    source = await primed(run.events(), request)
+    chunk = {**head, "object": "text_completion"}
+
+    async def bodies() -> AsyncGenerator[dict[str, Any], None]:
+        if req.echo:  # the prompt first, as OpenAI streams it
+            for i in range(gen.n):
+                echoed = {"index": i, "text": run.prompt_text, "logprobs": None}
+                yield {**chunk, "choices": [{**echoed, "finish_reason": None}]}
+        async for event in source:
+            token_lp = event.finish is None and event.logprob is not None
+            if event.finish is None and not event.text and not token_lp:
+                continue
+            lp = run.lps[event.index]
+            choice = {
+                "index": event.index,
+                "text": event.text,
+                # This token's entry (``record`` saw the event first).
+                "logprobs": {k: v[-1:] for k, v in lp.items()} if token_lp else None,
+                "finish_reason": event.finish,
+            }
+            yield {**chunk, "choices": [choice]}
+        if gen.include_usage:
+            yield {**chunk, "choices": [], "usage": run.usage()}
+
+    return event_stream(state, source, bodies())
 
 
 # -- the rest ------------------------------------------------------------------------

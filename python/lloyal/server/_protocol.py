@@ -100,7 +100,7 @@ class ChatRequest:
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    prompt: str | list[int]
+    prompts: tuple[str | list[int], ...]
     generation: Generation
     echo: bool = False
 
@@ -432,33 +432,48 @@ def _effort(value: object) -> str | None:
     return str(value)
 
 
+MAX_PROMPTS = 64
+
+
 def completion_request(raw: object, *, vocab_size: int) -> CompletionRequest:
     body = _object(raw)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
-        tokens: str | list[int] = list(prompt)
-    elif isinstance(prompt, str) and prompt:
-        tokens = prompt
+    # One prompt (text or token ids) or several (a list of either):
+    # langchain's batch sends several.
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts: list[Any] = prompt
     else:
-        raise ApiError(
-            "prompt must be a non-empty string or list of token ids (one prompt per request)",
-            param="prompt",
-        )
-    if isinstance(tokens, list) and any(not 0 <= t < vocab_size for t in tokens):
-        raise ApiError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        prompts = [prompt]
+    if not 0 < len(prompts) <= MAX_PROMPTS:
+        raise ApiError(f"at most {MAX_PROMPTS} prompts in one request", param="prompt")
+    checked: list[str | list[int]] = []
+    for p in prompts:
+        if (
+            isinstance(p, list)
+            and p
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+        ):
+            if any(not 0 <= t < vocab_size for t in p):
+                raise ApiError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+            checked.append(list(p))
+        elif isinstance(p, str) and p:
+            checked.append(p)
+        else:
+            raise ApiError(
+                "prompt must be a non-empty string, a list of token ids, or a list of those",
+                param="prompt",
+            )
+    if len(checked) > 1 and _flag(body, "stream", False):
+        raise ApiError("a streamed request takes one prompt", param="prompt")
     if body.get("suffix") not in (None, ""):
         raise ApiError(
             "suffix (fill-in-the-middle) is not supported by this server", param="suffix"
         )
     top = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     generation = _generation(body, logprobs=top, vocab_size=vocab_size)
-    return CompletionRequest(prompt=tokens, generation=generation, echo=_flag(body, "echo", False))
+    return CompletionRequest(
+        prompts=tuple(checked), generation=generation, echo=_flag(body, "echo", False)
+    )
 
 
 def embedding_request(raw: object, *, vocab_size: int) -> EmbeddingRequest:
