@@ -68,3 +68,33 @@ async def test_reasoning_effort_reaches_the_template(
     bad = await chat(config, reasoning_effort="extreme")
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "reasoning_effort"
+
+
+async def test_anthropic_thinking_blocks_whole_and_streamed(smollm2: Path) -> None:
+    """Anthropic's ``thinking`` (its budget as the reasoning budget): the
+    reasoning comes back as a thinking block before the text, whole and as
+    ``thinking_delta`` events."""
+    config = ServerConfig(model_path=smollm2, n_ctx=1024, n_seq_max=2, template=THINKING_TEMPLATE)
+    app = create_app(config)
+    body = {
+        "model": "m",
+        "max_tokens": 24,
+        "temperature": 0,
+        "thinking": {"type": "enabled", "budget_tokens": 3},
+        "messages": ASK,
+    }
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://x", timeout=120) as c:
+            whole = (await c.post("/v1/messages", json=body)).json()
+            streamed = await c.post("/v1/messages", json={**body, "stream": True})
+    kinds = [b["type"] for b in whole["content"]]
+    assert kinds[0] == "thinking", whole
+    assert whole["content"][0]["thinking"]
+    events = [lloyal_json(line) for line in streamed.text.splitlines() if line.startswith("data: ")]
+    thought = "".join(
+        e["delta"]["thinking"]
+        for e in events
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "thinking_delta"
+    )
+    assert thought == whole["content"][0]["thinking"]
