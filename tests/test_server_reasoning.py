@@ -91,7 +91,8 @@ async def test_anthropic_thinking_blocks_whole_and_streamed(smollm2: Path) -> No
     kinds = [b["type"] for b in whole["content"]]
     assert kinds[0] == "thinking", whole
     assert whole["content"][0]["thinking"]
-    events = [lloyal_json(line) for line in streamed.text.splitlines() if line.startswith("data: ")]
+    lines = streamed.text.splitlines()
+    events = [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: ")]
     thought = "".join(
         e["delta"]["thinking"]
         for e in events
