@@ -4,6 +4,7 @@ tokens; ``reasoning_effort`` reaches the template."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
