@@ -384,7 +384,7 @@ def test_an_unexpected_error_is_a_json_500(smollm2: Path, monkeypatch: pytest.Mo
     def broken(*args: Any) -> Any:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(server_app, "chat_prompt", broken)
+    monkeypatch.setattr(server_app, "prepare", broken)
 
     async def run() -> None:
         async with _in_process(smollm2) as (c, _):

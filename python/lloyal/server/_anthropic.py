@@ -23,7 +23,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from lloyal.server._chat import ChatChoice, chat_events, chat_grammar, chat_prompt, prompt_tokens
+from lloyal.server._chat import ChatChoice, chat_events, chat_prompt, prepare, prompt_tokens
 from lloyal.server._engine import Event
 from lloyal.server._http import event_stream, primed, until_disconnect
 from lloyal.server._protocol import ApiError, chat_request, parse_json
@@ -260,11 +260,7 @@ async def messages(request: Request, state: State) -> Response:
     body = to_openai(parse_json(await request.body()))
     req = chat_request(body, vocab_size=state.ctx.vocab_size)
     gen = req.generation
-    prompt = chat_prompt(state.ctx, state.config.template, req)
-    grammar = chat_grammar(state.ctx, req, prompt)
-    tokens = await prompt_tokens(state.ctx, prompt)
-    if len(tokens) > 1 and tokens[0] == tokens[1] == state.ctx.bos_token:
-        tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
+    prompt, grammar, tokens = await prepare(state, req)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     choice = ChatChoice(prompt)
 

@@ -23,7 +23,7 @@ from lloyal.server._adapters import load as load_adapters
 from lloyal.server._adapters import lora_adapters as _lora_adapters
 from lloyal.server._anthropic import count_tokens, error_body, messages
 from lloyal.server._auth import RequireKey
-from lloyal.server._chat import ChatChoice, chat_events, chat_grammar, chat_prompt, prompt_tokens
+from lloyal.server._chat import ChatChoice, chat_events, prepare
 from lloyal.server._engine import Event
 from lloyal.server._http import (
     error_response,
@@ -66,11 +66,7 @@ def _logprob_entry(state: State, token: int, logprob: float, top: Any) -> dict[s
 async def chat_completions(request: Request, state: State) -> Response:
     req = chat_request(await read_body(request), vocab_size=state.ctx.vocab_size)
     gen = req.generation
-    prompt = chat_prompt(state.ctx, state.config.template, req)
-    grammar = chat_grammar(state.ctx, req, prompt)
-    tokens = await prompt_tokens(state.ctx, prompt)
-    if len(tokens) > 1 and tokens[0] == tokens[1] == state.ctx.bos_token:
-        tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
+    prompt, grammar, tokens = await prepare(state, req)
     head = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "created": int(time.time()),

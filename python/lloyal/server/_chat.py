@@ -107,17 +107,29 @@ def chat_prompt(ctx: Context, template: str | None, req: ChatRequest) -> ChatPro
 
 async def prompt_tokens(ctx: Context, prompt: ChatPrompt) -> list[int]:
     """The prompt's tokens, its media as placeholders (400 for media the
-    projector cannot read, or none loaded)."""
+    projector cannot read, or none loaded); one BOS where the template
+    wrote one and the tokenizer added another."""
     if not prompt.media:
-        return await ctx.tokenize(prompt.prompt)
-    if ctx.projector is None:
+        tokens = await ctx.tokenize(prompt.prompt)
+    elif ctx.projector is None:
         raise ApiError(
             "this server takes no images or audio (start it with --mmproj)", param="messages"
         )
-    try:
-        return await ctx.tokenize(prompt.prompt, media=prompt.media)
-    except MediaError as e:
-        raise ApiError(str(e), param="messages") from None
+    else:
+        try:
+            tokens = await ctx.tokenize(prompt.prompt, media=prompt.media)
+        except MediaError as e:
+            raise ApiError(str(e), param="messages") from None
+    if len(tokens) > 1 and tokens[0] == tokens[1] == ctx.bos_token:
+        tokens = tokens[1:]
+    return tokens
+
+
+async def prepare(state: State, req: ChatRequest) -> tuple[ChatPrompt, Grammar | None, list[int]]:
+    """A chat request rendered, its grammar, and its tokens."""
+    prompt = chat_prompt(state.ctx, state.config.template, req)
+    grammar = chat_grammar(state.ctx, req, prompt)
+    return prompt, grammar, await prompt_tokens(state.ctx, prompt)
 
 
 def _effort(req: ChatRequest) -> dict[str, Any]:
