@@ -70,14 +70,15 @@ def test_a_message_whole_and_streamed(client: anthropic.Anthropic) -> None:
 
 
 def test_a_tool_round_trip(client: anthropic.Anthropic) -> None:
-    first = client.messages.create(
-        model="m",
-        max_tokens=60,
-        extra_body=GREEDY,
-        tools=[WEATHER],  # type: ignore[list-item]
-        tool_choice={"type": "any"},
-        messages=ASK,
-    )
+    call: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": 60,
+        "extra_body": GREEDY,
+        "tools": [WEATHER],
+        "tool_choice": {"type": "any"},
+        "messages": ASK,
+    }
+    first = client.messages.create(**call)
     assert first.stop_reason == "tool_use"
     calls = [b for b in first.content if b.type == "tool_use"]
     assert calls
@@ -85,14 +86,7 @@ def test_a_tool_round_trip(client: anthropic.Anthropic) -> None:
     assert isinstance(calls[0].input, dict)
     assert "city" in calls[0].input
     # Streamed, the same call, its input in input_json_delta pieces.
-    with client.messages.stream(
-        model="m",
-        max_tokens=60,
-        extra_body=GREEDY,
-        tools=[WEATHER],  # type: ignore[list-item]
-        tool_choice={"type": "any"},
-        messages=ASK,
-    ) as stream:
+    with client.messages.stream(**call) as stream:
         final = stream.get_final_message()
     streamed = [b for b in final.content if b.type == "tool_use"]
     assert [(b.name, b.input) for b in streamed] == [(b.name, b.input) for b in calls]

@@ -17,19 +17,8 @@ from lloyal.models import model_path
 
 from tests.conftest import open_sync
 from tests.server_fuzz import metrics, start_server, stop_server
-
-WEATHER: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
+from tests.test_chat_tools import NESTED
+from tests.test_server import WEATHER
 
 
 @pytest.fixture(scope="module")
@@ -116,27 +105,9 @@ def test_tools_and_response_format_together(client: openai.OpenAI) -> None:
 
 
 def test_tool_parameters_with_defs(server: str) -> None:
-    nested = {
-        "type": "function",
-        "function": {
-            "name": "ship",
-            "parameters": {
-                "$defs": {
-                    "Address": {
-                        "type": "object",
-                        "properties": {"city": {"type": "string", "maxLength": 12}},
-                        "required": ["city"],
-                    }
-                },
-                "type": "object",
-                "properties": {"to": {"$ref": "#/$defs/Address"}},
-                "required": ["to"],
-            },
-        },
-    }
     body = {
         "messages": [{"role": "user", "content": "Ship it to Paris."}],
-        "tools": [nested],
+        "tools": [NESTED],
         "tool_choice": "required",
         "max_tokens": 40,
         "temperature": 0,
