@@ -379,9 +379,10 @@ def create_app(config: ServerConfig) -> Starlette:
 
     >>> from lloyal.server import ServerConfig, create_app
     >>> app = create_app(ServerConfig(model_path=MODEL, n_seq_max=4))
-    >>> [r.path for r in app.routes if r.path.startswith("/v1")]  # doctest: +NORMALIZE_WHITESPACE
-    ['/v1/chat/completions', '/v1/completions', '/v1/embeddings', '/v1/models',
-     '/v1/models/{model:path}']
+    >>> paths = {r.path for r in app.routes}
+    >>> sorted(p for p in paths if p.startswith("/v1"))  # doctest: +NORMALIZE_WHITESPACE
+    ['/v1/chat/completions', '/v1/completions', '/v1/embeddings', '/v1/messages',
+     '/v1/messages/count_tokens', '/v1/models', '/v1/models/{model:path}', '/v1/rerank']
     """
 
     @asynccontextmanager
