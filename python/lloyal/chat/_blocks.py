@@ -271,22 +271,17 @@ def _json_fence_block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:
     return _fence_close(text, _Block("ok", calls, node.end), partial)
 
 
+_mistral_json = _json_after(TOOL_CALLS, "")
+
+
 def _mistral_block(text: str, i: int, partial: bool, memo: _Memo) -> _Block:
     n = len(text)
     k = _skip(text, i + len(TOOL_CALLS))
     if k == n:
         return _wait(partial, [])
     if text[k] in "{[":  # v0.3: a JSON array (or object) of calls
-        node = _scan(text, k)
-        if node is None:
-            return _BROKEN
-        valid, calls = _calls_of(text, node, require_args=False)
-        if not valid:
-            return _BROKEN
-        if not node.complete:
-            return _wait(partial, calls)
-        return _Block("ok", calls, node.end)
-    calls = []  # name[CALL_ID]id[ARGS]{...}, possibly repeated
+        return _mistral_json(text, i, partial, memo)
+    calls: list[ToolCall] = []  # name[CALL_ID]id[ARGS]{...}, possibly repeated
     while True:
         name = _NAME.match(text, k)
         if name is None:
