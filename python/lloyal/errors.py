@@ -12,6 +12,8 @@ raises.
 True
 >>> issubclass(lloyal.ModelLoadError, lloyal.LloyalError)
 True
+>>> issubclass(lloyal.ChecksumMismatchError, lloyal.PullError)
+True
 """
 
 from lloyal._lloyal import (
@@ -38,11 +40,32 @@ class WorkerLostError(LloyalError):
     it held are gone. Other workers and their branches are unaffected."""
 
 
+class PullError(LloyalError):
+    """A model could not be pulled from the Hugging Face hub or a URL
+    (:mod:`lloyal.hub`): the network failed, the server answered an HTTP
+    error, or the download was cut short (the ``.part`` file stays, and the
+    next pull resumes it)."""
+
+
+class PullNotFoundError(PullError):
+    """What a pull asked for is not there: the repository, revision or file
+    answers 404 (or 401/403: private or gated, and ``$HF_TOKEN`` unset or
+    without access), or no ``.gguf`` file of the repository matches the
+    quantization asked for (the message lists the files there are)."""
+
+
+class ChecksumMismatchError(PullError):
+    """Downloaded bytes whose SHA-256 (or size) is not the one the hub gives,
+    or the one a URL's ``#sha256=`` fragment names. The download is deleted;
+    nothing is cached."""
+
+
 __all__ = [
     "AdapterLoadError",
     "BranchBusyError",
     "BranchDisposedError",
     "ChatTemplateError",
+    "ChecksumMismatchError",
     "ContextClosedError",
     "DecodeError",
     "GrammarError",
@@ -53,6 +76,8 @@ __all__ = [
     "ModelLoadError",
     "NoLeaseError",
     "ProjectorLoadError",
+    "PullError",
+    "PullNotFoundError",
     "StateError",
     "WorkerLostError",
 ]
