@@ -272,7 +272,8 @@ async def _in_process(model: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://x", timeout=120) as c:
-            yield c, app.state.lloyal
+            (state,) = app.state.lloyal.states().values()
+            yield c, state
 
 
 DOOMED_SEED = 13

@@ -144,3 +144,32 @@ def test_streamed_events_in_order(server: str) -> None:
     assert kinds.index("content_block_start") < kinds.index("content_block_stop")
     events = [line for line in r.text.splitlines() if line.startswith("event: ")]
     assert len(events) == len(kinds), "each data line has its event line"
+
+
+def test_a_stop_sequence_is_named_and_cached_input_counted_apart(
+    client: anthropic.Anthropic,
+) -> None:
+    kw: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": 16,
+        "extra_body": GREEDY,
+        "messages": [{"role": "user", "content": "Describe the sea in a sentence."}],
+    }
+    full = client.messages.create(**kw)
+    (block,) = full.content
+    assert block.type == "text"
+    assert len(block.text) >= 6, block
+    stop = block.text[len(block.text) // 2 :][:2]
+    cut = client.messages.create(**kw, stop_sequences=[stop])
+    assert cut.stop_reason == "stop_sequence"
+    assert cut.stop_sequence == stop
+    assert cut.content[0].type == "text"
+    assert cut.content[0].text == block.text[: block.text.find(stop)]
+    with client.messages.stream(**kw, stop_sequences=[stop]) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+    # The same prompt again: read from the prefix cache, counted apart.
+    assert cut.usage.cache_read_input_tokens
+    total = cut.usage.input_tokens + cut.usage.cache_read_input_tokens
+    counted = client.messages.count_tokens(model="m", messages=kw["messages"])
+    assert total == counted.input_tokens

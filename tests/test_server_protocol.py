@@ -282,3 +282,19 @@ def test_several_prompts_in_one_completions_request(server: str) -> None:
     assert out["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
     streamed = {**body, "prompt": prompts, "stream": True}
     assert httpx.post(f"{server}/v1/completions", json=streamed).status_code == 400
+
+
+def test_cached_tokens_count_the_prefix_the_cache_gave(client: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "Tell me about the moon in one line, please."}]
+    usages = [
+        client.chat.completions.create(model="m", messages=ask, max_tokens=2, temperature=0).usage
+        for _ in range(2)
+    ]
+    first, second = (u for u in usages if u is not None)
+    assert first.prompt_tokens == second.prompt_tokens
+    assert first.prompt_tokens_details is not None
+    assert second.prompt_tokens_details is not None
+    # The second is the first's prompt again: all of it came from the
+    # cache but the last token, whose logits a fork cannot give.
+    assert second.prompt_tokens_details.cached_tokens == second.prompt_tokens - 1
+    assert first.prompt_tokens_details.cached_tokens < second.prompt_tokens_details.cached_tokens

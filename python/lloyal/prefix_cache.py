@@ -181,6 +181,36 @@ class PrefixCache:
         ``adapters``: the set the branch decodes under (default: the
         context's, :attr:`Context.adapters <lloyal.Context.adapters>`); only
         entries made under the same set are reused."""
+        out, _ = await self.branch_reusing(
+            tokens, params=params, remember=remember, adapters=adapters
+        )
+        return out
+
+    async def branch_reusing(
+        self,
+        tokens: Sequence[int],
+        *,
+        params: SamplingParams | None = None,
+        remember: bool = True,
+        adapters: Adapters | None = None,
+    ) -> tuple[Branch, int]:
+        """:meth:`branch`, and how many of ``tokens`` came from the cache
+        rather than being decoded (a server's ``cached_tokens``).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_ctx=512, n_seq_max=4) as ctx:
+        ...         cache = lloyal.PrefixCache(ctx)
+        ...         ids = await ctx.tokenize("The cat sat on the mat.")
+        ...         first, reused = await cache.branch_reusing(ids)
+        ...         print(reused)
+        ...         again, reused = await cache.branch_reusing(ids + [13])
+        ...         print(reused == len(ids))
+        ...         await first.prune(); await again.prune(); await cache.aclose()
+        >>> asyncio.run(main())
+        0
+        True
+        """
         ids = tuple(_token_list(tokens))
         if not ids:
             raise ValueError("tokens must not be empty")
@@ -204,7 +234,7 @@ class PrefixCache:
             except BaseException:
                 await out.prune()
                 raise
-        return out
+        return out, reuse
 
     async def keep(self, branch: Branch, tokens: Sequence[int]) -> None:
         """Take ``branch``, which holds exactly ``tokens`` (``ValueError``

@@ -111,7 +111,7 @@ pub use engine::{
 pub use error::{Error, Result};
 pub use grammar::{json_schema_to_grammar, Grammar, GrammarSpec};
 pub use metrics::{Base, PerplexityTracker};
-pub use model::{Model, ModelInfo};
+pub use model::{FimTokens, Model, ModelInfo};
 pub use params::{ContextParams, KvType, Pooling};
 pub use sampling::{Sampler, SamplingParams};
 pub use state::{BranchId, BranchState, Branches, LogitsView};

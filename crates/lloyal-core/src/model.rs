@@ -33,6 +33,32 @@ pub struct ModelInfo {
     pub has_chat_template: bool,
 }
 
+/// The vocabulary's fill-in-the-middle tokens (llama.cpp reads them from
+/// the GGUF's `tokenizer.ggml.fim_*_token_id` keys, or finds them by their
+/// text); `None` where the model has none.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FimTokens {
+    /// Before the code ahead of the cursor.
+    pub prefix: Option<i32>,
+    /// Before the code after the cursor.
+    pub suffix: Option<i32>,
+    /// Where the model writes the middle.
+    pub middle: Option<i32>,
+    pub pad: Option<i32>,
+    /// Before a repository's name (extra context).
+    pub repo: Option<i32>,
+    /// Before each extra file.
+    pub file_sep: Option<i32>,
+}
+
+impl FimTokens {
+    /// Whether the model can fill in the middle: it has the prefix, suffix
+    /// and middle tokens.
+    pub fn complete(&self) -> bool {
+        self.prefix.is_some() && self.suffix.is_some() && self.middle.is_some()
+    }
+}
+
 /// A loaded model. Cheap to share; see the module docs.
 pub struct Model {
     pub(crate) llama: LlamaModel,
@@ -42,6 +68,7 @@ pub struct Model {
     eog_token: i32,
     bos_token: Option<i32>,
     add_bos: bool,
+    fim: FimTokens,
     /// Data other modules derive from the model once and keep with it
     /// (the grammar module's token trie), by type: see [`Model::cached`].
     derived: std::sync::Mutex<HashMap<std::any::TypeId, Arc<dyn std::any::Any + Send + Sync>>>,
@@ -147,6 +174,15 @@ impl Model {
         let bos = vocab.bos().0;
         let bos_token = in_vocab(bos).then_some(bos);
         let add_bos = vocab.should_add_bos();
+        let known = |t: LlamaToken| in_vocab(t.0).then_some(t.0);
+        let fim = FimTokens {
+            prefix: known(vocab.fim_pre()),
+            suffix: known(vocab.fim_suf()),
+            middle: known(vocab.fim_mid()),
+            pad: known(vocab.fim_pad()),
+            repo: known(vocab.fim_rep()),
+            file_sep: known(vocab.fim_sep()),
+        };
         let chat_template = llama
             .chat_template(None)
             .ok()
@@ -175,6 +211,7 @@ impl Model {
             eog_token,
             bos_token,
             add_bos,
+            fim,
             derived: Default::default(),
             dry_breakers: Default::default(),
             loras: Default::default(),
@@ -230,6 +267,11 @@ impl Model {
 
     pub fn bos_token(&self) -> Option<i32> {
         self.bos_token
+    }
+
+    /// The fill-in-the-middle tokens.
+    pub fn fim_tokens(&self) -> FimTokens {
+        self.fim
     }
 
     /// Whether tokenizing with `add_special` prepends BOS for this model.

@@ -177,6 +177,19 @@ impl PyContext {
         self.inner.model().bos_token()
     }
 
+    /// The fill-in-the-middle tokens by role (`None`: the model has none).
+    fn fim_tokens<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let fim = self.inner.model().fim_tokens();
+        let d = PyDict::new(py);
+        d.set_item("prefix", fim.prefix)?;
+        d.set_item("suffix", fim.suffix)?;
+        d.set_item("middle", fim.middle)?;
+        d.set_item("pad", fim.pad)?;
+        d.set_item("repo", fim.repo)?;
+        d.set_item("file_sep", fim.file_sep)?;
+        Ok(d)
+    }
+
     #[getter]
     fn chat_template(&self) -> Option<String> {
         self.inner.model().chat_template().map(str::to_owned)

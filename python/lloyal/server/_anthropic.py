@@ -219,6 +219,14 @@ def to_openai(raw: object, *, need_max_tokens: bool = True) -> dict[str, Any]:
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
+def _stop_reason(finish: str, stop: str | None) -> dict[str, Any]:
+    """``stop_reason`` and ``stop_sequence`` for a finish (``stop``: the
+    stop string that ended the reply, if one did)."""
+    if finish == "stop" and stop is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": stop}
+    return {"stop_reason": _STOP_REASONS.get(finish, "end_turn"), "stop_sequence": None}
+
+
 def _input(arguments: str) -> Any:
     try:
         return json.loads(arguments) if arguments else {}
@@ -263,12 +271,21 @@ async def messages(request: Request, state: State) -> Response:
     prompt, grammar, tokens = await prepare(state, req)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     choice = ChatChoice(prompt)
+    cached = 0
 
     def usage() -> dict[str, int]:
-        return {"input_tokens": len(tokens), "output_tokens": choice.tokens}
+        # Anthropic counts the prompt tokens read from a cache apart.
+        return {
+            "input_tokens": len(tokens) - cached,
+            "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0,
+            "output_tokens": choice.tokens,
+        }
 
     async def events() -> AsyncGenerator[Event, None]:
+        nonlocal cached
         async for event in chat_events(state, tokens, gen, prompt, grammar):
+            cached = event.cached if event.cached is not None else cached
             if event.token is not None:
                 choice.tokens += 1
             yield event
@@ -286,10 +303,10 @@ async def messages(request: Request, state: State) -> Response:
         )
 
     async def collect() -> Response:
-        finish = "stop"
+        finish, stop = "stop", None
         async for event in events():
             if event.finish is not None:
-                finish = event.finish
+                finish, stop = event.finish, event.stop
             else:
                 choice.text += event.text
         message, finish = choice.final(finish)
@@ -297,8 +314,7 @@ async def messages(request: Request, state: State) -> Response:
             {
                 **head,
                 "content": _blocks(message),
-                "stop_reason": _STOP_REASONS.get(finish, "end_turn"),
-                "stop_sequence": None,
+                **_stop_reason(finish, stop),
                 "usage": usage(),
             }
         )
@@ -316,21 +332,21 @@ async def _stream(
     yield {"type": "message_start", "message": {**start, "usage": {**usage(), "output_tokens": 0}}}
     yield {"type": "ping"}
     blocks = _Blocks()
-    finish = "stop"
+    finish, stop = "stop", None
     async for event in source:
         if event.finish is not None:
             for out in blocks.feed(choice.closing_delta()):
                 yield out
             _, finish = choice.final(event.finish)
+            stop = event.stop
         else:
             for out in blocks.feed(choice.delta(event.text)):
                 yield out
     for out in blocks.close():
         yield out
-    reason = "tool_use" if blocks.calls else _STOP_REASONS.get(finish, "end_turn")
     yield {
         "type": "message_delta",
-        "delta": {"stop_reason": reason, "stop_sequence": None},
+        "delta": _stop_reason("tool_calls" if blocks.calls else finish, stop),
         "usage": {"output_tokens": usage()["output_tokens"]},
     }
     yield {"type": "message_stop"}

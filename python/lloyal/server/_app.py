@@ -18,12 +18,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from lloyal.branch import BranchStore
-from lloyal.context import create_context
-from lloyal.server._adapters import load as load_adapters
 from lloyal.server._adapters import lora_adapters as _lora_adapters
 from lloyal.server._anthropic import count_tokens, error_body, messages
 from lloyal.server._auth import RequireKey
 from lloyal.server._chat import ChatChoice, chat_events, prepare
+from lloyal.server._completion import Completion, usage_body
 from lloyal.server._engine import Event
 from lloyal.server._http import (
     error_response,
@@ -32,12 +31,13 @@ from lloyal.server._http import (
     internal_error,
     primed,
     read_body,
+    registry_handler,
     until_disconnect,
 )
-from lloyal.server._llama import apply_template, detokenize, props, rerank, tokenize
+from lloyal.server._llama import apply_template, detokenize, infill, props, rerank, tokenize
+from lloyal.server._models import Models
 from lloyal.server._protocol import (
     ApiError,
-    CompletionRequest,
     chat_request,
     completion_request,
     embedding_request,
@@ -73,17 +73,15 @@ async def chat_completions(request: Request, state: State) -> Response:
         "model": state.name,
     }
     choices = [ChatChoice(prompt) for _ in range(gen.n)]
+    cached = 0
 
-    def usage() -> dict[str, int]:
-        done = sum(c.tokens for c in choices)
-        return {
-            "prompt_tokens": len(tokens),
-            "completion_tokens": done,
-            "total_tokens": len(tokens) + done,
-        }
+    def usage() -> dict[str, Any]:
+        return usage_body(len(tokens), sum(c.tokens for c in choices), cached)
 
     async def events() -> AsyncGenerator[Event, None]:
+        nonlocal cached
         async for event in chat_events(state, tokens, gen, prompt, grammar):
+            cached = event.cached if event.cached is not None else cached
             if event.token is not None:
                 choices[event.index].tokens += 1
                 if event.logprob is not None:
@@ -152,78 +150,11 @@ async def chat_completions(request: Request, state: State) -> Response:
 # -- completions ---------------------------------------------------------------------
 
 
-class _Completion:
-    """One prompt's choices of a completions request, as they grow."""
-
-    def __init__(self, state: State, req: CompletionRequest, offset: int) -> None:
-        self.state, self.req, self.gen, self.offset = state, req, req.generation, offset
-        n = self.gen.n
-        self.texts = [""] * n
-        self.counts = [0] * n
-        self.lps: list[dict[str, list[Any]]] = [
-            {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-            for _ in range(n)
-        ]
-        self.tokens: list[int] = []
-        self.prompt_text = ""
-
-    async def prepare(self, prompt: str | list[int]) -> None:
-        ctx = self.state.ctx
-        if isinstance(prompt, str):
-            self.tokens, self.prompt_text = await ctx.tokenize(prompt), prompt
-        else:
-            self.tokens, self.prompt_text = prompt, await ctx.detokenize(prompt)
-
-    def record(self, event: Event) -> None:
-        i = event.index
-        if event.token is not None:
-            self.counts[i] += 1
-            if event.logprob is not None:
-                ctx, lp = self.state.ctx, self.lps[i]
-                echoed = len(self.prompt_text) if self.req.echo else 0
-                lp["text_offset"].append(echoed + len(self.texts[i]))
-                lp["tokens"].append(ctx.token_to_text(event.token))
-                lp["token_logprobs"].append(event.logprob)
-                lp["top_logprobs"].append({ctx.token_to_text(t): v for t, v in event.top})
-        self.texts[i] += event.text
-
-    def usage(self) -> dict[str, int]:
-        done = sum(self.counts)
-        return {
-            "prompt_tokens": len(self.tokens),
-            "completion_tokens": done,
-            "total_tokens": len(self.tokens) + done,
-        }
-
-    async def events(self) -> AsyncGenerator[Event, None]:
-        engine = self.state.engine
-        async with engine.admitted(self.tokens, self.gen):
-            async for event in engine.generate(self.tokens, self.gen):
-                self.record(event)
-                yield event
-
-    async def choices(self) -> list[dict[str, Any]]:
-        """Run to the end: the choices, numbered from ``offset``."""
-        finishes: dict[int, str] = {}
-        async for event in self.events():
-            if event.finish is not None:
-                finishes[event.index] = event.finish
-        return [
-            {
-                "index": self.offset + i,
-                "text": (self.prompt_text if self.req.echo else "") + self.texts[i],
-                "logprobs": self.lps[i] if self.gen.logprobs is not None else None,
-                "finish_reason": finishes.get(i, "stop"),
-            }
-            for i in range(self.gen.n)
-        ]
-
-
 async def completions(request: Request, state: State) -> Response:
     req = completion_request(await read_body(request), vocab_size=state.ctx.vocab_size)
     gen = req.generation
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.name}
-    runs = [_Completion(state, req, i * gen.n) for i in range(len(req.prompts))]
+    runs = [Completion(state, req, i * gen.n) for i in range(len(req.prompts))]
     for run, prompt in zip(runs, req.prompts, strict=True):
         await run.prepare(prompt)
     if gen.stream:
@@ -232,8 +163,11 @@ async def completions(request: Request, state: State) -> Response:
     async def collect() -> Response:
         # Several prompts run side by side, each admitted on its own.
         parts = await asyncio.gather(*(run.choices() for run in runs))
-        usages = [run.usage() for run in runs]
-        usage = {k: sum(u[k] for u in usages) for k in usages[0]}
+        usage = usage_body(
+            sum(len(run.tokens) for run in runs),
+            sum(sum(run.counts) for run in runs),
+            sum(run.cached for run in runs),
+        )
         choices = [c for part in parts for c in part]
         return JSONResponse(
             {**head, "object": "text_completion", "choices": choices, "usage": usage}
@@ -243,7 +177,7 @@ async def completions(request: Request, state: State) -> Response:
 
 
 async def _stream_completion(
-    request: Request, state: State, run: _Completion, head: dict[str, Any]
+    request: Request, state: State, run: Completion, head: dict[str, Any]
 ) -> Response:
     gen, req = run.gen, run.req
     source = await primed(run.events(), request)
@@ -314,45 +248,49 @@ async def embeddings(request: Request, state: State) -> Response:
     )
 
 
-def _model_object(state: State) -> dict[str, Any]:
+def _model_object(models: Models, name: str) -> dict[str, Any]:
     return {
-        "id": state.name,
+        "id": name,
         "object": "model",
-        "created": int(state.engine.metrics.started),
+        "created": models.created,
         "owned_by": "lloyal",
+        # llama-server's router says which models are in memory.
+        "status": {"value": "loaded" if models.is_open(name) else "unloaded"},
     }
 
 
-async def models(request: Request, state: State) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_object(state)]})
+async def models(request: Request, models: Models) -> Response:
+    data = [_model_object(models, name) for name in models.ids()]
+    return JSONResponse({"object": "list", "data": data})
 
 
-async def model(request: Request, state: State) -> Response:
+async def model(request: Request, models: Models) -> Response:
     """``GET /v1/models/{id}``: the model, or OpenAI's 404."""
-    if request.path_params["model"] != state.name:
+    name = request.path_params["model"]
+    if name not in models.ids():
         raise ApiError(
-            f"The model '{request.path_params['model']}' does not exist",
+            f"The model '{name}' does not exist",
             status=404,
             param="model",
             code="model_not_found",
         )
-    return JSONResponse(_model_object(state))
+    return JSONResponse(_model_object(models, name))
 
 
 async def lora_adapters(request: Request, state: State) -> Response:
     return await _lora_adapters(request, state.ctx, state.engine.loras)
 
 
-async def health(request: Request, state: State) -> Response:
+async def health(request: Request, models: Models) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-async def metrics(request: Request, state: State) -> Response:
+def _metrics(state: State) -> dict[str, float]:
     m = state.engine.metrics
     stats = state.ctx.stats
     store = BranchStore(state.ctx)
     cache = state.engine.cache.stats if state.engine.cache is not None else None
-    lines = {
+    return {
         "lloyal_requests_total": m.requests,
         "lloyal_requests_rejected_total": m.rejected,
         "lloyal_requests_active": m.active,
@@ -370,8 +308,22 @@ async def metrics(request: Request, state: State) -> Response:
         "lloyal_prefix_cache_saved_tokens_total": cache.saved_tokens if cache else 0,
         "lloyal_prefix_cache_disk_write_errors_total": cache.disk_write_errors if cache else 0,
     }
-    text = "".join(f"{k} {v}\n" for k, v in lines.items())
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+async def metrics(request: Request, models: Models) -> Response:
+    """Prometheus text: one model's numbers, or with several each open
+    model's under a ``model`` label, and how many are open."""
+    states = models.states()
+    if models.single:
+        lines = [f"{k} {v}\n" for state in states.values() for k, v in _metrics(state).items()]
+    else:
+        lines = [f"lloyal_models_loaded {len(states)}\n"]
+        lines += [
+            f'{k}{{model="{name}"}} {v}\n'
+            for name, state in states.items()
+            for k, v in _metrics(state).items()
+        ]
+    return PlainTextResponse("".join(lines), media_type="text/plain; version=0.0.4")
 
 
 def create_app(config: ServerConfig) -> Starlette:
@@ -387,36 +339,20 @@ def create_app(config: ServerConfig) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        ctx = await create_context(
-            config.model_path,
-            n_ctx=config.n_ctx,
-            n_seq_max=config.n_seq_max,
-            n_threads=config.n_threads,
-            deterministic=config.deterministic,
-            mmproj=config.mmproj,
-        )
+        registry = Models(config)
+        app.state.lloyal = registry
         try:
-            loras = await load_adapters(
-                ctx, config.loras, config.control_vector, config.control_vector_layers
-            )
-        except BaseException:
-            await ctx.aclose()
-            raise
-        state = State(config, ctx)
-        state.engine.loras = loras
-        app.state.lloyal = state
-        try:
+            await registry.start()
             yield
         finally:
-            await state.aclose()
+            await registry.aclose()
 
     openai_routes = [
         ("/chat/completions", chat_completions, ["POST"]),
         ("/completions", completions, ["POST"]),
         ("/embeddings", embeddings, ["POST"]),
-        ("/models", models, ["GET"]),
-        ("/models/{model:path}", model, ["GET"]),
     ]
+    registry_routes = [("/models", models), ("/models/{model:path}", model)]
     routes = [
         # Under /v1 and, as llama-server also serves them, without it.
         *(
@@ -424,17 +360,23 @@ def create_app(config: ServerConfig) -> Starlette:
             for prefix in ("/v1", "")
             for path, fn, methods in openai_routes
         ),
+        *(
+            Route(prefix + path, registry_handler(fn), methods=["GET"])
+            for prefix in ("/v1", "")
+            for path, fn in registry_routes
+        ),
         # Anthropic's Messages API.
         Route("/v1/messages", handler(messages, error_body), methods=["POST"]),
         Route("/v1/messages/count_tokens", handler(count_tokens, error_body), methods=["POST"]),
-        Route("/health", handler(health), methods=["GET"]),
+        Route("/health", registry_handler(health), methods=["GET"]),
         # llama-server's own.
         Route("/tokenize", handler(tokenize), methods=["POST"]),
         Route("/detokenize", handler(detokenize), methods=["POST"]),
         Route("/apply-template", handler(apply_template), methods=["POST"]),
         Route("/props", handler(props), methods=["GET"]),
+        Route("/infill", handler(infill), methods=["POST"]),
         *(Route(p, handler(rerank), methods=["POST"]) for p in ("/v1/rerank", "/rerank")),
-        Route("/metrics", handler(metrics), methods=["GET"]),
+        Route("/metrics", registry_handler(metrics), methods=["GET"]),
         Route("/lora-adapters", handler(lora_adapters), methods=["GET", "POST"]),
     ]
     return Starlette(

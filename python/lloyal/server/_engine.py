@@ -28,6 +28,7 @@ request that fits.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import random
@@ -69,6 +70,11 @@ class Event:
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
     finish: str | None = None
+    # On a request's first event only: how many of its prompt tokens came
+    # from the prefix cache, not decoded (``cached_tokens`` in its usage).
+    cached: int | None = None
+    # On a finish: the stop string that ended the choice, if one did.
+    stop: str | None = None
 
 
 @dataclass
@@ -177,18 +183,20 @@ class Engine:
                 self.metrics.active -= 1
                 self._turn.notify_all()
 
-    async def _branches(self, tokens: list[int], gen: Generation) -> list[Branch]:
-        """The prompt decoded (through the prefix cache) and ``n`` branches on it."""
+    async def _branches(self, tokens: list[int], gen: Generation) -> tuple[list[Branch], int]:
+        """The prompt decoded (through the prefix cache) and ``n`` branches
+        on it; how many prompt tokens the cache gave."""
         params = gen.params
         if gen.ignore_eos:
             banned = [(t, -1e4) for t in self._end_tokens()]
             params = params.with_(logit_bias=[*params.logit_bias, *banned])
         adapters = request_set(self.ctx, self.loras, gen.lora)
+        cached = 0
         try:
             if self.cache is not None:
                 # No entry is forked now: the branch itself becomes one
                 # when the request ends (``generate``), holding the reply too.
-                root = await self.cache.branch(
+                root, cached = await self.cache.branch_reusing(
                     tokens, params=params, remember=False, adapters=adapters
                 )
                 if gen.n > 1:
@@ -214,7 +222,7 @@ class Engine:
         base = gen.seed if gen.seed is not None else random.getrandbits(32)
         for i, b in enumerate(branches):
             b.reseed_sampler((base + i) % 2**32)
-        return branches
+        return branches, cached
 
     async def _start(self, choices: list[_Choice]) -> None:
         """Choose and send new choices' first tokens now, from the request's
@@ -391,7 +399,8 @@ class Engine:
             raise _too_long(len(tokens), self.ctx.n_ctx)
         limit = min(gen.max_tokens or room, room)
         self.metrics.prompt_tokens += len(tokens)
-        branches = await self._branches(tokens, gen)
+        branches, reused = await self._branches(tokens, gen)
+        cached: int | None = reused
         events: asyncio.Queue[Event] = asyncio.Queue()
         choices: list[_Choice] = []
         try:
@@ -410,6 +419,8 @@ class Engine:
                     raise ApiError(event.text, status=500, kind="server_error")
                 if event.finish is not None:
                     finished += 1
+                if cached is not None:
+                    event, cached = dataclasses.replace(event, cached=cached), None
                 yield event
         finally:
             for c in choices:
@@ -513,8 +524,9 @@ class _Choice:
         cut = _first_stop(self.held, stops)
         if cut is not None:
             self.events.put_nowait(replace(event, text=self.held[:cut]))
+            matched = _stop_at(self.held, stops, cut)
             self.held = ""
-            self.end("stop")
+            self.end("stop", matched)
             return None
         keep = _partial_stop(self.held, stops)
         ready, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
@@ -531,14 +543,17 @@ class _Choice:
         except Exception:
             return -1
 
-    def end(self, finish: str) -> None:
-        """Send what is held back and the finish; release the branch."""
+    def end(self, finish: str, stop: str | None = None) -> None:
+        """Send what is held back and the finish (``stop``: the stop string
+        that ended it); release the branch."""
         text = self.held + self.stream.flush()
         self.held = ""
         cut = _first_stop(text, self.gen.stop)
+        if cut is not None:
+            finish, stop = "stop", _stop_at(text, self.gen.stop, cut)
         if text:
             self.events.put_nowait(Event(self.index, text if cut is None else text[:cut]))
-        self.events.put_nowait(Event(self.index, finish=finish))
+        self.events.put_nowait(Event(self.index, finish=finish, stop=stop))
         self.released.set()
 
     def fail(self, error: BaseException, what: str = "generation failed for this request") -> None:
@@ -554,6 +569,11 @@ class _Choice:
 def _first_stop(text: str, stops: Sequence[str]) -> int | None:
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else None
+
+
+def _stop_at(text: str, stops: Sequence[str], cut: int) -> str:
+    """The stop string found at ``cut`` (:func:`_first_stop`'s answer)."""
+    return next(s for s in stops if s and text.startswith(s, cut))
 
 
 def _partial_stop(text: str, stops: Sequence[str]) -> int:

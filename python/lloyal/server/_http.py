@@ -7,13 +7,16 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lloyal.errors import ChatTemplateError, GrammarError, LloyalError
 from lloyal.server._engine import Event
+from lloyal.server._models import Models
 from lloyal.server._protocol import ApiError, parse_json
 from lloyal.server._state import State
 
@@ -39,33 +42,90 @@ def internal_error(e: BaseException) -> ApiError:
 
 def handler(
     fn: Callable[[Request, State], Awaitable[Response]], body: ErrorBody = ApiError.body
-) -> Callable[[Request], Awaitable[Response]]:
-    """Map errors to error bodies (OpenAI's unless ``body`` says otherwise):
-    bad input is a 400, never a 500, and whatever else goes wrong is a 500
-    with the same body, never text."""
+) -> Callable[[Request], Awaitable[ASGIApp]]:
+    """A route on the model its request names (``model`` in the JSON body,
+    or in the query), leased until the response is sent. Errors map to
+    error bodies (OpenAI's unless ``body`` says otherwise): bad input is a
+    400, never a 500, and whatever else goes wrong is a 500 with the same
+    body, never text."""
 
-    async def route(request: Request) -> Response:
-        state: State = request.app.state.lloyal
+    async def route(request: Request) -> ASGIApp:
+        models: Models = request.app.state.lloyal
+        lease = None
         try:
-            return await fn(request, state)
-        except ClientGone:
-            return Response(status_code=499)
-        except ApiError as e:
-            return error_response(e, body)
-        except (GrammarError, ChatTemplateError) as e:
-            return error_response(ApiError(str(e)), body)
-        except (ValueError, TypeError) as e:
-            return error_response(ApiError(str(e)), body)
-        except LloyalError as e:
-            return error_response(ApiError(str(e), status=500, kind="server_error"), body)
-        except Exception as e:
-            return error_response(internal_error(e), body)
+            lease = models.lease(await _model_named(request))
+            state = await lease.__aenter__()
+            request.state.lloyal = state
+            response = await fn(request, state)
+        except BaseException as e:
+            if lease is not None:
+                await lease.__aexit__(None, None, None)
+            if not isinstance(e, Exception):
+                raise
+            return _error(e, body)
+        return _Leased(response, lease)
 
     return route
 
 
+def registry_handler(
+    fn: Callable[[Request, Models], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """A route on the server's models as a whole (no lease)."""
+
+    async def route(request: Request) -> Response:
+        try:
+            return await fn(request, request.app.state.lloyal)
+        except Exception as e:
+            return _error(e, ApiError.body)
+
+    return route
+
+
+def _error(e: Exception, body: ErrorBody) -> Response:
+    if isinstance(e, ClientGone):
+        return Response(status_code=499)
+    if isinstance(e, ApiError):
+        return error_response(e, body)
+    if isinstance(e, (GrammarError, ChatTemplateError, ValueError, TypeError)):
+        return error_response(ApiError(str(e)), body)
+    if isinstance(e, LloyalError):
+        return error_response(ApiError(str(e), status=500, kind="server_error"), body)
+    return error_response(internal_error(e), body)
+
+
+async def _model_named(request: Request) -> str | None:
+    """The ``model`` a request names, if any."""
+    if request.method == "GET":
+        return request.query_params.get("model")
+    try:
+        parsed = await read_body(request)
+    except ApiError:
+        return None  # the route says what is wrong with it
+    model = parsed.get("model") if isinstance(parsed, dict) else None
+    return model if isinstance(model, str) else None
+
+
+class _Leased:
+    """A response that holds its model's lease until it has been sent."""
+
+    def __init__(self, response: Response, lease: AbstractAsyncContextManager[State]) -> None:
+        self.response = response
+        self.lease = lease
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            await self.lease.__aexit__(None, None, None)
+
+
 async def read_body(request: Request) -> object:
-    return parse_json(await request.body())
+    """The request's JSON, parsed once (the route and the model lookup
+    both read it)."""
+    if not hasattr(request.state, "json"):
+        request.state.json = parse_json(await request.body())
+    return request.state.json
 
 
 def sse(obj: object) -> bytes:
@@ -80,7 +140,7 @@ async def until_disconnect(request: Request, work: Awaitable[Response]) -> Respo
         done, _ = await asyncio.wait({task}, timeout=0.1)
         if not done and await request.is_disconnected():
             task.cancel()
-            state: State = request.app.state.lloyal
+            state: State = request.state.lloyal
             state.engine.metrics.disconnects += 1
             await asyncio.gather(task, return_exceptions=True)
             return Response(status_code=499)
@@ -105,7 +165,7 @@ async def primed(events: AsyncGenerator[Event, None], request: Request) -> Prime
             if not done and await request.is_disconnected():
                 first_item.cancel()
                 await asyncio.gather(first_item, return_exceptions=True)
-                state: State = request.app.state.lloyal
+                state: State = request.state.lloyal
                 state.engine.metrics.disconnects += 1
                 raise ClientGone()
         first: Event | None = first_item.result()

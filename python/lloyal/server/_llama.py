@@ -1,9 +1,10 @@
 """llama-server's own routes that editors and tools call: ``/tokenize``,
-``/detokenize``, ``/apply-template``, ``/props`` and ``/v1/rerank``, in
-its shapes."""
+``/detokenize``, ``/apply-template``, ``/props``, ``/v1/rerank`` and
+``/infill``, in its shapes."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.requests import Request
@@ -11,7 +12,10 @@ from starlette.responses import JSONResponse, Response
 
 from lloyal._lloyal import LLAMA_CPP_2_VERSION
 from lloyal.server._chat import chat_prompt
-from lloyal.server._protocol import ApiError, chat_request, parse_json
+from lloyal.server._completion import Completion
+from lloyal.server._engine import Event
+from lloyal.server._http import event_stream, primed, until_disconnect
+from lloyal.server._protocol import ApiError, chat_request, completion_request, parse_json
 from lloyal.server._state import State
 
 # The most tokens /detokenize takes in one request.
@@ -155,3 +159,90 @@ async def rerank(request: Request, state: State) -> Response:
             "usage": {"prompt_tokens": total, "total_tokens": total},
         }
     )
+
+
+_STOP_TYPES = {"stop": "eos", "length": "limit"}
+_FIM_FIELDS = ("input_prefix", "input_suffix", "input_extra", "prompt", "n_predict")
+
+
+async def infill(request: Request, state: State) -> Response:
+    """Fill in the middle, llama-server's way: ``{"input_prefix",
+    "input_suffix", "input_extra": [{"filename", "text"}], "prompt" (text
+    already at the cursor), "n_predict", "stream"}`` and the completion
+    sampling fields -> ``{"content", "stop": true, "stop_type",
+    "stopping_word", "tokens_predicted", "tokens_evaluated",
+    "tokens_cached"}``; streamed, each piece as ``{"content", "stop":
+    false}`` and the same last object. A 400 for a model without FIM
+    tokens (:mod:`lloyal.infill`)."""
+    body = _body(await request.body())
+    texts = {k: body.get(k, "") for k in ("input_prefix", "input_suffix", "prompt")}
+    for name, value in texts.items():
+        if not isinstance(value, str):
+            raise ApiError(f"{name} must be a string", param=name)
+    files = _extra_files(body.get("input_extra", []))
+    rest = {k: v for k, v in body.items() if k not in _FIM_FIELDS}
+    if "n_predict" in body and "max_tokens" not in rest:
+        rest["max_tokens"] = body["n_predict"]
+    # The sampling fields checked as a completion's ("prompt" is replaced).
+    req = completion_request({**rest, "prompt": "-"}, vocab_size=state.ctx.vocab_size)
+    if req.generation.n != 1:
+        raise ApiError("infill makes one reply", param="n")
+    run = Completion(state, req, 0)
+    await run.prepare_fim(
+        texts["input_prefix"], texts["input_suffix"], middle=texts["prompt"], files=files
+    )
+    finish: dict[str, Any] = {}
+
+    def last() -> dict[str, Any]:
+        end, word = finish.get("finish", "stop"), finish.get("stop")
+        return {
+            "index": 0,
+            "content": "",
+            "stop": True,
+            "stop_type": "word" if word is not None else _STOP_TYPES.get(end, "eos"),
+            "stopping_word": word or "",
+            "model": state.name,
+            "tokens_predicted": run.counts[0],
+            "tokens_evaluated": len(run.tokens),
+            "tokens_cached": run.cached,
+        }
+
+    async def events() -> AsyncGenerator[Event, None]:
+        async for event in run.events():
+            if event.finish is not None:
+                finish.update(finish=event.finish, stop=event.stop)
+            yield event
+
+    if req.generation.stream:
+        source = await primed(events(), request)
+
+        async def bodies() -> AsyncGenerator[dict[str, Any], None]:
+            async for event in source:
+                if event.finish is None and event.text:
+                    yield {"index": 0, "content": event.text, "stop": False}
+            yield last()
+
+        return event_stream(state, source, bodies(), done=None)
+
+    async def collect() -> Response:
+        async for _ in events():
+            pass
+        return JSONResponse({**last(), "content": run.texts[0]})
+
+    return await until_disconnect(request, collect())
+
+
+def _extra_files(value: object) -> tuple[tuple[str, str], ...]:
+    """``input_extra``: ``[{"filename": str, "text": str}]``."""
+    if not isinstance(value, list):
+        raise ApiError("input_extra must be a list", param="input_extra")
+    files = []
+    for chunk in value:
+        name = chunk.get("filename", "") if isinstance(chunk, dict) else None
+        text = chunk.get("text") if isinstance(chunk, dict) else None
+        if not isinstance(name, str) or not isinstance(text, str):
+            raise ApiError(
+                'each input_extra item is {"filename": str, "text": str}', param="input_extra"
+            )
+        files.append((name, text))
+    return tuple(files)

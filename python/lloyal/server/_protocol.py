@@ -103,6 +103,9 @@ class CompletionRequest:
     prompts: tuple[str | list[int], ...]
     generation: Generation
     echo: bool = False
+    # Text after the cursor: each prompt is the text before it, and the
+    # reply fills the middle (models with FIM tokens only).
+    suffix: str | None = None
 
 
 @dataclass(frozen=True)
@@ -465,14 +468,18 @@ def completion_request(raw: object, *, vocab_size: int) -> CompletionRequest:
             )
     if len(checked) > 1 and _flag(body, "stream", False):
         raise ApiError("a streamed request takes one prompt", param="prompt")
-    if body.get("suffix") not in (None, ""):
-        raise ApiError(
-            "suffix (fill-in-the-middle) is not supported by this server", param="suffix"
-        )
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise ApiError("suffix must be a string", param="suffix")
+    if suffix and not all(isinstance(p, str) for p in checked):
+        raise ApiError("a suffix goes with text prompts, not token ids", param="suffix")
     top = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     generation = _generation(body, logprobs=top, vocab_size=vocab_size)
     return CompletionRequest(
-        prompts=tuple(checked), generation=generation, echo=_flag(body, "echo", False)
+        prompts=tuple(checked),
+        generation=generation,
+        echo=_flag(body, "echo", False),
+        suffix=suffix or None,
     )
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from lloyal.context import Context, create_context
 from lloyal.server._engine import Engine
@@ -12,10 +14,19 @@ from lloyal.server._engine import Engine
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """How :func:`create_app` opens its model (see ``lloyal serve --help``)."""
+    """How :func:`create_app` opens its models (see ``lloyal serve --help``).
 
-    model_path: str | os.PathLike[str]
+    One model is ``model_path`` (named ``model_name``, else the GGUF's own
+    name); several are ``models``, ``(name, path)`` pairs, opened on first
+    use, at most ``models_max`` at once, each closed after ``keep_alive``
+    idle seconds (None: never). The other fields apply to each model.
+    """
+
+    model_path: str | os.PathLike[str] | None = None
     model_name: str | None = None
+    models: tuple[tuple[str, str | os.PathLike[str]], ...] = ()
+    models_max: int | None = None
+    keep_alive: float | None = None
     template: str | None = None
     n_ctx: int = 8192
     n_seq_max: int = 32
@@ -40,6 +51,35 @@ class ServerConfig:
     mmproj: str | os.PathLike[str] | None = None
     # Keys a request must carry (``lloyal.server._auth``); none: open.
     api_keys: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        served = self.served()
+        if not served:
+            raise ValueError("a server needs a model: model_path or models")
+        names = [name for name, _ in served]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two models have the same name: {names}")
+        several = len(served) > 1
+        per_model = self.loras or self.control_vector is not None or self.mmproj is not None
+        if several and per_model:
+            raise ValueError("adapters and projectors are for one model: serve several without")
+        if self.models_max is not None and self.models_max < 1:
+            raise ValueError(f"models_max must be at least 1, not {self.models_max}")
+        if self.keep_alive is not None and self.keep_alive <= 0:
+            raise ValueError(f"keep_alive must be positive seconds, not {self.keep_alive}")
+
+    def served(self) -> list[tuple[str, ServerConfig]]:
+        """Each model's name and config (its own ``model_path`` and
+        ``model_name``; no ``models``)."""
+        pairs = list(self.models)
+        if self.model_path is not None:
+            if not pairs:
+                return [(self.model_name or "default", self)]
+            pairs.insert(0, (self.model_name or Path(self.model_path).stem, self.model_path))
+        return [
+            (name, dataclasses.replace(self, model_path=path, model_name=name, models=()))
+            for name, path in pairs
+        ]
 
 
 class State:
@@ -75,6 +115,7 @@ class State:
         """A pooling context on the same model, opened on first use."""
         async with self._embed_lock:
             if self._embedder is None:
+                assert self.config.model_path is not None
                 self._embedder = await create_context(
                     self.config.model_path,
                     embeddings=True,
