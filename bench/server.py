@@ -15,6 +15,13 @@ the same concurrency), all from one run.
     python bench/server.py                       # SmolLM2, all servers found or built
     python bench/server.py --clients 1,8 --servers lloyal,llama-server
     python bench/server.py --model gemma3 --clients 1,8,32,64 --servers lloyal,llama-server
+    python bench/server.py --workload echo --servers lloyal,lloyal-spec --clients 1,4
+
+``--workload echo`` asks each request to copy a passage (greedy, the answer
+as long as the model makes it, counted from ``usage``): the load where
+speculative decoding pays. ``lloyal-spec`` is ``lloyal serve --spec
+prompt-lookup``; its ratio column is then lloyal (plain) over it, so the
+speed-up is its inverse (printed too).
 
 Where the other servers come from:
 
@@ -56,6 +63,13 @@ from lloyal.models import model_path
 
 CACHE = Path.home() / ".cache" / "lloyal"
 SYSTEM = "You are a concise assistant. Answer in one or two sentences. " * 3
+# The echo workload's passages: each request copies one.
+PASSAGE = (
+    "The river rises in the hills above the town and runs south through the old mill, "
+    "under the stone bridge, past the church and the market square, and out across the "
+    "meadows to the sea. In spring it floods the lower fields; in summer children swim "
+    "in the pool below the weir; in autumn the leaves of the plane trees drift on it."
+)
 
 
 @dataclass
@@ -145,7 +159,7 @@ def llama_server() -> tuple[Path, str]:
 def start(
     kind: str, model: Path, port: int, slots: int, threads: int, template: str | None
 ) -> subprocess.Popen[bytes]:
-    if kind == "lloyal":
+    if kind in ("lloyal", "lloyal-spec"):
         cmd = [
             sys.executable,
             "-m",
@@ -201,7 +215,9 @@ def start(
         ]
         if template:
             cmd += ["--chat_format", template]
-    if kind == "lloyal" and template:
+    if kind == "lloyal-spec":
+        cmd += ["--spec", "prompt-lookup"]
+    if kind in ("lloyal", "lloyal-spec") and template:
         cmd += ["--template", template]
     # Each server's output goes to a log of its own (a server that dies
     # says why there).
@@ -227,8 +243,39 @@ class Load:
     gaps: list[float]
 
 
+def _body(workload: str, i: int, j: int, max_tokens: int, banned: dict[str, float]) -> dict:
+    if workload == "echo":
+        words = PASSAGE.split()
+        shift = (i * 7 + j * 3) % len(words)  # each request its own passage
+        text = " ".join(words[shift:] + words[:shift])
+        return {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": f"Repeat this text exactly:\n\n{text}"},
+            ],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+    return {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Question {i}.{j}: name a city and a colour."},
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0.7,
+        "seed": i * 1000 + j,
+        "logit_bias": banned,
+    }
+
+
 async def load(
-    url: str, clients: int, requests: int, max_tokens: int, banned: dict[str, float]
+    url: str,
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    banned: dict[str, float],
+    workload: str = "chat",
 ) -> Load:
     latencies: list[float] = []
     first: list[float] = []
@@ -239,15 +286,7 @@ async def load(
         nonlocal tokens
         for j in range(requests):
             body = {
-                "model": "m",
-                "messages": [
-                    {"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": f"Question {i}.{j}: name a city and a colour."},
-                ],
-                "max_tokens": max_tokens,
-                "temperature": 0.7,
-                "seed": i * 1000 + j,
-                "logit_bias": banned,
+                **_body(workload, i, j, max_tokens, banned),
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
@@ -291,7 +330,12 @@ def main() -> None:
     parser.add_argument("--clients", default="1,8,32")
     parser.add_argument("--requests", type=int, default=3, help="requests per client")
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--servers", default="lloyal,llama-server,llama-cpp-python")
+    parser.add_argument(
+        "--servers",
+        default="lloyal,llama-server,llama-cpp-python",
+        help="any of lloyal, lloyal-spec (--spec prompt-lookup), llama-server, llama-cpp-python",
+    )
+    parser.add_argument("--workload", choices=["chat", "echo"], default="chat")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
         "--rounds", type=int, default=3, help="turns per server at each concurrency"
@@ -313,6 +357,7 @@ def main() -> None:
     banned = asyncio.run(end_tokens())
     labels = {
         "lloyal": f"lloyal {lloyal.__version__}",
+        "lloyal-spec": f"lloyal {lloyal.__version__} --spec prompt-lookup",
         "llama-cpp-python": "llama-cpp-python server",
     }
     # Every server runs for the whole bench; at each concurrency they take
@@ -335,13 +380,20 @@ def main() -> None:
     runs: dict[tuple[str, int], list[Load]] = {}
     try:
         for _, url in servers.values():
-            asyncio.run(load(url, 1, 1, 4, banned))  # warm up
+            asyncio.run(load(url, 1, 1, 4, banned, args.workload))  # warm up
         for c in counts:
             for r in range(args.rounds):
                 kinds = list(servers) if r % 2 == 0 else list(reversed(servers))
                 for kind in kinds:
                     got = asyncio.run(
-                        load(servers[kind][1], c, args.requests, args.max_tokens, banned)
+                        load(
+                            servers[kind][1],
+                            c,
+                            args.requests,
+                            args.max_tokens,
+                            banned,
+                            args.workload,
+                        )
                     )
                     runs.setdefault((kind, c), []).append(got)
                     print(
@@ -374,7 +426,7 @@ def main() -> None:
         )
         ratios[kind, c] = paired[len(paired) // 2] if paired else float("nan")
     print(
-        f"\nmodel: {model.name}; {args.requests} requests per client, "
+        f"\nmodel: {model.name}; {args.workload} workload; {args.requests} requests per client, "
         f"{args.max_tokens} tokens each; {args.threads} threads; {args.rounds} rounds, "
         "servers taking turns (tok/s: all rounds; ratio: median of the rounds' ratios)"
     )
@@ -394,6 +446,11 @@ def main() -> None:
             f"| {1000 * r.pct(0.5, r.first):.0f} | {1000 * r.pct(0.5, r.gaps):.1f} "
             f"| {1000 * r.pct(0.99, r.gaps):.1f} | {ratio:.2f}x |"
         )
+    for c in counts:
+        if ("lloyal-spec", c) in ratios and ("lloyal", c) in runs:
+            print(
+                f"\n--spec prompt-lookup at {c} clients: {1 / ratios['lloyal-spec', c]:.2f}x tok/s"
+            )
 
 
 if __name__ == "__main__":

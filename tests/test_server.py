@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from lloyal.branch import Branch, BranchStore, Produced
 from lloyal.server import ServerConfig, create_app
 from lloyal.server import _app as server_app
-from lloyal.server._engine import _Choice
+from lloyal.server._choice import Choice
 
 from tests import server_fuzz
 from tests.server_fuzz import CHAT, COMPLETIONS, metrics, start_server, stop_server
@@ -321,12 +321,12 @@ def _fail_inside_the_step(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
         monkeypatch.setattr(Branch, "produce", produce)
     elif where == "decide":
 
-        def decide(self: Any, p: Produced, lp: Any = None, real: Any = _Choice.decide) -> Any:
+        def decide(self: Any, p: Produced, lp: Any = None, real: Any = Choice.decide) -> Any:
             if self.gen.seed == DOOMED_SEED and self.made == 2:
                 raise RuntimeError("injected: a bug in the server's code for one token")
             return real(self, p, lp)
 
-        monkeypatch.setattr(_Choice, "decide", decide)
+        monkeypatch.setattr(Choice, "decide", decide)
     else:
 
         async def commit(

@@ -60,6 +60,10 @@ def add_serve_parser(sub: Any) -> None:
         )
     srv.add_argument("--lora-init-without-apply", action="store_true", help="--lora at scale 0")
     srv.add_argument("--deterministic", action="store_true", help="batch-invariant replies")
+    srv.add_argument(
+        "--spec", choices=["prompt-lookup"], help="speculative decoding of greedy requests"
+    )
+    srv.add_argument("--draft-max", type=int, default=8, help="most drafts a --spec round checks")
     srv.add_argument("--mmproj", metavar="FNAME", help="projector: images and audio in requests")
     srv.add_argument("--reasoning-budget", type=int, default=-1, help="-1: no limit")
     srv.add_argument(
@@ -155,6 +159,8 @@ def _config(
         models=models,
         models_max=args.models_max,
         keep_alive=args.keep_alive,
+        spec=args.spec,
+        spec_k=args.draft_max,
         template=args.template,
         n_ctx=args.n_ctx,
         n_seq_max=args.n_seq_max,

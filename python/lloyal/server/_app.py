@@ -298,6 +298,8 @@ def _metrics(state: State) -> dict[str, float]:
         "lloyal_client_disconnects_total": m.disconnects,
         "lloyal_prompt_tokens_total": m.prompt_tokens,
         "lloyal_completion_tokens_total": m.completion_tokens,
+        "lloyal_spec_drafted_total": m.spec_drafted,
+        "lloyal_spec_accepted_total": m.spec_accepted,
         "lloyal_decode_calls_total": stats.decode_calls,
         "lloyal_tokens_decoded_total": stats.tokens_decoded,
         "lloyal_decode_seconds_total": round(stats.decode_seconds, 6),

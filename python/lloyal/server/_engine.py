@@ -32,10 +32,8 @@ import dataclasses
 import logging
 import os
 import random
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
 
 from lloyal.adapters import Lora
 from lloyal.branch import Branch, BranchStore, Produced
@@ -45,8 +43,9 @@ from lloyal.errors import KVCacheFullError, LloyalError, NoLeaseError
 from lloyal.grammar import Grammar
 from lloyal.prefix_cache import PrefixCache
 from lloyal.server._adapters import request_set
+from lloyal.server._choice import Choice, Event, Metrics
 from lloyal.server._protocol import ApiError, Generation
-from lloyal.text import TextStream
+from lloyal.server._speculation import Drafts, speculates
 
 __all__ = ["DEFAULT_RESERVE", "Engine", "Event", "Metrics"]
 
@@ -57,36 +56,6 @@ DEFAULT_RESERVE = 512
 """Cells reserved per choice for a request without ``max_tokens``. Such a
 request may generate past it while cells are free; under pressure it ends
 with ``finish_reason: "length"`` once it has."""
-
-
-@dataclass(frozen=True)
-class Event:
-    """A step of one choice: text to send (stop strings already cut), the
-    token it came with and its log-probabilities, or the end."""
-
-    index: int
-    text: str = ""
-    token: int | None = None
-    logprob: float | None = None
-    top: tuple[tuple[int, float], ...] = ()
-    finish: str | None = None
-    # On a request's first event only: how many of its prompt tokens came
-    # from the prefix cache, not decoded (``cached_tokens`` in its usage).
-    cached: int | None = None
-    # On a finish: the stop string that ended the choice, if one did.
-    stop: str | None = None
-
-
-@dataclass
-class Metrics:
-    requests: int = 0
-    rejected: int = 0
-    active: int = 0
-    waiting: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    disconnects: int = 0
-    started: float = field(default_factory=time.time)
 
 
 class Engine:
@@ -100,8 +69,11 @@ class Engine:
         cache_branches: int | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         max_queue: int = 64,
+        spec_k: int = 0,
     ) -> None:
         self.ctx = ctx
+        # Prompt lookup drafts per round (0: no speculation; _speculation).
+        self.spec_k = spec_k
         # With the prefix cache, one sequence stays for the entry a request
         # forks from (the cache gives the others back when leases run short).
         self.capacity = max(1, ctx.n_seq_max - 1) if prefix_cache else ctx.n_seq_max
@@ -115,7 +87,7 @@ class Engine:
         self._reserved_cells = 0
         self._turn = asyncio.Condition()
         self._store = BranchStore(ctx)
-        self._active: list[_Choice] = []
+        self._active: list[Choice] = []
         self._wake = asyncio.Event()
         self._stepper: asyncio.Task[None] | None = None
         self._eog: list[int] | None = None
@@ -224,7 +196,7 @@ class Engine:
             b.reseed_sampler((base + i) % 2**32)
         return branches, cached
 
-    async def _start(self, choices: list[_Choice]) -> None:
+    async def _start(self, choices: list[Choice]) -> None:
         """Choose and send new choices' first tokens now, from the request's
         own task (their logits are ready once the prompt is in), then let
         them join the step loop, whose next commit decodes those tokens: a
@@ -238,7 +210,7 @@ class Engine:
                 joining.append(c)
         self._join(joining)
 
-    async def _produce(self, choices: list[_Choice]) -> list[Produced | Exception]:
+    async def _produce(self, choices: list[Choice]) -> list[Produced | Exception]:
         """Each choice's next token, or what its branch raised instead."""
         branches = [c.branch for c in choices]
         try:
@@ -256,7 +228,7 @@ class Engine:
                     out.append(e)
             return out
 
-    def _logprobs(self, asking: list[tuple[_Choice, Produced]]) -> list[_Logprobs | Exception]:
+    def _logprobs(self, asking: list[tuple[Choice, Produced]]) -> list[_Logprobs | Exception]:
         """The logprob entries of the choices that asked for them, read in
         one native call (one call per choice if that one fails)."""
         if not asking:
@@ -275,7 +247,7 @@ class Engine:
         return out
 
     def _decide(
-        self, choices: list[_Choice], produced: Sequence[Produced | Exception]
+        self, choices: list[Choice], produced: Sequence[Produced | Exception]
     ) -> list[int | None]:
         """Each choice's token to commit (None: it ended). A choice whose
         branch failed, or that fails to take its token, ends alone with
@@ -302,7 +274,7 @@ class Engine:
             tokens.append(token)
         return tokens
 
-    def _join(self, choices: list[_Choice]) -> None:
+    def _join(self, choices: list[Choice]) -> None:
         for c in choices:
             c.joined = True
         self._active.extend(choices)
@@ -328,8 +300,8 @@ class Engine:
                 self._active = []
 
     async def _step(self) -> None:
-        batch: list[tuple[_Choice, int]] = []
-        active: list[_Choice] = []
+        batch: list[tuple[Choice, int]] = []
+        active: list[Choice] = []
         for c in self._active:
             if c.next is not None:  # chosen when it joined
                 batch.append((c, c.next))
@@ -343,6 +315,38 @@ class Engine:
                 self._active.remove(c)
             else:
                 batch.append((c, token))
+        if not batch:
+            return
+        plain: list[tuple[Choice, int]] = []
+        drafted: list[tuple[Choice, int, list[int]]] = []
+        for c, t in batch:
+            guesses = c.drafts.propose(c.committed, t, c.limit - c.made) if c.drafts else []
+            if guesses:
+                drafted.append((c, t, guesses))
+            else:
+                plain.append((c, t))
+        if not drafted:
+            await self._commit(plain)
+            return
+        # The verifying prefills and the plain commits are decoded together
+        # (the step scheduler coalesces what one tick submits).
+        outs = await asyncio.gather(
+            self._commit(plain), *(_verify(c, t, g) for c, t, g in drafted), return_exceptions=True
+        )
+        fallback: list[tuple[Choice, int]] = []
+        for (c, t, _), out in zip(drafted, outs[1:], strict=True):
+            if isinstance(out, BaseException):  # nothing decoded: commit the token alone
+                fallback.append((c, t))
+            elif out:
+                self._active.remove(c)
+        if isinstance(outs[0], BaseException):
+            raise outs[0]
+        await self._commit(fallback)
+
+    async def _commit(self, batch: list[tuple[Choice, int]]) -> None:
+        """Commit each choice's token in one ``BranchStore.commit``; a
+        choice that cannot ends (``length`` when the cache is full even
+        with no cached prefix, an error alone otherwise)."""
         if not batch:
             return
         items = [(c.branch, t) for c, t in batch]
@@ -402,14 +406,19 @@ class Engine:
         branches, reused = await self._branches(tokens, gen)
         cached: int | None = reused
         events: asyncio.Queue[Event] = asyncio.Queue()
-        choices: list[_Choice] = []
+        choices: list[Choice] = []
         try:
             for i, b in enumerate(branches):
                 if grammar is not None:
                     b.set_grammar(grammar)
                 stops, keep = set(stop_tokens), set(preserved)
-                c = _Choice(self, i, b, gen, limit, len(tokens), stops, keep, events)
+                c = Choice(
+                    self.ctx, self.metrics, i, b, gen, limit, len(tokens), stops, keep, events
+                )
                 c.budget = budget() if budget is not None else None
+                k = speculates(gen, grammar, c.budget is not None, self.spec_k)
+                if k:
+                    c.drafts = Drafts(tokens, k, gen.params.logit_bias)
                 choices.append(c)
             await self._start(choices)
             finished = 0
@@ -443,148 +452,42 @@ class Engine:
                 await b.prune()
 
 
-class _Choice:
-    """One choice's state between steps: its text, stop strings, limit."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        index: int,
-        branch: Branch,
-        gen: Generation,
-        limit: int,
-        start: int,
-        stop_tokens: set[int],
-        preserved: set[int],
-        events: asyncio.Queue[Event],
-    ) -> None:
-        self.engine = engine
-        self.index = index
-        self.branch = branch
-        self.gen = gen
-        self.limit = limit
-        self.start = start  # the branch's position after the prompt
-        self.stop_tokens = stop_tokens
-        self.preserved = preserved
-        self.events = events
-        self.stream = TextStream(engine.ctx)
-        self.held = ""  # text that may be the start of a stop string
-        self.made = 0
-        # The tokens decoded into the branch after the prompt.
-        self.committed: list[int] = []
-        # A token chosen but not committed yet (see ``Engine._start``).
-        self.next: int | None = None
-        # The reasoning budget of a chat request that has one.
-        self.budget: ReasoningBudget | None = None
-        self.joined = False
-        self.cancelled = False
-        self.failed = False
-        # Set once the step loop no longer touches the branch.
-        self.released = asyncio.Event()
-
-    def released_if_cancelled(self) -> bool:
-        if self.cancelled:
-            self.released.set()
-        return self.cancelled
-
-    def decide(
-        self, p: Produced, lp: tuple[float, list[int], list[float]] | None = None
-    ) -> int | None:
-        """Send the token ``p`` chose; the token to commit this step, or
-        None when the choice ends with it. A token is streamed as soon as
-        it is chosen, and the last one is never decoded (nothing would
-        read its logits): what llama-server does too. ``lp`` is the token's
-        logprob entry when the request asked for logprobs (see
-        ``Engine._decide``)."""
-        forced = False
-        if self.budget is not None:
-            token = self.budget.choose(p.token)
-            if token != p.token:  # the end of the reasoning, written for the model
-                # (No logprob entry: the model did not choose it.)
-                p, lp, forced = Produced(token, "", False), None, True
-        ends = (p.is_stop or p.token in self.stop_tokens) and not forced
-        if ends and not self.gen.ignore_eos:
-            self.end("stop")
-            return None
-        logprob: float | None = None
-        top: tuple[tuple[int, float], ...] = ()
-        if lp is not None:
-            logprob, ids, lps = lp
-            top = tuple(zip(ids, lps, strict=True))
-        event = Event(self.index, "", p.token, logprob, top)
-        self.engine.metrics.completion_tokens += 1
-        self.made += 1
-        ctx = self.engine.ctx
-        if p.token in self.preserved:
-            piece = self.stream.flush() + ctx.token_to_text(p.token, render_special=True)
-        else:
-            piece = self.stream.push(p.token)
-        self.held += piece
-        stops = self.gen.stop
-        cut = _first_stop(self.held, stops)
-        if cut is not None:
-            self.events.put_nowait(replace(event, text=self.held[:cut]))
-            matched = _stop_at(self.held, stops, cut)
-            self.held = ""
-            self.end("stop", matched)
-            return None
-        keep = _partial_stop(self.held, stops)
-        ready, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
-        self.events.put_nowait(replace(event, text=ready))
-        if self.made >= self.limit:
-            self.end("length")
-            return None
-        return p.token
-
-    def position(self) -> int:
-        """The branch's position; -1 once it cannot be read."""
+async def _verify(c: Choice, token: int, guesses: list[int]) -> bool:
+    """Decode ``token`` and ``guesses`` into the choice's branch (in the
+    step's decode), keep the drafts the model agrees with and send them,
+    and choose the next token from the same logits. True when the choice
+    ended. Raises, with the branch untouched, when the decode fails (the
+    caller commits ``token`` alone instead)."""
+    drafts = c.drafts
+    assert drafts is not None
+    base = c.branch.position
+    rows = await c.branch.prefill([token, *guesses], logits="all")
+    with c.holding():
+        c.committed.append(token)
+        kept, ended = 1, False
         try:
-            return self.branch.position
-        except Exception:
-            return -1
-
-    def end(self, finish: str, stop: str | None = None) -> None:
-        """Send what is held back and the finish (``stop``: the stop string
-        that ended it); release the branch."""
-        text = self.held + self.stream.flush()
-        self.held = ""
-        cut = _first_stop(text, self.gen.stop)
-        if cut is not None:
-            finish, stop = "stop", _stop_at(text, self.gen.stop, cut)
-        if text:
-            self.events.put_nowait(Event(self.index, text if cut is None else text[:cut]))
-        self.events.put_nowait(Event(self.index, finish=finish, stop=stop))
-        self.released.set()
-
-    def fail(self, error: BaseException, what: str = "generation failed for this request") -> None:
-        """End with an error (its request gets a 500); release the branch,
-        which is not kept in the prefix cache."""
-        if not isinstance(error, LloyalError):  # not the model's or grammar's doing: a bug
-            log.error("a request failed in the step loop", exc_info=error)
-        self.failed = True
-        self.events.put_nowait(Event(self.index, text=f"{what}: {error}", finish="error"))
-        self.released.set()
-
-
-def _first_stop(text: str, stops: Sequence[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _stop_at(text: str, stops: Sequence[str], cut: int) -> str:
-    """The stop string found at ``cut`` (:func:`_first_stop`'s answer)."""
-    return next(s for s in stops if s and text.startswith(s, cut))
-
-
-def _partial_stop(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters of ``text`` could begin a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
+            for i in range(len(guesses) + 1):
+                choice = drafts.choice(rows[i])
+                if c.decide(Produced(choice, "", c.ctx.is_stop_token(choice))) is None:
+                    ended = True
+                    break
+                if i < len(guesses) and choice == guesses[i]:
+                    c.committed.append(choice)
+                    kept += 1
+                    continue
+                c.next = choice  # decoded at the next step
                 break
-    return best
+            if kept < 1 + len(guesses):
+                # The logits after the last kept token: what a commit reads.
+                await c.branch.truncate(base + kept, logits=rows[kept - 1])
+        except Exception as e:
+            c.fail(e)
+            ended = True
+        accepted = kept - 1
+        c.metrics.spec_drafted += len(guesses)
+        c.metrics.spec_accepted += accepted
+        drafts.k = max(1, min(drafts.k_max, accepted + 1))
+        return ended
 
 
 def _too_long(n: int, n_ctx: int) -> ApiError:

@@ -85,6 +85,9 @@ class Generation:
     # Tokens of reasoning before the end-of-thinking marker is forced; None:
     # the server's --reasoning-budget.
     reasoning_budget: int | None = None
+    # Most drafted tokens a speculative round may verify; None: the
+    # server's --spec-k; 0: no speculation for this request.
+    speculative: int | None = None
 
 
 @dataclass(frozen=True)
@@ -282,7 +285,21 @@ def _generation(body: dict[str, Any], *, logprobs: int | None, vocab_size: int) 
         ignore_eos=_flag(body, "ignore_eos", False),
         lora=lora_field(body.get("lora")),
         reasoning_budget=_integer(body, "reasoning_budget", None, -1, 1 << 20),
+        speculative=_speculative(body),
     )
+
+
+MAX_DRAFT = 32
+
+
+def _speculative(body: dict[str, Any]) -> int | None:
+    """llama-server's ``speculative.n_max`` (drafts per round; 0: none),
+    or ``"speculative": false`` to opt out."""
+    if body.get("speculative") is False:
+        return 0
+    if body.get("speculative") not in (None, True):
+        raise ApiError("speculative must be true or false", param="speculative")
+    return _integer(body, "speculative.n_max", None, 0, MAX_DRAFT)
 
 
 def _logit_bias(bias: object, vocab_size: int) -> list[tuple[int, float]]:

@@ -49,6 +49,10 @@ class ServerConfig:
     deterministic: bool = False
     # A projector (mmproj GGUF): requests may hold images and audio.
     mmproj: str | os.PathLike[str] | None = None
+    # Speculation in the step loop: "prompt-lookup" or None; the most
+    # drafts a round verifies (``lloyal.server._speculation``).
+    spec: str | None = None
+    spec_k: int = 8
     # Keys a request must carry (``lloyal.server._auth``); none: open.
     api_keys: tuple[str, ...] = ()
 
@@ -65,6 +69,10 @@ class ServerConfig:
             raise ValueError("adapters and projectors are for one model: serve several without")
         if self.models_max is not None and self.models_max < 1:
             raise ValueError(f"models_max must be at least 1, not {self.models_max}")
+        if self.spec not in (None, "prompt-lookup"):
+            raise ValueError(f"spec must be 'prompt-lookup' or None, not {self.spec!r}")
+        if not 1 <= self.spec_k <= 32:
+            raise ValueError(f"spec_k must be in [1, 32], not {self.spec_k}")
         if self.keep_alive is not None and self.keep_alive <= 0:
             raise ValueError(f"keep_alive must be positive seconds, not {self.keep_alive}")
 
@@ -95,6 +103,7 @@ class State:
             cache_branches=config.cache_branches,
             cache_dir=config.cache_dir,
             max_queue=config.max_queue,
+            spec_k=config.spec_k if config.spec else 0,
         )
         self.name = config.model_name or ctx.model_info.name or "lloyal"
         self._embedder: Context | None = None
