@@ -100,3 +100,33 @@ async def test_anthropic_thinking_blocks_whole_and_streamed(smollm2: Path) -> No
         if e["type"] == "content_block_delta" and e["delta"]["type"] == "thinking_delta"
     )
     assert thought == whole["content"][0]["thinking"]
+
+
+@pytest.mark.deterministic_first
+async def test_reasoning_format_none_leaves_the_reasoning_in_the_content(smollm2: Path) -> None:
+    config = ServerConfig(
+        model_path=smollm2, n_ctx=1024, n_seq_max=2, template=THINKING_TEMPLATE, deterministic=True
+    )
+    split = (await chat(config, reasoning_budget=3)).json()["choices"][0]["message"]
+    assert split["reasoning_content"]
+    raw = (await chat(config, reasoning_budget=3, reasoning_format="none")).json()
+    message = raw["choices"][0]["message"]
+    assert "reasoning_content" not in message
+    assert split["reasoning_content"] in message["content"]
+    assert message["content"].endswith(split["content"] or "")
+    assert "</think>" in message["content"]
+    by_flag = ServerConfig(**{**config.__dict__, "reasoning_format": "none"})
+    flagged = (await chat(by_flag, reasoning_budget=3)).json()["choices"][0]["message"]
+    assert flagged["content"] == message["content"]
+    streamed = await chat(config, reasoning_budget=3, reasoning_format="none", stream=True)
+    deltas = [
+        json.loads(line[6:])["choices"]
+        for line in streamed.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    text = "".join(c[0]["delta"].get("content") or "" for c in deltas if c)
+    assert text == message["content"]
+    assert not any(c[0]["delta"].get("reasoning_content") for c in deltas if c)
+    bad = await chat(config, reasoning_format="sometimes")
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "reasoning_format"

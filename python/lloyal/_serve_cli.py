@@ -64,8 +64,21 @@ def add_serve_parser(sub: Any) -> None:
         "--spec", choices=["prompt-lookup"], help="speculative decoding of greedy requests"
     )
     srv.add_argument("--draft-max", type=int, default=8, help="most drafts a --spec round checks")
+    srv.add_argument(
+        "--context-shift",
+        "--ctx-shift",
+        action="store_true",
+        help="cut prompts over --n-ctx and reseed replies that reach it (BlinkKV)",
+    )
+    srv.add_argument("--keep", type=int, default=4, help="tokens a context shift keeps first")
     srv.add_argument("--mmproj", metavar="FNAME", help="projector: images and audio in requests")
     srv.add_argument("--reasoning-budget", type=int, default=-1, help="-1: no limit")
+    srv.add_argument(
+        "--reasoning-format",
+        choices=["auto", "deepseek", "none"],
+        default="auto",
+        help="none: leave the reasoning in the content",
+    )
     srv.add_argument(
         "--control-vector-layer-range", nargs=2, type=int, metavar=("START", "END"), default=None
     )
@@ -161,6 +174,8 @@ def _config(
         keep_alive=args.keep_alive,
         spec=args.spec,
         spec_k=args.draft_max,
+        ctx_shift=args.context_shift,
+        n_keep=args.keep,
         template=args.template,
         n_ctx=args.n_ctx,
         n_seq_max=args.n_seq_max,
@@ -174,6 +189,7 @@ def _config(
         control_vector_layers=args.control_vector_layer_range,
         deterministic=args.deterministic,
         reasoning_budget=args.reasoning_budget,
+        reasoning_format=args.reasoning_format,
         mmproj=args.mmproj,
         api_keys=keys,
     )

@@ -72,7 +72,8 @@ async def chat_completions(request: Request, state: State) -> Response:
         "created": int(time.time()),
         "model": state.name,
     }
-    choices = [ChatChoice(prompt) for _ in range(gen.n)]
+    split = (req.reasoning_format or state.config.reasoning_format) != "none"
+    choices = [ChatChoice(prompt, split_reasoning=split) for _ in range(gen.n)]
     cached = 0
 
     def usage() -> dict[str, Any]:
@@ -298,6 +299,7 @@ def _metrics(state: State) -> dict[str, float]:
         "lloyal_client_disconnects_total": m.disconnects,
         "lloyal_prompt_tokens_total": m.prompt_tokens,
         "lloyal_completion_tokens_total": m.completion_tokens,
+        "lloyal_context_shifts_total": m.context_shifts,
         "lloyal_spec_drafted_total": m.spec_drafted,
         "lloyal_spec_accepted_total": m.spec_accepted,
         "lloyal_decode_calls_total": stats.decode_calls,

@@ -4,6 +4,7 @@ final message with its tool calls."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -21,8 +22,11 @@ from lloyal.server._state import State
 class ChatChoice:
     """One chat choice's text, parsed as it grows into OpenAI deltas."""
 
-    def __init__(self, prompt: ChatPrompt) -> None:
+    def __init__(self, prompt: ChatPrompt, *, split_reasoning: bool = True) -> None:
         self.prompt = prompt
+        # False (reasoning_format "none"): the reasoning stays in the
+        # content, between the family's markers.
+        self.split_reasoning = split_reasoning
         self.text = ""  # a collected reply: the caller appends to it
         # A streamed reply goes through delta(), which parses only what each
         # piece can change.
@@ -40,7 +44,20 @@ class ChatChoice:
         (the stream then ends as the whole reply would)."""
         return self._since_seen(self.stream.finish()) if self.stream.text else {}
 
+    def _view(self, out: ChatOutput) -> ChatOutput:
+        """``out`` as the request asked for it (see ``split_reasoning``)."""
+        if self.split_reasoning or not out.reasoning:
+            return out
+        opening, closing = self.prompt.think
+        head = "" if self.prompt.thinking_started else opening
+        closed = out.content or out.tool_calls or closing in (self.stream.text or self.text)
+        tail = closing if closed else ""
+        return dataclasses.replace(
+            out, content=head + out.reasoning + tail + out.content, reasoning=""
+        )
+
     def _since_seen(self, now: ChatOutput) -> dict[str, Any]:
+        now = self._view(now)
         out: dict[str, Any] = {}
         if now.content.startswith(self.seen.content) and len(now.content) > len(self.seen.content):
             out["content"] = now.content[len(self.seen.content) :]
@@ -70,6 +87,7 @@ class ChatChoice:
 
     def final(self, finish: str) -> tuple[dict[str, Any], str]:
         out = self.stream.finish() if self.stream.text else self.prompt.parse(self.text)
+        out = self._view(out)
         message: dict[str, Any] = {"role": "assistant", "content": out.content or None}
         if out.reasoning:
             message["reasoning_content"] = out.reasoning

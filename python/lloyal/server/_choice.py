@@ -49,6 +49,8 @@ class Metrics:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     disconnects: int = 0
+    # Prompts cut and replies reseeded by context shift.
+    context_shifts: int = 0
     # Prompt lookup speculation: tokens drafted, and kept.
     spec_drafted: int = 0
     spec_accepted: int = 0
@@ -78,6 +80,9 @@ class Choice:
         self.gen = gen
         self.limit = limit
         self.start = start  # the branch's position after the prompt
+        # Positions a context shift dropped (``Engine._shift``): the branch
+        # holds start + len(committed) - dropped tokens.
+        self.dropped = 0
         self.stop_tokens = stop_tokens
         self.preserved = preserved
         self.events = events
@@ -100,6 +105,8 @@ class Choice:
         # release waits for it: see ``holding``.
         self._holding = False
         self._release_due = False
+        # The prompt as decoded (context shift reseeds from it).
+        self.prompt: list[int] = []
         # Prompt lookup drafting (``lloyal.server._speculation``), if any.
         self.drafts: Drafts | None = None
 
@@ -156,6 +163,10 @@ class Choice:
             self.end("length")
             return None
         return p.token
+
+    def expected_position(self) -> int:
+        """Where the branch is when every committed token is in it."""
+        return self.start + len(self.committed) - self.dropped
 
     def position(self) -> int:
         """The branch's position; -1 once it cannot be read."""

@@ -70,8 +70,16 @@ class Engine:
         cache_dir: str | os.PathLike[str] | None = None,
         max_queue: int = 64,
         spec_k: int = 0,
+        ctx_shift: bool = False,
+        n_keep: int = 4,
     ) -> None:
         self.ctx = ctx
+        # Context shift (llama-server's --context-shift, by BlinkKV): a
+        # prompt over the context keeps its first n_keep tokens and its
+        # end; a reply that reaches the context's end is reseeded with the
+        # first n_keep tokens and the latest half context (``_shift``).
+        self.ctx_shift = ctx_shift
+        self.n_keep = n_keep
         # Prompt lookup drafts per round (0: no speculation; _speculation).
         self.spec_k = spec_k
         # With the prefix cache, one sequence stays for the entry a request
@@ -100,6 +108,16 @@ class Engine:
             self._eog = [t for t in range(self.ctx.vocab_size) if self.ctx.is_stop_token(t)]
         return self._eog
 
+    def fit(self, tokens: list[int]) -> list[int]:
+        """The prompt as the engine decodes it: with context shift, one
+        over the context keeps its first ``n_keep`` tokens and its last
+        half context less those (a prompt with media is never cut)."""
+        n_ctx = self.ctx.n_ctx
+        if not self.ctx_shift or len(tokens) < n_ctx or any(t < 0 for t in tokens):
+            return tokens
+        keep = min(self.n_keep, n_ctx // 4)
+        return tokens[:keep] + tokens[len(tokens) - (n_ctx // 2 - keep) :]
+
     def cells_needed(self, tokens: Sequence[int], gen: Generation) -> int:
         """The KV cells a request reserves: its prompt, and ``max_tokens``
         (``DEFAULT_RESERVE`` without it) for each choice, at most the whole
@@ -118,6 +136,7 @@ class Engine:
             raise ApiError(
                 f"n={n} needs more KV sequences than the server has ({self.capacity})", param="n"
             )
+        tokens = self.fit(list(tokens))
         if len(tokens) >= self.ctx.n_ctx:
             raise _too_long(len(tokens), self.ctx.n_ctx)
         cells = self.cells_needed(tokens, gen)
@@ -315,12 +334,16 @@ class Engine:
                 self._active.remove(c)
             else:
                 batch.append((c, token))
+        if self.ctx_shift:
+            batch = [(c, t) for c, t in batch if await self._shift(c)]
         if not batch:
             return
+        n_ctx = self.ctx.n_ctx
         plain: list[tuple[Choice, int]] = []
         drafted: list[tuple[Choice, int, list[int]]] = []
         for c, t in batch:
-            guesses = c.drafts.propose(c.committed, t, c.limit - c.made) if c.drafts else []
+            room = min(c.limit - c.made, n_ctx - c.expected_position() - 1)
+            guesses = c.drafts.propose(c.committed, t, room) if c.drafts else []
             if guesses:
                 drafted.append((c, t, guesses))
             else:
@@ -342,6 +365,31 @@ class Engine:
         if isinstance(outs[0], BaseException):
             raise outs[0]
         await self._commit(fallback)
+
+    async def _shift(self, c: Choice) -> bool:
+        """Make room for the choice's next token if its branch is at the
+        context's end: reseed it with the prompt's first ``n_keep`` tokens
+        and the latest half context (BlinkKV: the sampler, grammar and
+        reply so far are kept). False when the choice ended instead (its
+        prompt holds media, or the reseed failed)."""
+        n_ctx = self.ctx.n_ctx
+        if c.expected_position() < n_ctx:
+            return True
+        history = [*c.prompt, *c.committed]
+        keep = min(self.n_keep, n_ctx // 4)
+        tail = n_ctx // 2 - keep
+        if any(t < 0 for t in c.prompt):
+            c.end("length")
+        else:
+            try:
+                await c.branch.clear_and_reseed(history[:keep], history[-tail:])
+                c.dropped = len(history) - keep - tail
+                self.metrics.context_shifts += 1
+                return True
+            except Exception as e:
+                c.fail(e)
+        self._active.remove(c)
+        return False
 
     async def _commit(self, batch: list[tuple[Choice, int]]) -> None:
         """Commit each choice's token in one ``BranchStore.commit``; a
@@ -367,7 +415,7 @@ class Engine:
                 # An item that fails alone is raised after the others are
                 # committed: a branch one token further on was committed.
                 for c, t in batch:
-                    if c.position() == c.start + len(c.committed) + 1:
+                    if c.position() == c.expected_position() + 1:
                         c.committed.append(t)
                     else:
                         c.fail(e)
@@ -398,10 +446,16 @@ class Engine:
         frees their branches."""
         if not tokens:
             raise ApiError("the prompt is empty", param="prompt")
+        if len(tokens) >= self.ctx.n_ctx:
+            if not self.ctx_shift:
+                raise _too_long(len(tokens), self.ctx.n_ctx)
+            self.metrics.context_shifts += 1
+            tokens = self.fit(tokens)
         room = self.ctx.n_ctx - len(tokens)
         if room < 1:
             raise _too_long(len(tokens), self.ctx.n_ctx)
-        limit = min(gen.max_tokens or room, room)
+        # With context shift a reply may pass the context's end.
+        limit = (gen.max_tokens or room) if self.ctx_shift else min(gen.max_tokens or room, room)
         self.metrics.prompt_tokens += len(tokens)
         branches, reused = await self._branches(tokens, gen)
         cached: int | None = reused

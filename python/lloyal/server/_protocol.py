@@ -99,6 +99,9 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     json_schema: Mapping[str, Any] | bool | None = None
     reasoning_effort: str | None = None  # a template variable (GPT-OSS reads it)
+    # llama-server's: "none" leaves the reasoning in the content, with its
+    # markers; "auto" / "deepseek" split it out; None: the server's.
+    reasoning_format: str | None = None
 
 
 @dataclass(frozen=True)
@@ -439,7 +442,24 @@ def chat_request(raw: object, *, vocab_size: int) -> ChatRequest:
         parallel_tool_calls=_flag(body, "parallel_tool_calls", True),
         json_schema=schema,
         reasoning_effort=_effort(body.get("reasoning_effort")),
+        reasoning_format=reasoning_format(body.get("reasoning_format")),
     )
+
+
+REASONING_FORMATS = ("auto", "deepseek", "none")
+
+
+def reasoning_format(value: object) -> str | None:
+    """A ``reasoning_format``: ``auto`` / ``deepseek`` (the reasoning in
+    ``reasoning_content``) or ``none`` (left in the content)."""
+    if value is None:
+        return None
+    if value not in REASONING_FORMATS:
+        raise ApiError(
+            f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}",
+            param="reasoning_format",
+        )
+    return str(value)
 
 
 def _effort(value: object) -> str | None:

@@ -44,6 +44,9 @@ class ServerConfig:
     # Tokens of reasoning before the end-of-thinking marker is forced (-1:
     # no limit); a request's reasoning_budget overrides it.
     reasoning_budget: int = -1
+    # Where a reply's reasoning goes, unless a request says: "auto" /
+    # "deepseek" (reasoning_content) or "none" (left in the content).
+    reasoning_format: str = "auto"
     # create_context(deterministic=True): a request's tokens are the same
     # bits whatever it is batched with (docs/determinism.md).
     deterministic: bool = False
@@ -53,6 +56,10 @@ class ServerConfig:
     # drafts a round verifies (``lloyal.server._speculation``).
     spec: str | None = None
     spec_k: int = 8
+    # Context shift: prompts over the context are cut, replies that reach
+    # its end reseeded (BlinkKV), keeping the first n_keep tokens.
+    ctx_shift: bool = False
+    n_keep: int = 4
     # Keys a request must carry (``lloyal.server._auth``); none: open.
     api_keys: tuple[str, ...] = ()
 
@@ -73,6 +80,8 @@ class ServerConfig:
             raise ValueError(f"spec must be 'prompt-lookup' or None, not {self.spec!r}")
         if not 1 <= self.spec_k <= 32:
             raise ValueError(f"spec_k must be in [1, 32], not {self.spec_k}")
+        if self.n_keep < 0:
+            raise ValueError(f"n_keep must be >= 0, not {self.n_keep}")
         if self.keep_alive is not None and self.keep_alive <= 0:
             raise ValueError(f"keep_alive must be positive seconds, not {self.keep_alive}")
 
@@ -104,6 +113,8 @@ class State:
             cache_dir=config.cache_dir,
             max_queue=config.max_queue,
             spec_k=config.spec_k if config.spec else 0,
+            ctx_shift=config.ctx_shift,
+            n_keep=config.n_keep,
         )
         self.name = config.model_name or ctx.model_info.name or "lloyal"
         self._embedder: Context | None = None
