@@ -691,6 +691,14 @@ class Context:
         """Whether this is an embedding context that pools (mean, cls, last)."""
         return bool(self._native.has_pooling())
 
+    @property
+    def ranks(self) -> bool:
+        """Whether this is a reranker's context (``embeddings=True,
+        pooling="rank"`` on a model with a classification head): each input
+        gives ``embedding_dim`` scores, never normalized
+        (:class:`lloyal.Rerank` reads them)."""
+        return bool(self._native.ranks())
+
     async def encode(self, tokens: Sequence[int]) -> None:
         """Run ``tokens`` through an embedding context (``embeddings=True``)
         and keep their embeddings for :meth:`get_embeddings`. Uses a free KV
@@ -706,9 +714,9 @@ class Context:
         L2-normalized unless ``normalize=False``."""
         self._check_open()
         rows: npt.NDArray[np.float32] = self._native.get_embeddings()
-        if normalize:
+        if normalize and not self.ranks:
             rows = _unit_rows(rows)
-        return rows[0] if self.has_pooling else rows
+        return rows[0] if self.has_pooling or self.ranks else rows
 
     async def embed(
         self, text: str | Sequence[str], normalize: bool = True
@@ -759,7 +767,8 @@ class Context:
             raise ValueError("embed_tokens() needs at least one input, none of them empty")
         native = self._native
         rows: npt.NDArray[np.float32] = await call_native(lambda done: native.embed(ids, done))
-        return _unit_rows(rows) if normalize else rows
+        # A reranker's rows are scores: a unit vector of one would be 1.
+        return _unit_rows(rows) if normalize and not self.ranks else rows
 
     def create_grammar(
         self,

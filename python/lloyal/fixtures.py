@@ -405,22 +405,76 @@ def fim_model() -> Path:
     return _variant("smollm2", target, keys)
 
 
-def _variant(model: str, target: Path, keys: dict[str, Any]) -> Path:
+_RERANK_TEMPLATE = (
+    "<|im_start|>system\nJudge whether the Document answers the Query. "
+    'Answer only "yes" or "no".<|im_end|>\n<|im_start|>user\n<Query>: {query}\n'
+    "<Document>: {document}<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def reranker() -> Path:
+    """SmolLM2 as a Qwen 3 style reranker: the same weights under the
+    ``qwen3`` architecture (its per-head Q/K norms set to ones), rank
+    pooling, a classification head of two rows -- the output embeddings of
+    "yes" and "no", so a score is the model's P(yes) against P(no) after
+    the GGUF's ``tokenizer.chat_template.rerank`` prompt -- as llama.cpp
+    converts Qwen3-Reranker. Small and real enough to run ``pooling="rank"``."""
+    target = cache_dir() / "smollm2-reranker.gguf"
+    if target.is_file():
+        return target
+    gguf = _gguf()
+    reader = gguf.GGUFReader(model_path("smollm2"))
+    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    table = gguf.quants.dequantize(embd.data, embd.tensor_type)
+    head = np.stack([table[tokens.index(w)] for w in ("yes", "no")]).astype(np.float32)
+    fields = reader.fields
+    n_layer = int(fields["llama.block_count"].contents())
+    head_dim = int(fields["llama.embedding_length"].contents()) // int(
+        fields["llama.attention.head_count"].contents()
+    )
+    norms = {
+        f"blk.{i}.attn_{qk}_norm.weight": np.ones(head_dim, dtype=np.float32)
+        for i in range(n_layer)
+        for qk in ("q", "k")
+    }
+    keys = {
+        "qwen3.pooling_type": 4,  # LLAMA_POOLING_TYPE_RANK
+        "qwen3.classifier.output_labels": ["yes", "no"],
+        "tokenizer.chat_template.rerank": _RERANK_TEMPLATE,
+    }
+    return _variant(
+        "smollm2", target, keys, arch="qwen3", tensors={**norms, "cls.output.weight": head}
+    )
+
+
+def _variant(
+    model: str,
+    target: Path,
+    keys: dict[str, Any],
+    *,
+    arch: str | None = None,
+    tensors: dict[str, Any] | None = None,
+) -> Path:
     """A copy of test model ``model`` at ``target`` (kept: written once)
     with its metadata ``keys`` set to these values (strings, ints, string
-    lists); tensors and other keys as they were."""
+    lists); tensors and other keys as they were. ``arch``: another
+    architecture (its keys renamed to it); ``tensors``: float32 arrays to
+    add, by name."""
     if target.is_file():
         return target
     gguf = _gguf()
     reader = gguf.GGUFReader(model_path(model))
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".{os.getpid()}.part")
-    arch = str(reader.fields["general.architecture"].contents())
-    writer = gguf.GGUFWriter(partial, arch)
+    was = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(partial, arch or was)
     for field in reader.fields.values():
         name = field.name
         if name == "general.architecture" or name.startswith("GGUF.") or name in keys:
             continue
+        if arch is not None and name.startswith(f"{was}."):
+            name = f"{arch}.{name[len(was) + 1 :]}"
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), kind, sub_type=sub)
@@ -431,13 +485,20 @@ def _variant(model: str, target: Path, keys: dict[str, Any]) -> Path:
             writer.add_uint32(name, value)
         else:
             writer.add_array(name, value)
+    extra = tensors or {}
     for t in reader.tensors:
         writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    for name, array in extra.items():
+        writer.add_tensor_info(
+            name, array.shape, array.dtype, array.nbytes, gguf.GGMLQuantizationType.F32
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for t in reader.tensors:
         writer.write_tensor_data(t.data)
+    for array in extra.values():
+        writer.write_tensor_data(array)
     writer.close()
     partial.replace(target)
     return target

@@ -19,6 +19,15 @@ Three methods:
   models the scores hardly separate), which is why it is not the default.
 - **embedding** (a context created with ``embeddings=True`` and pooling):
   the cosine similarity of the query's and each document's embedding.
+- **rank** (a reranker -- a cross-encoder with a classification head --
+  opened with ``embeddings=True, pooling="rank"``): the model's own score
+  of each query-document pair, all pairs in as few decodes as ``n_batch``
+  allows. A pair is the GGUF's ``tokenizer.chat_template.rerank`` with
+  ``{query}`` and ``{document}`` filled in (Qwen3-Reranker), else the
+  query and the document each with the model's special tokens, the
+  document's leading BOS dropped (``[CLS] query [SEP] document [SEP]``
+  for BERT rerankers). The score is the head's first output (for
+  Qwen3-Reranker, P(yes)).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Rerank"]
 
-Method = Literal["auto", "likelihood", "yes_no", "embedding"]
+Method = Literal["auto", "likelihood", "yes_no", "embedding", "rank"]
 
 _SLOT = "\x00DOCUMENT\x00"
 _INSTRUCTION = (
@@ -68,8 +77,9 @@ class Rerank:
     >>> asyncio.run(main())
     ('likelihood', 'float32', True)
 
-    ``method="auto"`` uses embeddings on a pooling (embedding) context and
-    the query likelihood otherwise (see the module docs). ``prompt``
+    ``method="auto"`` uses a reranker's scores on a rank context,
+    embeddings on a pooling (embedding) context and the query likelihood
+    otherwise (see the module docs). ``prompt``
     replaces the text the method builds around the query and document: it
     must contain ``{query}`` and ``{document}`` (for ``likelihood``, the
     query last). ``template`` is the chat template of ``yes_no``
@@ -88,12 +98,18 @@ class Rerank:
         template: str | None = None,
         prompt: str | None = None,
     ) -> None:
-        if method not in ("auto", "likelihood", "yes_no", "embedding"):
+        if method not in ("auto", "likelihood", "yes_no", "embedding", "rank"):
             raise ValueError(
-                f"method must be 'auto', 'likelihood', 'yes_no' or 'embedding', got {method!r}"
+                "method must be 'auto', 'likelihood', 'yes_no', 'embedding' or 'rank', "
+                f"got {method!r}"
             )
         if method == "auto":
-            method = "embedding" if ctx.has_pooling else "likelihood"
+            method = "rank" if ctx.ranks else "embedding" if ctx.has_pooling else "likelihood"
+        if (method == "rank") != ctx.ranks:
+            raise ValueError(
+                'the rank method is for a reranker context (embeddings=True, pooling="rank"), '
+                "and such a context takes only it"
+            )
         if method == "embedding" and not ctx.has_pooling:
             raise ValueError(
                 "the embedding method needs a context with embeddings=True and pooling"
@@ -106,7 +122,7 @@ class Rerank:
         if method == "likelihood" and not text.rstrip().endswith("{query}"):
             raise ValueError("the likelihood prompt must end with {query}")
         self._ctx = ctx
-        self.method: Literal["likelihood", "yes_no", "embedding"] = method
+        self.method: Literal["likelihood", "yes_no", "embedding", "rank"] = method
         self._template = template
         self._prompt = text
         if method == "yes_no":
@@ -130,6 +146,9 @@ class Rerank:
             return np.zeros(0, dtype=np.float32)
         if not query.strip():
             raise ValueError("the query is empty")
+        if self.method == "rank":
+            pairs = [await self.pair(query, d) for d in docs]
+            return (await self._ctx.embed_tokens(pairs, normalize=False))[:, 0].copy()
         if self.method == "embedding":
             rows = await self._ctx.embed([query, *docs])
             sims: npt.NDArray[np.float32] = (rows[1:] @ rows[0]).astype(np.float32)
@@ -137,6 +156,19 @@ class Rerank:
         if self.method == "yes_no":
             return await self._yes_no(query, docs)
         return await self._likelihood(query, docs)
+
+    async def pair(self, query: str, document: str) -> list[int]:
+        """The tokens of a query-document pair as a reranker reads them
+        (``method="rank"``; see the module docs)."""
+        ctx = self._ctx
+        template = ctx.metadata("tokenizer.chat_template.rerank")
+        if template:
+            text = template.replace("{query}", query).replace("{document}", document)
+            return await ctx.tokenize(text, parse_special=True)
+        doc = await ctx.tokenize(document)
+        if doc and doc[0] == ctx.bos_token:
+            doc = doc[1:]
+        return [*await ctx.tokenize(query), *doc]
 
     def _chunks(self, docs: list[str], per_doc_bytes: int) -> list[list[int]]:
         """Document indices in groups that fit the free leases (the trunk

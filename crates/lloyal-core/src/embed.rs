@@ -45,6 +45,13 @@ impl Task for EmbedJob {
 }
 
 impl Context {
+    /// Whether this is a reranker's context (rank pooling): each input
+    /// gives [`Model::n_cls_out`] scores.
+    pub fn ranks(&self) -> bool {
+        let p = self.params();
+        p.embeddings && p.pooling == Pooling::Rank
+    }
+
     /// Whether this is an embedding context that pools (mean, cls or last).
     pub fn has_pooling(&self) -> bool {
         let p = self.params();
@@ -58,9 +65,10 @@ impl Context {
                 "this context computes logits, not embeddings: create it with embeddings=True",
             ));
         }
-        if params.pooling == Pooling::Rank {
+        if params.pooling == Pooling::Rank && !self.model().is_reranker() {
             return Err(invalid(
-                "rank pooling (rerankers) is not supported for embeddings; use mean, cls or last",
+                "rank pooling needs a reranker (a GGUF with a classification head and \
+                 rank pooling); use mean, cls or last for embeddings",
             ));
         }
         if pooled && params.pooling == Pooling::None {

@@ -274,6 +274,21 @@ impl Model {
         self.fim
     }
 
+    /// Whether the GGUF declares a reranker (rank pooling, a
+    /// classification head): what `pooling = rank` needs.
+    pub fn is_reranker(&self) -> bool {
+        self.meta(&format!("{}.pooling_type", self.info.architecture))
+            .is_some_and(|p| p.trim() == "4")
+    }
+
+    /// The outputs of a reranker's classification head (what rank pooling
+    /// gives per input).
+    pub fn n_cls_out(&self) -> u32 {
+        // SAFETY: `raw` is the live model this value owns; the call reads
+        // a hyperparameter.
+        unsafe { llama_cpp_sys_2::llama_model_n_cls_out(self.raw()) }
+    }
+
     /// Whether tokenizing with `add_special` prepends BOS for this model.
     pub fn add_bos(&self) -> bool {
         self.add_bos

@@ -159,7 +159,11 @@ impl PyContext {
 
     #[getter]
     fn embedding_dim(&self) -> u32 {
-        self.inner.model().info().n_embd
+        if self.inner.ranks() {
+            self.inner.model().n_cls_out()
+        } else {
+            self.inner.model().info().n_embd
+        }
     }
 
     #[getter]

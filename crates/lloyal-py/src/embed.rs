@@ -37,4 +37,8 @@ impl PyContext {
     fn has_pooling(&self) -> bool {
         self.inner.has_pooling()
     }
+
+    fn ranks(&self) -> bool {
+        self.inner.ranks()
+    }
 }

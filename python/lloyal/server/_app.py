@@ -215,6 +215,8 @@ async def embeddings(request: Request, state: State) -> Response:
     req = embedding_request(await read_body(request), vocab_size=state.ctx.vocab_size)
     if not state.config.embeddings:
         raise ApiError("embeddings are off on this server", status=404)
+    if state.reranker:
+        raise ApiError("this model is a reranker: it scores pairs on /v1/rerank", status=404)
     ctx = await state.embedder()
     if req.dimensions is not None and req.dimensions != ctx.embedding_dim:
         raise ApiError(

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from lloyal._lloyal import LLAMA_CPP_2_VERSION
+from lloyal.rerank import Rerank
 from lloyal.server._chat import chat_prompt
 from lloyal.server._completion import Completion
 from lloyal.server._engine import Event
@@ -117,9 +118,11 @@ MAX_DOCUMENTS = 1000
 async def rerank(request: Request, state: State) -> Response:
     """``{"query", "documents": [str], "top_n"?, "return_documents"?}`` ->
     ``{"results": [{"index", "relevance_score"}]}``, best first (Jina's and
-    Cohere's shape, as llama-server answers it). Scores are the cosine of
-    the query's and each document's embedding on the server's pooling
-    context (:class:`lloyal.Rerank` with ``method="embedding"``)."""
+    Cohere's shape, as llama-server answers it). A reranker model's scores
+    are its own (rank pooling, :class:`lloyal.Rerank` with
+    ``method="rank"``); another model's are the cosine of the query's and
+    each document's embedding on the server's pooling context
+    (``method="embedding"``)."""
     body = _body(await request.body())
     query, documents = body.get("query"), body.get("documents")
     if not isinstance(query, str) or not query.strip():
@@ -138,11 +141,15 @@ async def rerank(request: Request, state: State) -> Response:
     if not state.config.embeddings:
         raise ApiError("embeddings (and so rerank) are off on this server", status=404)
     ctx = await state.embedder()
-    inputs = [await ctx.tokenize(t) for t in (query, *documents)]
+    if ctx.ranks:
+        ranker = Rerank(ctx, method="rank")
+        inputs = [await ranker.pair(query, d) for d in documents]
+    else:
+        inputs = [await ctx.tokenize(t) for t in (query, *documents)]
     if max(len(t) for t in inputs) > ctx.n_batch:
         raise ApiError(f"the query and each document may have at most {ctx.n_batch} tokens")
     rows = await ctx.embed_tokens(inputs)
-    scores = rows[1:] @ rows[0]
+    scores = rows[:, 0] if ctx.ranks else rows[1:] @ rows[0]
     order = sorted(range(len(documents)), key=lambda i: -float(scores[i]))[:top_n]
     results: list[dict[str, Any]] = []
     for i in order:

@@ -118,6 +118,10 @@ class State:
         )
         self.name = config.model_name or ctx.model_info.name or "lloyal"
         self._embedder: Context | None = None
+        # A reranker's GGUF says so (pooling type 4, rank): its pooling
+        # context scores query-document pairs rather than embedding.
+        arch = ctx.model_info.architecture
+        self.reranker = ctx.metadata(f"{arch}.pooling_type") == "4"
         self._embed_lock = asyncio.Lock()
 
     def token_info(self, token: int) -> tuple[str, list[int]]:
@@ -132,14 +136,16 @@ class State:
         return info
 
     async def embedder(self) -> Context:
-        """A pooling context on the same model, opened on first use."""
+        """A pooling context on the same model, opened on first use (rank
+        pooling for a reranker)."""
         async with self._embed_lock:
             if self._embedder is None:
                 assert self.config.model_path is not None
                 self._embedder = await create_context(
                     self.config.model_path,
                     embeddings=True,
-                    pooling="mean",
+                    pooling="rank" if self.reranker else "mean",
+                    deterministic=self.config.deterministic,
                     n_ctx=min(self.config.n_ctx, 4096),
                     n_threads=self.config.n_threads,
                 )
