@@ -200,3 +200,16 @@ def test_a_stream_keeps_its_model_while_the_other_waits(two_models: str) -> None
     )
     assert reply.model == "smol"
     assert metrics(two_models)["lloyal_models_loaded"] == 1
+
+
+async def test_a_memory_budget_closes_the_least_recent(smollm2: Path, gemma3: Path) -> None:
+    # A budget nothing fits beside: one model open at a time (one alone
+    # still opens); a budget both fit: both stay open.
+    async with _app(_config(smollm2, gemma3, models_memory=1)) as (c, models):
+        for name in ("smol", "gemma", "smol"):
+            assert (await _complete(c, name)).status_code == 200
+            assert models.loaded() == [name]
+    async with _app(_config(smollm2, gemma3, models_memory=16 << 30)) as (c, models):
+        for name in ("smol", "gemma"):
+            assert (await _complete(c, name)).status_code == 200
+        assert sorted(models.loaded()) == ["gemma", "smol"]

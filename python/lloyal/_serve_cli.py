@@ -40,6 +40,13 @@ def add_serve_parser(sub: Any) -> None:
         "--keep-alive", type=float, default=None, metavar="SECONDS", help="close idle models"
     )
     srv.add_argument(
+        "--models-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="memory the open models may take (weights and KV; least recent closes)",
+    )
+    srv.add_argument(
         "--template",
         help=f"chat template: Jinja source or one of {', '.join(BUILTIN_CHAT_TEMPLATES)}",
     )
@@ -171,6 +178,7 @@ def _config(
         model_name=args.model_name,
         models=models,
         models_max=args.models_max,
+        models_memory=None if args.models_memory is None else int(args.models_memory * 2**30),
         keep_alive=args.keep_alive,
         spec=args.spec,
         spec_k=args.draft_max,

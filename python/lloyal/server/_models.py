@@ -60,6 +60,8 @@ class _Slot:
         self.users = 0
         self.last_used = time.monotonic()
         self.loads = 0
+        # Bytes it took when last open (None: never opened; see _footprint).
+        self.footprint: int | None = None
 
 
 class Models:
@@ -172,7 +174,7 @@ class Models:
             try:
                 async with self._lock:
                     if slot.state is None:
-                        await self._make_room()
+                        await self._make_room(slot)
                         await self._open(slot)
                     slot.users += 1
             finally:
@@ -188,13 +190,22 @@ class Models:
             slot.last_used = time.monotonic()
             self._released.set()
 
-    async def _make_room(self) -> None:
-        """Close idle models, least recently used first, until one more
+    def _full(self, slot: _Slot) -> bool:
+        """Whether opening ``slot`` would pass ``models_max`` or
+        ``models_memory`` (with at least one model open: a model that
+        alone passes the budget still opens)."""
+        open_slots = [s for s in self._slots.values() if s.state is not None]
+        limit, budget = self.config.models_max, self.config.models_memory
+        if limit is not None and len(open_slots) >= limit:
+            return True
+        if budget is None or not open_slots:
+            return False
+        return sum(map(_footprint, open_slots)) + _footprint(slot) > budget
+
+    async def _make_room(self, slot: _Slot) -> None:
+        """Close idle models, least recently used first, until ``slot``
         fits; wait for a model to become idle when none is. Holds the lock."""
-        limit = self.config.models_max
-        if limit is None:
-            return
-        while len(self.loaded()) >= limit:
+        while self._full(slot):
             idle = [s for s in self._slots.values() if s.state is not None and s.users == 0]
             if idle:
                 await self._close(min(idle, key=lambda s: s.last_used))
@@ -209,6 +220,7 @@ class Models:
     async def _close(self, slot: _Slot) -> None:
         state, slot.state = slot.state, None
         if state is not None:
+            slot.footprint = _footprint_of(state)
             await state.aclose()
 
     async def _sweep(self, keep_alive: float) -> None:
@@ -229,6 +241,26 @@ class Models:
             await asyncio.gather(self._sweeper, return_exceptions=True)
         for slot in self._slots.values():
             await self._close(slot)
+
+
+def _footprint_of(state: State) -> int:
+    """An open model's bytes: its weights and full-size KV cache, and its
+    pooling context's KV if one is open."""
+    embedder = state.opened_embedder
+    return state.ctx.memory_size + (embedder.memory_size if embedder is not None else 0)
+
+
+def _footprint(slot: _Slot) -> int:
+    """A model's bytes: measured while open, remembered once closed, and
+    before it was ever opened its file's size (weights only: the first
+    estimate is low by its KV cache)."""
+    if slot.state is not None:
+        return _footprint_of(slot.state)
+    if slot.footprint is not None:
+        return slot.footprint
+    path = slot.config.model_path
+    assert path is not None
+    return Path(path).stat().st_size
 
 
 def models_in(folder: str | os.PathLike[str]) -> tuple[tuple[str, Path], ...]:

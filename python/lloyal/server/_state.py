@@ -19,13 +19,16 @@ class ServerConfig:
     One model is ``model_path`` (named ``model_name``, else the GGUF's own
     name); several are ``models``, ``(name, path)`` pairs, opened on first
     use, at most ``models_max`` at once, each closed after ``keep_alive``
-    idle seconds (None: never). The other fields apply to each model.
+    idle seconds (None: never), and within ``models_memory`` bytes. The
+    other fields apply to each model.
     """
 
     model_path: str | os.PathLike[str] | None = None
     model_name: str | None = None
     models: tuple[tuple[str, str | os.PathLike[str]], ...] = ()
     models_max: int | None = None
+    # Bytes the open models may take (weights and KV caches); None: no limit.
+    models_memory: int | None = None
     keep_alive: float | None = None
     template: str | None = None
     n_ctx: int = 8192
@@ -74,6 +77,8 @@ class ServerConfig:
         per_model = self.loras or self.control_vector is not None or self.mmproj is not None
         if several and per_model:
             raise ValueError("adapters and projectors are for one model: serve several without")
+        if self.models_memory is not None and self.models_memory < 1:
+            raise ValueError(f"models_memory must be positive bytes, not {self.models_memory}")
         if self.models_max is not None and self.models_max < 1:
             raise ValueError(f"models_max must be at least 1, not {self.models_max}")
         if self.spec not in (None, "prompt-lookup"):
@@ -134,6 +139,11 @@ class State:
                 list(self.ctx.token_bytes(token)),
             )
         return info
+
+    @property
+    def opened_embedder(self) -> Context | None:
+        """The pooling context, if a request opened it."""
+        return self._embedder
 
     async def embedder(self) -> Context:
         """A pooling context on the same model, opened on first use (rank
