@@ -112,3 +112,21 @@ async def test_concurrent_requests_speculate_beside_plain_ones(smollm2: Path) ->
             _complete(c, COUNT, temperature=0.9, seed=3),
         )
         assert [r["choices"][0]["text"] for r in together[:2]] == alone
+
+
+async def test_a_draft_model_drafts_in_the_step_loop(smollm2: Path, gemma3: Path) -> None:
+    # SmolLM2 drafting for itself: every draft is the model's own choice
+    # (deterministic), so all but those past a stop are kept.
+    plain: list[str] = []
+    async with _server(smollm2) as c:
+        for prompt in (ECHO, COUNT):
+            plain.append((await _complete(c, prompt))["choices"][0]["text"])
+    async with _server(smollm2, draft_model=smollm2, spec_k=4) as c:
+        drafted = await asyncio.gather(*(_complete(c, p) for p in (ECHO, COUNT)))
+        m = await _metrics(c)
+    assert [r["choices"][0]["text"] for r in drafted] == plain
+    assert m["lloyal_spec_drafted_total"] > 0
+    assert m["lloyal_spec_accepted_total"] >= 0.9 * m["lloyal_spec_drafted_total"]
+    with pytest.raises(ValueError, match="vocabulary"):
+        async with _server(smollm2, draft_model=gemma3):
+            pass

@@ -72,6 +72,12 @@ def add_serve_parser(sub: Any) -> None:
     )
     srv.add_argument("--draft-max", type=int, default=8, help="most drafts a --spec round checks")
     srv.add_argument(
+        "--model-draft",
+        "-md",
+        metavar="MODEL",
+        help="a draft model (same vocabulary) for speculative decoding of greedy requests",
+    )
+    srv.add_argument(
         "--context-shift",
         "--ctx-shift",
         action="store_true",
@@ -182,6 +188,7 @@ def _config(
         keep_alive=args.keep_alive,
         spec=args.spec,
         spec_k=args.draft_max,
+        draft_model=resolve_model(args.model_draft) if args.model_draft else None,
         ctx_shift=args.context_shift,
         n_keep=args.keep,
         template=args.template,

@@ -45,7 +45,7 @@ from lloyal.prefix_cache import PrefixCache
 from lloyal.server._adapters import request_set
 from lloyal.server._choice import Choice, Event, Metrics
 from lloyal.server._protocol import ApiError, Generation
-from lloyal.server._speculation import Drafts, speculates
+from lloyal.server._speculation import Drafts, ModelDrafts, has_media, speculates
 
 __all__ = ["DEFAULT_RESERVE", "Engine", "Event", "Metrics"]
 
@@ -70,6 +70,7 @@ class Engine:
         cache_dir: str | os.PathLike[str] | None = None,
         max_queue: int = 64,
         spec_k: int = 0,
+        draft: Context | None = None,
         ctx_shift: bool = False,
         n_keep: int = 4,
     ) -> None:
@@ -82,6 +83,8 @@ class Engine:
         self.n_keep = n_keep
         # Prompt lookup drafts per round (0: no speculation; _speculation).
         self.spec_k = spec_k
+        # A draft model's context (``--model-draft``); None: prompt lookup.
+        self.draft = draft
         # With the prefix cache, one sequence stays for the entry a request
         # forks from (the cache gives the others back when leases run short).
         self.capacity = max(1, ctx.n_seq_max - 1) if prefix_cache else ctx.n_seq_max
@@ -341,9 +344,15 @@ class Engine:
         n_ctx = self.ctx.n_ctx
         plain: list[tuple[Choice, int]] = []
         drafted: list[tuple[Choice, int, list[int]]] = []
-        for c, t in batch:
-            room = min(c.limit - c.made, n_ctx - c.expected_position() - 1)
-            guesses = c.drafts.propose(c.committed, t, room) if c.drafts else []
+        # Each drafting choice's proposal (a draft model's decodes together).
+        proposals = await asyncio.gather(
+            *(self._propose(c, t, n_ctx) for c, t in batch), return_exceptions=True
+        )
+        for (c, t), guesses in zip(batch, proposals, strict=True):
+            if isinstance(guesses, BaseException):
+                # Drafting failed (the draft context, say): no drafts.
+                log.warning("drafting failed for a choice", exc_info=guesses)
+                guesses = []
             if guesses:
                 drafted.append((c, t, guesses))
             else:
@@ -365,6 +374,13 @@ class Engine:
         if isinstance(outs[0], BaseException):
             raise outs[0]
         await self._commit(fallback)
+
+    @staticmethod
+    async def _propose(c: Choice, token: int, n_ctx: int) -> list[int]:
+        if c.drafts is None:
+            return []
+        room = min(c.limit - c.made, n_ctx - c.expected_position() - 1)
+        return await c.drafts.propose(c.committed, token, room)
 
     async def _shift(self, c: Choice) -> bool:
         """Make room for the choice's next token if its branch is at the
@@ -471,8 +487,11 @@ class Engine:
                 )
                 c.budget = budget() if budget is not None else None
                 k = speculates(gen, grammar, c.budget is not None, self.spec_k)
-                if k:
-                    c.drafts = Drafts(tokens, k, gen.params.logit_bias)
+                bias = gen.params.logit_bias
+                if k and self.draft is not None and not has_media(tokens):
+                    c.drafts = ModelDrafts(tokens, k, bias, self.draft)
+                elif k and self.draft is None:
+                    c.drafts = Drafts(tokens, k, bias)
                 choices.append(c)
             await self._start(choices)
             finished = 0
@@ -493,6 +512,8 @@ class Engine:
             self._wake.set()
             for c in choices:
                 await c.released.wait()
+                if c.drafts is not None:
+                    await c.drafts.aclose()
             for i, b in enumerate(branches):
                 if b.disposed:
                     continue

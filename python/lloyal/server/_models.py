@@ -21,9 +21,10 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from lloyal.context import create_context
+from lloyal.context import Context, create_context
 from lloyal.server._adapters import load as load_adapters
 from lloyal.server._protocol import ApiError
+from lloyal.server._speculation import check_draft
 from lloyal.server._state import ServerConfig, State
 
 
@@ -38,14 +39,26 @@ async def open_state(config: ServerConfig) -> State:
         deterministic=config.deterministic,
         mmproj=config.mmproj,
     )
+    draft: Context | None = None
     try:
         loras = await load_adapters(
             ctx, config.loras, config.control_vector, config.control_vector_layers
         )
+        if config.draft_model is not None:
+            draft = await create_context(
+                config.draft_model,
+                n_ctx=config.n_ctx,
+                n_seq_max=config.n_seq_max,
+                n_threads=config.n_threads,
+                deterministic=config.deterministic,
+            )
+            check_draft(ctx, draft)
     except BaseException:
+        if draft is not None:
+            await draft.aclose()
         await ctx.aclose()
         raise
-    state = State(config, ctx)
+    state = State(config, ctx, draft)
     state.engine.loras = loras
     return state
 

@@ -28,9 +28,13 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from lloyal.branch import Branch
+from lloyal.context import Context
+from lloyal.errors import NoLeaseError
 from lloyal.grammar import Grammar
+from lloyal.sampling import GREEDY
 from lloyal.server._protocol import Generation
-from lloyal.strategies import PromptLookup
+from lloyal.strategies import PromptLookup, _same_vocabulary
 
 
 def speculates(gen: Generation, grammar: Grammar | None, budget: bool, default_k: int) -> int:
@@ -51,6 +55,12 @@ def speculates(gen: Generation, grammar: Grammar | None, budget: bool, default_k
     return k if greedy and plain else 0
 
 
+def has_media(prompt: Sequence[int]) -> bool:
+    """Whether a prompt holds media placeholders (a draft model cannot
+    read them)."""
+    return any(t < 0 for t in prompt)
+
+
 class Drafts:
     """One choice's drafting: its prompt and reply so far, and this round's
     ``k``."""
@@ -61,7 +71,7 @@ class Drafts:
         self.lookup = PromptLookup()
         self.bias = dict(bias)
 
-    def propose(self, committed: Sequence[int], pending: int, room: int) -> list[int]:
+    async def propose(self, committed: Sequence[int], pending: int, room: int) -> list[int]:
         """Drafts to follow ``pending`` (the token chosen this step, after
         the prompt and the ``committed`` reply), at most ``room`` (what the
         choice may still make after it)."""
@@ -69,6 +79,9 @@ class Drafts:
         if k <= 0:
             return []
         return self.lookup.propose([*self.prompt, *committed, pending], k)
+
+    async def aclose(self) -> None:
+        """Give back what drafting holds (nothing, for prompt lookup)."""
 
     def choice(self, row: npt.NDArray[np.float32]) -> int:
         """The model's greedy choice from a row of logits."""
@@ -78,3 +91,66 @@ class Drafts:
         for token, b in self.bias.items():
             biased[token] += b
         return int(np.argmax(biased))
+
+
+class ModelDrafts(Drafts):
+    """Drafting with a draft model (``--model-draft``): a branch of the
+    draft context per choice, holding the prompt and reply; each round it
+    catches up on what was committed (truncating what was rejected), then
+    writes its greedy continuation. The rounds of several choices decode
+    together (the draft context's step scheduler)."""
+
+    def __init__(
+        self,
+        prompt: Sequence[int],
+        k: int,
+        bias: Sequence[tuple[int, float]],
+        draft: Context,
+    ) -> None:
+        super().__init__(prompt, k, bias)
+        self.draft = draft
+        self.branch: Branch | None = None
+        self.held: list[int] = []  # the tokens the branch holds
+
+    async def propose(self, committed: Sequence[int], pending: int, room: int) -> list[int]:
+        k = min(self.k, room)
+        if k <= 0:
+            return []
+        history = [*self.prompt, *committed, pending]
+        if self.branch is None:
+            try:
+                self.branch = Branch.create(self.draft, GREEDY)
+            except NoLeaseError:
+                return []  # the draft context is full: no drafts this round
+        common = 0
+        for a, b in zip(self.held, history, strict=False):
+            if a != b:
+                break
+            common += 1
+        # Decode at least the last token again: its logits start the draft.
+        keep = min(common, len(history) - 1)
+        if keep < len(self.held):
+            await self.branch.truncate(keep)
+        self.held = history[:keep]
+        await self.branch.prefill(history[keep:])
+        self.held = history
+        guesses: list[int] = []
+        for i in range(k):
+            p = await self.branch.produce()
+            guesses.append(p.token)
+            if i + 1 == k or p.is_stop:
+                break
+            await self.branch.prefill([p.token])
+            self.held.append(p.token)
+        return guesses
+
+    async def aclose(self) -> None:
+        if self.branch is not None and not self.branch.disposed:
+            await self.branch.prune()
+        self.branch = None
+
+
+def check_draft(target: Context, draft: Context) -> None:
+    """Refuse a draft model whose vocabulary is not the target's."""
+    if not _same_vocabulary(target, draft):
+        raise ValueError("the draft model's vocabulary is not the model's: it cannot draft for it")

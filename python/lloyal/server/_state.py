@@ -59,6 +59,8 @@ class ServerConfig:
     # drafts a round verifies (``lloyal.server._speculation``).
     spec: str | None = None
     spec_k: int = 8
+    # A draft model (same vocabulary) that drafts instead of prompt lookup.
+    draft_model: str | os.PathLike[str] | None = None
     # Context shift: prompts over the context are cut, replies that reach
     # its end reseeded (BlinkKV), keeping the first n_keep tokens.
     ctx_shift: bool = False
@@ -74,9 +76,16 @@ class ServerConfig:
         if len(set(names)) != len(names):
             raise ValueError(f"two models have the same name: {names}")
         several = len(served) > 1
-        per_model = self.loras or self.control_vector is not None or self.mmproj is not None
+        per_model = (
+            self.loras
+            or self.control_vector is not None
+            or self.mmproj is not None
+            or self.draft_model is not None
+        )
         if several and per_model:
-            raise ValueError("adapters and projectors are for one model: serve several without")
+            raise ValueError(
+                "adapters, projectors and draft models are for one model: serve several without"
+            )
         if self.models_memory is not None and self.models_memory < 1:
             raise ValueError(f"models_memory must be positive bytes, not {self.models_memory}")
         if self.models_max is not None and self.models_max < 1:
@@ -107,9 +116,10 @@ class ServerConfig:
 class State:
     """The server's model, engine and caches, shared by its routes."""
 
-    def __init__(self, config: ServerConfig, ctx: Context) -> None:
+    def __init__(self, config: ServerConfig, ctx: Context, draft: Context | None = None) -> None:
         self.config = config
         self.ctx = ctx
+        self.draft = draft
         self._token_info: dict[int, tuple[str, list[int]]] = {}
         self.engine = Engine(
             ctx,
@@ -117,7 +127,8 @@ class State:
             cache_branches=config.cache_branches,
             cache_dir=config.cache_dir,
             max_queue=config.max_queue,
-            spec_k=config.spec_k if config.spec else 0,
+            spec_k=config.spec_k if config.spec or draft is not None else 0,
+            draft=draft,
             ctx_shift=config.ctx_shift,
             n_keep=config.n_keep,
         )
@@ -165,4 +176,6 @@ class State:
         await self.engine.aclose()
         if self._embedder is not None:
             await self._embedder.aclose()
+        if self.draft is not None:
+            await self.draft.aclose()
         await self.ctx.aclose()
