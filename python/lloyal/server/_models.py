@@ -31,27 +31,14 @@ from lloyal.server._state import ServerConfig, State
 async def open_state(config: ServerConfig) -> State:
     """One model's context, adapters and engine, as ``config`` asks."""
     assert config.model_path is not None
-    ctx = await create_context(
-        config.model_path,
-        n_ctx=config.n_ctx,
-        n_seq_max=config.n_seq_max,
-        n_threads=config.n_threads,
-        deterministic=config.deterministic,
-        mmproj=config.mmproj,
-    )
+    ctx = await _context(config, config.model_path, mmproj=config.mmproj)
     draft: Context | None = None
     try:
         loras = await load_adapters(
             ctx, config.loras, config.control_vector, config.control_vector_layers
         )
         if config.draft_model is not None:
-            draft = await create_context(
-                config.draft_model,
-                n_ctx=config.n_ctx,
-                n_seq_max=config.n_seq_max,
-                n_threads=config.n_threads,
-                deterministic=config.deterministic,
-            )
+            draft = await _context(config, config.draft_model)
             check_draft(ctx, draft)
     except BaseException:
         if draft is not None:
@@ -61,6 +48,22 @@ async def open_state(config: ServerConfig) -> State:
     state = State(config, ctx, draft)
     state.engine.loras = loras
     return state
+
+
+async def _context(
+    config: ServerConfig,
+    path: str | os.PathLike[str],
+    mmproj: str | os.PathLike[str] | None = None,
+) -> Context:
+    """A generating context on ``path`` sized as ``config`` says."""
+    return await create_context(
+        path,
+        n_ctx=config.n_ctx,
+        n_seq_max=config.n_seq_max,
+        n_threads=config.n_threads,
+        deterministic=config.deterministic,
+        mmproj=mmproj,
+    )
 
 
 class _Slot:
