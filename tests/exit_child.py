@@ -14,6 +14,10 @@ import time
 
 import lloyal
 
+# tests/_hang.py, from this file's own folder (sys.path[0] when run as a
+# script; pytest's collection puts the folder on sys.path too).
+from _hang import HANG_GUARD_S
+
 MODEL = ""  # set by main(): the module is imported by pytest's collection too
 _kept: list[object] = []
 
@@ -69,7 +73,7 @@ def server() -> None:
     (sock,) = srv.servers[0].sockets
     port = sock.getsockname()[1]
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=HANG_GUARD_S)
     assert r.status_code == 200, r.text
 
 

@@ -24,6 +24,8 @@ from typing import Any
 import httpx
 from hypothesis import strategies as st
 
+from tests._hang import HANG_GUARD_S, deadline
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 GOOD: dict[str, dict[str, Any]] = {
@@ -52,23 +54,27 @@ def start_server(*args: str) -> tuple[subprocess.Popen[bytes], str]:
         stderr=subprocess.PIPE,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    # A hang guard, not a speed check: startup loads the model.
+    give_up = deadline()
+    while time.monotonic() < give_up:
         if proc.poll() is not None:
             stop_server(proc)
             raise RuntimeError("the server died at startup")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            # One probe's limit only ends a probe the server is too busy to
+            # answer; the next one follows. The deadline is the guard.
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             time.sleep(0.2)
     stop_server(proc)
-    raise RuntimeError("the server did not start in 60 s")
+    raise RuntimeError(f"the server did not start in {HANG_GUARD_S:g} s")
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:
+        # Not a test bound: a server slow to stop is killed instead.
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
@@ -78,21 +84,22 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
 
 
 def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics").text
+    text = httpx.get(f"{url}/metrics", timeout=HANG_GUARD_S).text
     return {k: float(v) for k, v in (line.split() for line in text.splitlines())}
 
 
 def leases_back(url: str, n_seq_max: int) -> dict[str, float]:
     """``/metrics`` once no request is active and nothing but the prefix
-    cache's entries holds a lease; raises if that does not happen in 10 s
-    (a streamed request frees its branches just after its last chunk)."""
-    deadline = time.monotonic() + 10
+    cache's entries holds a lease; raises if that does not happen before
+    the hang guard (tests/_hang.py): a streamed request frees its branches
+    just after its last chunk."""
+    give_up = deadline()
     while True:
         m = metrics(url)
         free = n_seq_max - m["lloyal_prefix_cache_entries"]
         if m["lloyal_requests_active"] == 0 and m["lloyal_kv_leases_free"] == free:
             return m
-        if time.monotonic() > deadline:
+        if time.monotonic() > give_up:
             raise AssertionError(f"leases lost: {free} should be free, /metrics: {m}")
         time.sleep(0.1)
 
@@ -344,7 +351,7 @@ class Fuzzer:
     def __init__(self, url: str, n_seq_max: int) -> None:
         self.url = url
         self.n_seq_max = n_seq_max
-        self.client = httpx.Client(base_url=url, timeout=120)
+        self.client = httpx.Client(base_url=url, timeout=HANG_GUARD_S)
         self.counts: Counter[int] = Counter()
 
     def __enter__(self) -> Fuzzer:

@@ -419,6 +419,9 @@ async def test_leaving_async_with_after_a_cancelled_operation_frees_the_lease(
         store = lloyal.BranchStore(ctx)
         for i in range(12):
             async with lloyal.Branch.create(ctx) as b:
+                # Meant to expire, not a hang guard: the cancel lands
+                # somewhere in the prefill or the loop (where, the machine
+                # decides); every landing place must free the lease.
                 with anyio.move_on_after(0.002 * i):
                     await b.prefill(prompt)
                     while True:

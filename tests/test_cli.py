@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lloyal import LLAMA_CPP_2_VERSION, __version__, backend_info, create_context
 
+from tests._hang import HANG_GUARD_S
 from tests.conftest import COUNTING, Greedy, greedy_reference
 
 
@@ -20,7 +21,7 @@ def lloyal(*args: str, input: str | None = None) -> subprocess.CompletedProcess[
         input=input,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_GUARD_S,
         check=False,
     )
 
@@ -127,7 +128,7 @@ def test_chat_reads_turns_from_stdin() -> None:
         input="Hi!\nWho are you?\n",
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_GUARD_S,
         check=False,
     )
     assert result.returncode == 0, result.stderr

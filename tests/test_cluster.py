@@ -34,6 +34,7 @@ from lloyal.cluster import (
 from lloyal.models import model_path
 from lloyal.strategies import TreeNode
 
+from tests._hang import HANG_GUARD_S, deadline
 from tests.conftest import MODELS
 
 OPTIONS = {"n_seq_max": 8, "n_ctx": 2048, "n_threads": 1, "deterministic": True}
@@ -104,7 +105,7 @@ def local(pool: ContextPool) -> dict[str, Any]:
         [sys.executable, "-c", LOCAL, path, json.dumps(OPTIONS)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_GUARD_S,
         check=False,
     )
     assert run.returncode == 0, run.stderr
@@ -238,13 +239,15 @@ def test_a_cancelled_fork_leaves_no_branch_behind(pool: ContextPool) -> None:
         tokens = await w.call("tokenize", "The capital of France is")
         root = await pool.branch(tokens, params=lloyal.GREEDY, worker=w)
         before = await w.load()
+        # Meant to expire, not a hang guard: the answer (a round trip to
+        # the actor) cannot come back in 0.1 ms, the slower the surer.
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(root.fork_many([None] * 3), timeout=0.0001)
-        deadline = time.monotonic() + 120  # (a starved machine is slow, not wrong)
-        for _ in range(100_000):
+        give_up = deadline()  # a hang guard (a starved machine is slow, not wrong)
+        while True:
             load = await w.load()
             done = load["made"] == before["made"] + 3 and load["branches"] == before["branches"]
-            if done or time.monotonic() > deadline:
+            if done or time.monotonic() > give_up:
                 break
             await asyncio.sleep(0.01)
         assert load["made"] == before["made"] + 3  # the actor made them
@@ -309,8 +312,10 @@ def test_calls_made_while_a_step_is_on_the_wire_go_in_the_next(pool: ContextPool
             await asyncio.sleep(delay)
             return await _generate(k, 6)
 
+        # A hang guard, not a speed limit: this once hung.
         outs = await asyncio.wait_for(
-            asyncio.gather(*(late(k, i * 0.003) for i, k in enumerate(kids))), timeout=240
+            asyncio.gather(*(late(k, i * 0.003) for i, k in enumerate(kids))),
+            timeout=HANG_GUARD_S,
         )
         assert outs[0] == outs[1] == outs[2]  # greedy: the same tokens whatever the timing
         assert len(outs[0]) == 6
@@ -474,9 +479,10 @@ NO_EOS = {t: -100.0 for t in range(3)}
 
 
 async def _kill_when(worker: Any, decodes: int) -> None:
-    """Kill ``worker``'s actor once it has made ``decodes`` decodes (30 s at
-    the most)."""
-    for _ in range(3000):
+    """Kill ``worker``'s actor once it has made ``decodes`` decodes (or at
+    the hang guard, tests/_hang.py: the test then fails on what it sees)."""
+    give_up = deadline()
+    while time.monotonic() < give_up:
         if (await worker.call("stats"))["decode_calls"] >= decodes:
             break
         await asyncio.sleep(0.01)
@@ -507,7 +513,7 @@ def test_a_pool_that_fails_to_start_leaves_no_actor_running(
         asyncio.run(ContextPool.start(model, workers=2, **options))
     # ray.kill is asynchronous: wait for the actors to be reported dead (a
     # hang guard, not a speed limit).
-    deadline = time.monotonic() + 120
-    while _live_actors() > before and time.monotonic() < deadline:
+    give_up = deadline()
+    while _live_actors() > before and time.monotonic() < give_up:
         time.sleep(0.2)
     assert _live_actors() == before

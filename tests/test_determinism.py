@@ -22,6 +22,8 @@ from typing import Any
 import lloyal
 import pytest
 
+from tests._hang import HANG_GUARD_S
+
 CHILD = Path(__file__).with_name("determinism_child.py")
 
 
@@ -31,7 +33,7 @@ def run_check(model: Path, check: str) -> dict[str, Any]:
         [sys.executable, str(CHILD), str(model), check],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_GUARD_S,
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -112,14 +114,14 @@ asyncio.run(main())
 """
     env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S, env=env
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "refused:" in proc.stdout
     assert "GGML_CPU_TILED_MM" in proc.stdout
     env["GGML_CPU_TILED_MM"] = "0"
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S, env=env
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "refused:" not in proc.stdout

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests._hang import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_example(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, *args], capture_output=True, text=True, timeout=HANG_GUARD_S, check=False
     )
 
 
@@ -40,7 +42,7 @@ def test_chat_appends_turns_to_one_branch() -> None:
         input="What is the capital of France?\nAnd of Italy?\n",
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_GUARD_S,
         check=False,
     )
     assert result.returncode == 0, result.stderr

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._hang import HANG_GUARD_S
+
 CHILD = Path(__file__).with_name("exit_child.py")
 SCENARIOS = ["context", "native", "branches", "session", "server", "trio"]
 
@@ -26,7 +28,7 @@ def test_a_script_that_leaves_things_open_exits(scenario: str, smollm2: Path) ->
             [sys.executable, str(CHILD), scenario, str(smollm2)],
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=HANG_GUARD_S,
         )
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == "ok", done.stderr

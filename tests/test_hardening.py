@@ -27,6 +27,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests._hang import HANG_GUARD_S
+
 pytestmark = pytest.mark.anyio
 
 
@@ -37,9 +39,12 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def run_child(code: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def run_child(
+    code: str, *args: str, timeout: float = HANG_GUARD_S
+) -> subprocess.CompletedProcess[str]:
     """Run `code` in a fresh interpreter; it must exit 0 (not by a signal)
-    and print nothing to stderr that looks like an abort."""
+    and print nothing to stderr that looks like an abort. ``timeout`` is a
+    hang guard (tests/_hang.py)."""
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *args],
         capture_output=True,
@@ -530,7 +535,8 @@ def test_two_event_loops_in_two_threads_share_a_context(smollm2: Path) -> None:
                 return position
 
             try:
-                results[name] = asyncio.run(asyncio.wait_for(main(), 60))
+                # A hang guard (tests/_hang.py): a thread that hangs says so.
+                results[name] = asyncio.run(asyncio.wait_for(main(), float(sys.argv[2])))
             except BaseException as e:
                 results[name] = repr(e)
 
@@ -543,7 +549,9 @@ def test_two_event_loops_in_two_threads_share_a_context(smollm2: Path) -> None:
         ctx.close()
         """,
         str(smollm2),
-        timeout=180,
+        str(HANG_GUARD_S),
+        # Past the threads' own guard, whose report names the one that hung.
+        timeout=2 * HANG_GUARD_S,
     )
     prompt = len(asyncio.run(_tokenize(smollm2, "Once upon a time")))
     assert out.stdout.split() == [str(prompt + 200)] * 2, out.stdout

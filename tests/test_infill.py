@@ -20,6 +20,8 @@ from lloyal import fixtures
 from lloyal.infill import NoFimError, fim_prompt
 from lloyal.server import ServerConfig, create_app
 
+from tests._hang import HANG_GUARD_S
+
 pytestmark = pytest.mark.anyio
 
 PREFIX = "def add(a, b):\n    return "
@@ -95,7 +97,9 @@ async def _server(model: Path) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(ServerConfig(model_path=model, n_ctx=1024, n_seq_max=2, deterministic=True))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://x", timeout=120) as c:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://x", timeout=HANG_GUARD_S
+        ) as c:
             yield c
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from lloyal.models import model_path
 
+from tests._hang import HANG_GUARD_S
 from tests.conftest import MODELS, ROUTE_NOISE
 
 SHARED = "You are a careful assistant. Answer briefly and precisely. " * 48
@@ -395,7 +396,7 @@ def _swap_heads(a: Path, b: Path) -> None:
 
 
 # A hang guard (a FIFO in the folder once blocked the constructor), not a speed limit.
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(HANG_GUARD_S)
 @pytest.mark.asyncio
 async def test_a_hostile_cache_folder_gives_misses_or_correct_hits(
     smollm2: Path, tmp_path: Path

@@ -15,6 +15,8 @@ import pytest
 from lloyal import fixtures
 from lloyal.server import ServerConfig, create_app
 
+from tests._hang import HANG_GUARD_S
+
 pytestmark = pytest.mark.anyio
 
 QUERY = "What is the capital of France?"
@@ -75,7 +77,9 @@ async def test_the_server_reranks_with_a_rerankers_scores(reranker: Path) -> Non
     app = create_app(config)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://x", timeout=120) as c:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://x", timeout=HANG_GUARD_S
+        ) as c:
             body = {"query": QUERY, "documents": DOCS, "return_documents": True}
             r = (await c.post("/v1/rerank", json=body)).json()
             scores = [x["relevance_score"] for x in r["results"]]

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._hang import HANG_GUARD_S
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
@@ -20,7 +22,11 @@ def test_readme_has_examples() -> None:
 @pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
 def test_readme_example_runs(code: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=False
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()

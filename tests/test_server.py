@@ -26,6 +26,7 @@ from lloyal.server import _app as server_app
 from lloyal.server._choice import Choice
 
 from tests import server_fuzz
+from tests._hang import HANG_GUARD_S, deadline
 from tests.server_fuzz import CHAT, COMPLETIONS, metrics, start_server, stop_server
 
 WEATHER: dict[str, Any] = {
@@ -58,7 +59,7 @@ def client(server: str) -> openai.OpenAI:
 def test_models_and_health(client: openai.OpenAI, server: str) -> None:
     (model,) = client.models.list().data
     assert model.id
-    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    assert httpx.get(f"{server}/health", timeout=HANG_GUARD_S).json() == {"status": "ok"}
 
 
 def test_chat_completion_with_n_choices_from_one_prompt(client: openai.OpenAI, server: str) -> None:
@@ -184,7 +185,7 @@ def test_embeddings(client: openai.OpenAI) -> None:
     ],
 )
 def test_bad_chat_requests_are_400(server: str, body: bytes, param: str | None) -> None:
-    r = httpx.post(f"{server}/v1/chat/completions", content=body)
+    r = httpx.post(f"{server}/v1/chat/completions", content=body, timeout=HANG_GUARD_S)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error"
@@ -200,11 +201,13 @@ def test_bad_completion_and_embedding_requests_are_400(server: str) -> None:
         ("/v1/embeddings", {"input": []}),
         ("/v1/embeddings", {"input": "x", "encoding_format": "int8"}),
     ]:
-        r = httpx.post(f"{server}{path}", json=body)
+        r = httpx.post(f"{server}{path}", json=body, timeout=HANG_GUARD_S)
         assert r.status_code == 400, (path, body, r.text)
-    assert httpx.get(f"{server}/v1/nothing").status_code == 404
+    assert httpx.get(f"{server}/v1/nothing", timeout=HANG_GUARD_S).status_code == 404
     # The server is still fine.
-    r = httpx.post(f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    r = httpx.post(
+        f"{server}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=HANG_GUARD_S
+    )
     assert r.status_code == 200
 
 
@@ -255,7 +258,7 @@ C, P = CHAT, COMPLETIONS
 def test_what_the_engine_would_refuse_is_a_400_naming_the_field(
     server: str, path: str, body: bytes, param: str | None
 ) -> None:
-    r = httpx.post(f"{server}{path}", content=body)
+    r = httpx.post(f"{server}{path}", content=body, timeout=HANG_GUARD_S)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error"
@@ -271,7 +274,9 @@ async def _in_process(model: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any
     app = create_app(ServerConfig(model_path=model, n_seq_max=4, n_ctx=1024))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://x", timeout=120) as c:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://x", timeout=HANG_GUARD_S
+        ) as c:
             (state,) = app.state.lloyal.states().values()
             yield c, state
 
@@ -359,9 +364,9 @@ def test_a_request_failing_inside_the_step_ends_alone(
                 asyncio.create_task(c.post("/v1/completions", json={"prompt": p, **long}))
                 for p in ("One, two, three,", "The capital of France is")
             ]
-            for _ in range(6000):  # a hang guard: both are in the step loop
-                if len(state.engine._active) == 2:
-                    break
+            give_up = deadline()  # a hang guard: both reach the step loop
+            while len(state.engine._active) < 2:
+                assert time.monotonic() < give_up, "the two requests never ran"
                 await asyncio.sleep(0.01)
             body = {"prompt": "Once upon a time", "max_tokens": 50, "seed": DOOMED_SEED}
             body["ignore_eos"] = True
@@ -420,18 +425,22 @@ def test_a_client_that_disconnects_frees_its_branch(server: str) -> None:
     before = metrics(server)
     # ignore_eos (llama-server's extension): the answer cannot end early.
     body = {"messages": ASK, "max_tokens": 2000, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body) as r:
+    with httpx.stream(
+        "POST", f"{server}/v1/chat/completions", json=body, timeout=HANG_GUARD_S
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data:"):
                 break
+    # Meant to expire, not a hang guard: this client leaves after waiting
+    # 1 s for a reply that takes 2000 tokens (longer still on a busy machine).
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             f"{server}/v1/chat/completions",
             json={**body, "stream": False},
-            timeout=httpx.Timeout(5, read=1.0),
+            timeout=httpx.Timeout(HANG_GUARD_S, read=1.0),
         )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    give_up = deadline()  # a hang guard: the server notices both departures
+    while time.monotonic() < give_up:
         m = metrics(server)
         if m["lloyal_requests_active"] == 0 and m["lloyal_client_disconnects_total"] >= (
             before["lloyal_client_disconnects_total"] + 2
@@ -463,7 +472,8 @@ async def _running(
 async def _wait_for(c: httpx.AsyncClient, name: str, value: float) -> None:
     """Poll /metrics until ``name`` reads ``value`` (a hang guard, not a speed
     limit: the event it waits for follows one HTTP round trip)."""
-    for _ in range(600):
+    give_up = deadline()
+    while time.monotonic() < give_up:
         text = (await c.get("/metrics")).text
         if dict(line.split() for line in text.splitlines()).get(name) in (f"{value}", f"{value:g}"):
             return
@@ -496,7 +506,7 @@ def test_overload_gets_429_and_concurrent_requests_share_decodes(tmp_path: Path)
         path = "/v1/chat/completions"
 
         async def burst() -> None:
-            async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+            async with httpx.AsyncClient(base_url=url, timeout=HANG_GUARD_S) as c:
                 async with contextlib.AsyncExitStack() as stack:
                     long = {**body, "max_tokens": 300, "ignore_eos": True}
                     first = await _running(c, stack, path, long)
@@ -527,7 +537,8 @@ def test_overload_gets_429_and_concurrent_requests_share_decodes(tmp_path: Path)
         # and pushes the one before out, to --cache-dir: the long request's
         # by the waiting one's, that one by another prompt's.
         other = {"messages": [{"role": "user", "content": "Something else."}], "max_tokens": 2}
-        assert httpx.post(f"{url}/v1/chat/completions", json=other).status_code == 200
+        r = httpx.post(f"{url}/v1/chat/completions", json=other, timeout=HANG_GUARD_S)
+        assert r.status_code == 200
         assert len(list(tmp_path.glob("*.state"))) == 2
     finally:
         stop_server(proc)
@@ -544,7 +555,7 @@ def _at_once(url: str, n: int, *, prompt: int, max_tokens: int) -> list[httpx.Re
     exactly ``max_tokens`` (end of generation ignored)."""
 
     async def send() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        async with httpx.AsyncClient(base_url=url, timeout=HANG_GUARD_S) as c:
             bodies = [
                 {"prompt": _tokens(i, prompt), "max_tokens": max_tokens, "ignore_eos": True}
                 for i in range(n)
@@ -565,7 +576,7 @@ def test_sequential_long_prompts_evict_cached_prefixes_by_cells() -> None:
     eighth and every later one got a permanent 400)."""
     proc, url = start_server()
     try:
-        with httpx.Client(base_url=url, timeout=300) as c:
+        with httpx.Client(base_url=url, timeout=HANG_GUARD_S) as c:
             for i in range(50):
                 body = {"prompt": _tokens(i, 1100), "max_tokens": 2, "temperature": 0}
                 r = c.post("/v1/completions", json=body)
@@ -601,7 +612,7 @@ def test_a_burst_beyond_the_cells_gets_retryable_refusals() -> None:
             def body(i: int, max_tokens: int) -> dict[str, Any]:
                 return {"prompt": _tokens(i, 300), "max_tokens": max_tokens, "ignore_eos": True}
 
-            async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+            async with httpx.AsyncClient(base_url=url, timeout=HANG_GUARD_S) as c:
                 async with contextlib.AsyncExitStack() as stack:
                     running = [
                         await _running(c, stack, "/v1/completions", body(i, 700)) for i in (0, 1)

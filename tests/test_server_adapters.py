@@ -19,6 +19,7 @@ import httpx
 import pytest
 from lloyal import fixtures
 
+from tests._hang import HANG_GUARD_S
 from tests.server_fuzz import start_server, stop_server
 
 ASK = [{"role": "user", "content": "Write one sentence about the sea."}]
@@ -39,7 +40,7 @@ def chat(url: str, lora: list[dict[str, Any]] | None = None, **extra: Any) -> st
     body: dict[str, Any] = {"messages": ASK, "max_tokens": 12, "temperature": 0.0, **extra}
     if lora is not None:
         body["lora"] = lora
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=HANG_GUARD_S)
     assert r.status_code == 200, r.text
     return str(r.json()["choices"][0]["message"]["content"])
 
@@ -60,18 +61,20 @@ def test_requests_with_different_adapters_together_each_get_what_they_get_alone(
 
 
 def test_lora_adapters_lists_and_sets_the_default_scales(server: str) -> None:
-    listed = httpx.get(f"{server}/lora-adapters").json()
+    listed = httpx.get(f"{server}/lora-adapters", timeout=HANG_GUARD_S).json()
     assert listed == [{"id": 0, "path": str(fixtures.lora("random")), "scale": 0.0}]
     base, tuned = chat(server), chat(server, TUNED)
     try:
-        r = httpx.post(f"{server}/lora-adapters", json=[{"id": 0, "scale": 1.0}])
+        r = httpx.post(
+            f"{server}/lora-adapters", json=[{"id": 0, "scale": 1.0}], timeout=HANG_GUARD_S
+        )
         assert r.status_code == 200
         assert r.json()[0]["scale"] == 1.0
         assert chat(server) == tuned, "the default set is now the adapter"
         assert chat(server, []) == base, "an empty lora list is the base"
     finally:
-        httpx.post(f"{server}/lora-adapters", json=[])
-    assert httpx.get(f"{server}/lora-adapters").json()[0]["scale"] == 0.0
+        httpx.post(f"{server}/lora-adapters", json=[], timeout=HANG_GUARD_S)
+    assert httpx.get(f"{server}/lora-adapters", timeout=HANG_GUARD_S).json()[0]["scale"] == 0.0
 
 
 @pytest.mark.parametrize(
@@ -87,7 +90,7 @@ def test_lora_adapters_lists_and_sets_the_default_scales(server: str) -> None:
 )
 def test_bad_lora_fields_are_400_naming_the_field(server: str, lora: object, needle: str) -> None:
     body = {"messages": ASK, "max_tokens": 2, "lora": lora}
-    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=HANG_GUARD_S)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "lora", error

@@ -12,6 +12,7 @@ import anthropic
 import httpx
 import pytest
 
+from tests._hang import HANG_GUARD_S
 from tests.server_fuzz import start_server, stop_server
 
 WEATHER: dict[str, Any] = {
@@ -112,7 +113,8 @@ def test_a_tool_round_trip(client: anthropic.Anthropic) -> None:
 
 def test_count_tokens_and_errors(client: anthropic.Anthropic, server: str) -> None:
     counted = client.messages.count_tokens(model="m", messages=ASK)
-    plain = httpx.post(f"{server}/tokenize", json={"content": "x"})  # the route is up
+    # The route is up.
+    plain = httpx.post(f"{server}/tokenize", json={"content": "x"}, timeout=HANG_GUARD_S)
     assert plain.status_code == 200
     assert counted.input_tokens > 5
     more = client.messages.count_tokens(model="m", messages=ASK, tools=[WEATHER])  # type: ignore[list-item]
@@ -123,7 +125,7 @@ def test_count_tokens_and_errors(client: anthropic.Anthropic, server: str) -> No
         )  # type: ignore[misc,list-item]
     assert "role" in str(e.value)
     # Anthropic's error body, raw.
-    r = httpx.post(f"{server}/v1/messages", json={"messages": ASK})
+    r = httpx.post(f"{server}/v1/messages", json={"messages": ASK}, timeout=HANG_GUARD_S)
     assert r.status_code == 400
     assert r.json()["type"] == "error"
     assert r.json()["error"]["type"] == "invalid_request_error"
@@ -132,7 +134,7 @@ def test_count_tokens_and_errors(client: anthropic.Anthropic, server: str) -> No
 
 def test_streamed_events_in_order(server: str) -> None:
     body = {"model": "m", "max_tokens": 6, "stream": True, "messages": ASK}
-    r = httpx.post(f"{server}/v1/messages", json=body, timeout=60)
+    r = httpx.post(f"{server}/v1/messages", json=body, timeout=HANG_GUARD_S)
     kinds = [
         json.loads(line[len("data: ") :])["type"]
         for line in r.text.splitlines()

@@ -15,6 +15,8 @@ import httpx
 import pytest
 from lloyal.server import ServerConfig, create_app
 
+from tests._hang import HANG_GUARD_S
+
 pytestmark = pytest.mark.anyio
 
 N_CTX = 256
@@ -30,7 +32,9 @@ async def _server(model: Path, **kw: Any) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(ServerConfig(model_path=model, n_ctx=N_CTX, n_seq_max=3, **kw))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://x", timeout=300) as c:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://x", timeout=HANG_GUARD_S
+        ) as c:
             yield c
 
 

@@ -14,6 +14,7 @@ import openai
 import pytest
 from lloyal import fixtures
 
+from tests._hang import HANG_GUARD_S
 from tests.server_fuzz import start_server, stop_server
 from tests.test_media import picture, png
 
@@ -67,7 +68,7 @@ def test_an_image_in_a_chat_request(client: openai.OpenAI, server: str) -> None:
     assert used == plain.usage.prompt_tokens + 16
     # The same image again: the same reply (from the prefix cache now).
     assert reply(client, data_url(picture(1)))[0] == text
-    metrics = httpx.get(f"{server}/metrics").text
+    metrics = httpx.get(f"{server}/metrics", timeout=HANG_GUARD_S).text
     assert "lloyal_prefix_cache_saved_tokens_total" in metrics
     # Streamed, the same text.
     stream = client.chat.completions.create(
@@ -91,18 +92,18 @@ def test_an_image_in_a_chat_request(client: openai.OpenAI, server: str) -> None:
 )
 def test_bad_media_are_400s(server: str, part: dict[str, Any], says: str) -> None:
     body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 4}
-    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=HANG_GUARD_S)
     assert r.status_code == 400, r.text
     assert says in r.json()["error"]["message"]
     # The server goes on.
-    assert httpx.get(f"{server}/health").status_code == 200
+    assert httpx.get(f"{server}/health", timeout=HANG_GUARD_S).status_code == 200
 
 
 def test_a_server_without_a_projector_refuses_images() -> None:
     proc, url = start_server("--n-seq-max", "2", "--n-ctx", "512", "--no-prefix-cache")
     try:
         body = {"messages": ask(data_url(picture(2))), "max_tokens": 4}
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=HANG_GUARD_S)
         assert r.status_code == 400
         assert "--mmproj" in r.json()["error"]["message"]
     finally:

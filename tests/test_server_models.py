@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,13 +21,12 @@ from lloyal._serve_cli import _models
 from lloyal.server import ServerConfig, create_app
 from lloyal.server._models import Models
 
+from tests._hang import HANG_GUARD_S, deadline
 from tests.server_fuzz import metrics, start_server, stop_server
 
 pytestmark = pytest.mark.anyio
 
 ASK = [{"role": "user", "content": "Say hi."}]
-# A hang guard, not a timing: how long a test polls for what must happen.
-POLLS = 6000
 
 
 @pytest.fixture
@@ -45,7 +45,9 @@ async def _app(config: ServerConfig) -> AsyncIterator[tuple[httpx.AsyncClient, M
     app = create_app(config)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://x", timeout=120) as c:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://x", timeout=HANG_GUARD_S
+        ) as c:
             yield c, app.state.lloyal
 
 
@@ -58,7 +60,9 @@ async def _complete(c: httpx.AsyncClient, model: str | None) -> httpx.Response:
 
 
 async def _poll(condition: Any, why: str) -> None:
-    for _ in range(POLLS):
+    """Wait for what must happen (a hang guard, not a timing)."""
+    give_up = deadline()
+    while time.monotonic() < give_up:
         if condition():
             return
         await asyncio.sleep(0.01)

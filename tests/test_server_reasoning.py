@@ -14,6 +14,7 @@ import pytest
 from lloyal import fixtures
 from lloyal.server import ServerConfig, create_app
 
+from tests._hang import HANG_GUARD_S
 from tests.test_chat_families import THINKING_TEMPLATE
 
 pytestmark = pytest.mark.anyio
@@ -30,7 +31,9 @@ async def chat(config: ServerConfig, **body: Any) -> httpx.Response:
     app = create_app(config)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://x", timeout=120) as c:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://x", timeout=HANG_GUARD_S
+        ) as c:
             full = {"messages": ASK, "max_tokens": 24, "temperature": 0.0, **body}
             return await c.post("/v1/chat/completions", json=full)
 
@@ -86,7 +89,9 @@ async def test_anthropic_thinking_blocks_whole_and_streamed(smollm2: Path) -> No
     }
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://x", timeout=120) as c:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://x", timeout=HANG_GUARD_S
+        ) as c:
             whole = (await c.post("/v1/messages", json=body)).json()
             streamed = await c.post("/v1/messages", json={**body, "stream": True})
     kinds = [b["type"] for b in whole["content"]]

@@ -18,6 +18,8 @@ import httpx
 import pytest
 from lloyal.server import ServerConfig, create_app
 
+from tests._hang import HANG_GUARD_S
+
 pytestmark = [pytest.mark.anyio, pytest.mark.deterministic_first]
 
 ECHO = "Copy the list.\nList: apple, pear, plum, fig, kiwi, lime, date, yuzu.\nCopy: apple, pear,"
@@ -35,7 +37,9 @@ async def _server(model: Path, **kw: Any) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(config)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://x", timeout=120) as c:
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://x", timeout=HANG_GUARD_S
+        ) as c:
             yield c
 
 

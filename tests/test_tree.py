@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from lloyal import strategies
 
+from tests._hang import HANG_GUARD_S
 from tests.conftest import ROUTE_NOISE
 
 pytestmark = pytest.mark.anyio
@@ -80,7 +81,7 @@ async def test_a_cancelled_tree_gives_the_leaves_it_never_returned_back(smollm2:
         with pytest.raises(asyncio.CancelledError):
             await task
         # Hang guard only: the worker answers within milliseconds.
-        with anyio.fail_after(120):
+        with anyio.fail_after(HANG_GUARD_S):
             while root._busy or store.available != 3:  # noqa: ASYNC110 - polling the worker
                 await asyncio.sleep(0)
         assert root.position == base + 1
