@@ -20,6 +20,7 @@
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 extern "C" {
@@ -151,16 +152,20 @@ extern "C" fn run_owned(data: *mut c_void) {
     // every thread has left this function) before the box is dropped.
     let shared = unsafe { &*(data as *const Owned) };
     shared.run_items();
-    // Stay awake until the caller joins (or LINGER passes); reading the
-    // clock only every few thousand spins.
-    let until = std::time::Instant::now() + LINGER;
+    // Stay awake until the caller joins (or the linger passes: none while
+    // another context may want the cores); reading the clock only every
+    // few thousand spins, and yielding the core between them to any other
+    // runnable thread (on a busy machine the spin must not take the time
+    // slice another process or this one's own event loop needs).
+    let until = std::time::Instant::now() + linger();
     while !shared.joined.load(Ordering::Acquire) {
-        for _ in 0..2048 {
-            std::hint::spin_loop();
-        }
         if std::time::Instant::now() >= until {
             return;
         }
+        for _ in 0..2048 {
+            std::hint::spin_loop();
+        }
+        std::thread::yield_now();
     }
 }
 
@@ -250,6 +255,61 @@ impl Drop for Background {
     }
 }
 
+// -- how the contexts of one process share the CPU -----------------------------
+//
+// Between decodes a context keeps its OpenMP team awake for a moment
+// (`LINGER`), so that the next decode does not wait for its
+// threads to wake up (on the 2-core machine a decode of SmolLM2 takes 9
+// ms with the team awake and 23 ms when its threads must be woken). That
+// spinning takes cores from whatever else wants them. Another context of
+// the same process does, when both decode: the teams' spinning held each
+// other up (two contexts decoding at once reached 0.84-0.9x the tokens per
+// second of one alone). So while more than one CPU context is open the
+// team does not linger (`linger`); two contexts then reach 0.92-1.03x
+// (`bench/contention.py`). Making their decodes take turns instead (a
+// process-wide lock) was measured too, and was worse: 0.57-0.68x, each
+// decode finding its team asleep. The linger's spin also yields its core
+// between rounds to any other runnable thread (`run_owned`).
+//
+// The other half, the spin inside a decode (libgomp's wait at each of
+// the graph's barriers), is `GOMP_SPINCOUNT`, which the Python package
+// sets before libgomp starts (see `docs/performance.md`); a Rust program
+// sets it in its environment.
+
+/// Open contexts whose decodes run on the CPU.
+static CPU_CONTEXTS: AtomicUsize = AtomicUsize::new(0);
+
+/// A CPU context, counted while the value lives (its worker holds it).
+pub(crate) struct CpuContext(());
+
+impl CpuContext {
+    pub(crate) fn open() -> Self {
+        CPU_CONTEXTS.fetch_add(1, Ordering::AcqRel);
+        CpuContext(())
+    }
+}
+
+impl Drop for CpuContext {
+    fn drop(&mut self) {
+        CPU_CONTEXTS.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Whether more than one CPU context is open.
+pub(crate) fn shared() -> bool {
+    CPU_CONTEXTS.load(Ordering::Acquire) > 1
+}
+
+/// How long a team stays awake after a decode: [`LINGER`],
+/// or not at all while another CPU context may want the cores.
+pub(crate) fn linger() -> Duration {
+    if shared() {
+        Duration::ZERO
+    } else {
+        LINGER
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -298,5 +358,14 @@ mod tests {
             for_each(4, 2, &|i| assert_ne!(i, 2, "boom"));
         });
         assert!(result.is_err());
+    }
+
+    #[test]
+    fn a_second_cpu_context_stops_the_linger() {
+        let a = CpuContext::open();
+        let b = CpuContext::open();
+        assert!(shared());
+        assert_eq!(linger(), Duration::ZERO);
+        drop((a, b));
     }
 }

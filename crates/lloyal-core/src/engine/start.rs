@@ -183,6 +183,8 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         // token tree, `branch_prefill_tree`).
         batch: LlamaBatch::new(n_batch, params.n_seq_max as i32),
         n_batch,
+        cpu: (params.n_gpu_layers == 0 || !crate::backend::supports_gpu_offload())
+            .then(crate::omp::CpuContext::open),
         params,
         shared,
         logit_pool: Vec::new(),

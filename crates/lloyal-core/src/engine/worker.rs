@@ -51,6 +51,10 @@ pub(crate) struct Worker<'m> {
     pub(crate) adapters: crate::adapter::Adapters,
     /// `ctx`'s C pointer, for the adapter calls llama-cpp-2 lacks.
     pub(crate) raw_ctx: Option<crate::adapter::RawContext>,
+    /// Counted among the process's CPU contexts while it decodes on the
+    /// CPU (see `omp::CpuContext`); None for a context offloaded to a GPU. Only held.
+    #[allow(dead_code)]
+    pub(crate) cpu: Option<crate::omp::CpuContext>,
 }
 
 impl Worker<'_> {
@@ -74,6 +78,9 @@ impl Worker<'_> {
     /// decode whose caller will soon decode again (see `omp::LINGER`).
     pub(crate) fn keep_team_awake(&mut self) {
         self.finish_background();
+        if crate::omp::linger().is_zero() {
+            return; // another context may want the cores: let the team sleep
+        }
         let threads = self.params.effective_threads();
         self.background = Some(crate::omp::Background::start(0, threads, Box::new(|_| {})));
     }
