@@ -18,9 +18,9 @@ import openai
 import pytest
 from lloyal import fixtures
 from lloyal.infill import NoFimError, fim_prompt
-from lloyal.server import ServerConfig, create_app
+from lloyal.server import ServerConfig
 
-from tests._hang import HANG_GUARD_S
+from tests._asgi import in_process
 
 pytestmark = pytest.mark.anyio
 
@@ -94,13 +94,10 @@ async def test_models_without_fim_tokens_are_refused(model: Path) -> None:
 
 @contextlib.asynccontextmanager
 async def _server(model: Path) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(ServerConfig(model_path=model, n_ctx=1024, n_seq_max=2, deterministic=True))
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://x", timeout=HANG_GUARD_S
-        ) as c:
-            yield c
+    async with in_process(
+        ServerConfig(model_path=model, n_ctx=1024, n_seq_max=2, deterministic=True)
+    ) as (c, _):
+        yield c
 
 
 def _events(text: str) -> list[dict[str, Any]]:

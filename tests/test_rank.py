@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import lloyal
 import numpy as np
 import pytest
 from lloyal import fixtures
-from lloyal.server import ServerConfig, create_app
+from lloyal.server import ServerConfig
 
-from tests._hang import HANG_GUARD_S
+from tests._asgi import in_process
 
 pytestmark = pytest.mark.anyio
 
@@ -74,24 +73,19 @@ async def test_rank_needs_a_reranker(model: Path) -> None:
 @pytest.mark.deterministic_first
 async def test_the_server_reranks_with_a_rerankers_scores(reranker: Path) -> None:
     config = ServerConfig(model_path=reranker, n_ctx=1024, n_seq_max=2, deterministic=True)
-    app = create_app(config)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://x", timeout=HANG_GUARD_S
-        ) as c:
-            body = {"query": QUERY, "documents": DOCS, "return_documents": True}
-            r = (await c.post("/v1/rerank", json=body)).json()
-            scores = [x["relevance_score"] for x in r["results"]]
-            assert scores == sorted(scores, reverse=True)
-            assert all(0 < s < 1 for s in scores)
-            assert sorted(x["index"] for x in r["results"]) == [0, 1, 2]
-            async with await lloyal.create_context(
-                reranker, embeddings=True, pooling="rank", n_seq_max=4, deterministic=True
-            ) as ctx:
-                mine = await lloyal.Rerank(ctx).score(QUERY, DOCS)
-            for x in r["results"]:
-                assert x["relevance_score"] == float(mine[x["index"]])
-            e = await c.post("/v1/embeddings", json={"input": "hi"})
-            assert e.status_code == 404
-            assert "reranker" in e.json()["error"]["message"]
+    async with in_process(config) as (c, _):
+        body = {"query": QUERY, "documents": DOCS, "return_documents": True}
+        r = (await c.post("/v1/rerank", json=body)).json()
+        scores = [x["relevance_score"] for x in r["results"]]
+        assert scores == sorted(scores, reverse=True)
+        assert all(0 < s < 1 for s in scores)
+        assert sorted(x["index"] for x in r["results"]) == [0, 1, 2]
+        async with await lloyal.create_context(
+            reranker, embeddings=True, pooling="rank", n_seq_max=4, deterministic=True
+        ) as ctx:
+            mine = await lloyal.Rerank(ctx).score(QUERY, DOCS)
+        for x in r["results"]:
+            assert x["relevance_score"] == float(mine[x["index"]])
+        e = await c.post("/v1/embeddings", json={"input": "hi"})
+        assert e.status_code == 404
+        assert "reranker" in e.json()["error"]["message"]

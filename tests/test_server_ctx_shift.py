@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-from lloyal.server import ServerConfig, create_app
+from lloyal.server import ServerConfig
 
-from tests._hang import HANG_GUARD_S
+from tests._asgi import in_process
 
 pytestmark = pytest.mark.anyio
 
@@ -29,13 +29,8 @@ def anyio_backend() -> str:
 
 @contextlib.asynccontextmanager
 async def _server(model: Path, **kw: Any) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(ServerConfig(model_path=model, n_ctx=N_CTX, n_seq_max=3, **kw))
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://x", timeout=HANG_GUARD_S
-        ) as c:
-            yield c
+    async with in_process(ServerConfig(model_path=model, n_ctx=N_CTX, n_seq_max=3, **kw)) as (c, _):
+        yield c
 
 
 async def _shifts(c: httpx.AsyncClient) -> float:

@@ -18,10 +18,11 @@ import httpx
 import openai
 import pytest
 from lloyal._serve_cli import _models
-from lloyal.server import ServerConfig, create_app
+from lloyal.server import ServerConfig
 from lloyal.server._models import Models
 
-from tests._hang import HANG_GUARD_S, deadline
+from tests._asgi import in_process
+from tests._hang import deadline
 from tests.server_fuzz import metrics, start_server, stop_server
 
 pytestmark = pytest.mark.anyio
@@ -42,13 +43,8 @@ def _config(smollm2: Path, gemma3: Path, **kw: Any) -> ServerConfig:
 
 @contextlib.asynccontextmanager
 async def _app(config: ServerConfig) -> AsyncIterator[tuple[httpx.AsyncClient, Models]]:
-    app = create_app(config)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://x", timeout=HANG_GUARD_S
-        ) as c:
-            yield c, app.state.lloyal
+    async with in_process(config) as (c, app):
+        yield c, app.state.lloyal
 
 
 async def _complete(c: httpx.AsyncClient, model: str | None) -> httpx.Response:

@@ -14,6 +14,7 @@ import pytest
 from lloyal import fixtures
 from lloyal.server import ServerConfig, create_app
 
+from tests._asgi import in_process
 from tests._hang import HANG_GUARD_S
 from tests.test_chat_families import THINKING_TEMPLATE
 
@@ -28,14 +29,9 @@ def anyio_backend() -> str:
 
 
 async def chat(config: ServerConfig, **body: Any) -> httpx.Response:
-    app = create_app(config)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://x", timeout=HANG_GUARD_S
-        ) as c:
-            full = {"messages": ASK, "max_tokens": 24, "temperature": 0.0, **body}
-            return await c.post("/v1/chat/completions", json=full)
+    async with in_process(config) as (c, _):
+        full = {"messages": ASK, "max_tokens": 24, "temperature": 0.0, **body}
+        return await c.post("/v1/chat/completions", json=full)
 
 
 async def test_a_reasoning_budget_cuts_the_thinking(smollm2: Path) -> None:

@@ -16,9 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
-from lloyal.server import ServerConfig, create_app
+from lloyal.server import ServerConfig
 
-from tests._hang import HANG_GUARD_S
+from tests._asgi import in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.deterministic_first]
 
@@ -34,13 +34,8 @@ def anyio_backend() -> str:
 @contextlib.asynccontextmanager
 async def _server(model: Path, **kw: Any) -> AsyncIterator[httpx.AsyncClient]:
     config = ServerConfig(model_path=model, n_ctx=1024, n_seq_max=4, deterministic=True, **kw)
-    app = create_app(config)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://x", timeout=HANG_GUARD_S
-        ) as c:
-            yield c
+    async with in_process(config) as (c, _):
+        yield c
 
 
 async def _complete(c: httpx.AsyncClient, prompt: str, **body: Any) -> dict[str, Any]:
