@@ -40,6 +40,7 @@ async def test_a_rank_context_scores_pairs(reranker: Path) -> None:
         reranker, embeddings=True, pooling="rank", n_seq_max=4, deterministic=True
     ) as ctx:
         assert ctx.ranks
+        assert ctx.is_reranker
         assert not ctx.has_pooling
         assert ctx.embedding_dim == 2
         rerank = lloyal.Rerank(ctx)
@@ -63,6 +64,7 @@ async def test_a_rank_context_scores_pairs(reranker: Path) -> None:
 
 async def test_rank_needs_a_reranker(model: Path) -> None:
     async with await lloyal.create_context(model, n_seq_max=2) as ctx:
+        assert not ctx.is_reranker
         with pytest.raises(ValueError, match="rank method"):
             lloyal.Rerank(ctx, method="rank")
     async with await lloyal.create_context(model, embeddings=True, pooling="rank") as ctx:

@@ -692,6 +692,12 @@ class Context:
         return bool(self._native.has_pooling())
 
     @property
+    def is_reranker(self) -> bool:
+        """Whether the model's GGUF declares a reranker (rank pooling and a
+        classification head): what ``pooling="rank"`` needs."""
+        return bool(self._native.is_reranker())
+
+    @property
     def ranks(self) -> bool:
         """Whether this is a reranker's context (``embeddings=True,
         pooling="rank"`` on a model with a classification head): each input

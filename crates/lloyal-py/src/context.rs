@@ -215,6 +215,11 @@ impl PyContext {
         Ok(d)
     }
 
+    /// Whether the GGUF declares a reranker (what rank pooling needs).
+    fn is_reranker(&self) -> bool {
+        self.inner.model().is_reranker()
+    }
+
     fn meta(&self, key: &str) -> Option<String> {
         self.inner.model().meta(key)
     }

@@ -341,6 +341,9 @@ class Engine:
             batch = [(c, t) for c, t in batch if await self._shift(c)]
         if not batch:
             return
+        if all(c.drafts is None for c, _ in batch):  # the usual step: no speculation
+            await self._commit(batch)
+            return
         n_ctx = self.ctx.n_ctx
         plain: list[tuple[Choice, int]] = []
         drafted: list[tuple[Choice, int, list[int]]] = []

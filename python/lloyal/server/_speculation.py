@@ -34,7 +34,7 @@ from lloyal.errors import NoLeaseError
 from lloyal.grammar import Grammar
 from lloyal.sampling import GREEDY
 from lloyal.server._protocol import Generation
-from lloyal.strategies import PromptLookup, _same_vocabulary
+from lloyal.strategies import PromptLookup, _common_prefix, _same_vocabulary
 
 
 def speculates(gen: Generation, grammar: Grammar | None, budget: bool, default_k: int) -> int:
@@ -122,11 +122,7 @@ class ModelDrafts(Drafts):
                 self.branch = Branch.create(self.draft, GREEDY)
             except NoLeaseError:
                 return []  # the draft context is full: no drafts this round
-        common = 0
-        for a, b in zip(self.held, history, strict=False):
-            if a != b:
-                break
-            common += 1
+        common = _common_prefix(self.held, history)
         # Decode at least the last token again: its logits start the draft.
         keep = min(common, len(history) - 1)
         if keep < len(self.held):

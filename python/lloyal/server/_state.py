@@ -134,10 +134,9 @@ class State:
         )
         self.name = config.model_name or ctx.model_info.name or "lloyal"
         self._embedder: Context | None = None
-        # A reranker's GGUF says so (pooling type 4, rank): its pooling
-        # context scores query-document pairs rather than embedding.
-        arch = ctx.model_info.architecture
-        self.reranker = ctx.metadata(f"{arch}.pooling_type") == "4"
+        # A reranker's pooling context scores query-document pairs rather
+        # than embedding.
+        self.reranker = ctx.is_reranker
         self._embed_lock = asyncio.Lock()
 
     def token_info(self, token: int) -> tuple[str, list[int]]:

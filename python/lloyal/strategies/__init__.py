@@ -56,6 +56,7 @@ from lloyal.strategies._generate import Generated, generate
 from lloyal.strategies._mcts import MCTS, mcts
 from lloyal.strategies._speculative import PromptLookup, Speculative, speculative_decode
 from lloyal.strategies._speculative import _add_siblings as _add_siblings
+from lloyal.strategies._speculative import _common_prefix as _common_prefix
 from lloyal.strategies._speculative import _keep_path as _keep_path
 from lloyal.strategies._speculative import _ModelDrafter as _ModelDrafter
 from lloyal.strategies._speculative import _same_vocabulary as _same_vocabulary

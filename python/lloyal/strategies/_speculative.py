@@ -128,11 +128,7 @@ class _ModelDrafter:
         """Up to ``k`` drafts and, above temperature 0 or with ``want_probs``,
         the distribution each came from."""
         ctx = self.ctx
-        common = 0
-        for a, b in zip(self.kv, history, strict=False):
-            if a != b:
-                break
-            common += 1
+        common = _common_prefix(self.kv, history)
         # Re-decode at least the last token: its logits start the draft.
         keep = min(common, len(history) - 1)
         if keep < len(self.kv):
@@ -155,6 +151,20 @@ class _ModelDrafter:
             await ctx.decode([t], len(self.kv))
             self.kv.append(t)
         return tokens, probs
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share.
+
+    >>> _common_prefix([1, 2, 3], [1, 2, 4, 5])
+    2
+    """
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _same_vocabulary(a: Context, b: Context) -> bool:
