@@ -51,7 +51,10 @@ async def test_event_loop_keeps_running_during_decode(smollm2: Path) -> None:
             tg.start_soon(ticker)
             await ctx.decode(prompt, 0)
             done.set()
-        assert ticks > 3
+        # Not a speed check: a decode that blocked the loop would let the
+        # ticker run at most once; a busier machine makes the decode longer
+        # and gives the ticker more turns, never fewer.
+        assert ticks >= 2
 
 
 async def test_cancelled_wait_leaves_a_consistent_context(smollm2: Path) -> None:

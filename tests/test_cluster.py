@@ -480,7 +480,12 @@ NO_EOS = {t: -100.0 for t in range(3)}
 
 async def _kill_when(worker: Any, decodes: int) -> None:
     """Kill ``worker``'s actor once it has made ``decodes`` decodes (or at
-    the hang guard, tests/_hang.py: the test then fails on what it sees)."""
+    the hang guard, tests/_hang.py: the test then fails on what it sees).
+
+    Not a race against the clock: the callers kill a few decodes into runs
+    of 40-48 decodes, and each poll is one round trip to the actor, which
+    answers between its decodes, so the poll falls dozens of decodes short
+    of the end on a machine of any speed or load."""
     give_up = deadline()
     while time.monotonic() < give_up:
         if (await worker.call("stats"))["decode_calls"] >= decodes:

@@ -461,7 +461,10 @@ def test_a_template_renders_without_holding_the_gil(shared_ctx: lloyal.Context) 
     finally:
         done.set()
         worker.join()
-    assert ticks >= 10  # the render takes ~0.5 s; the GIL-bound version gave 0-1
+    # Not a speed check: the GIL-bound version gave 0-1 ticks. The render
+    # spends a fixed amount of fuel (~0.5 s idle), and a busy machine slows
+    # it as much as the ticking thread, so a few ticks always fit.
+    assert ticks >= 3
 
 
 # -- grammars: bounded translation and compilation ---------------------------
