@@ -24,7 +24,11 @@
 # CUDA=1 (also build llama.cpp's CUDA backend as one more run-time module,
 # libggml-cuda.so; needs the CUDA toolkit; CMAKE_CUDA_ARCHITECTURES picks the
 # GPUs. The CUDA runtime libraries are not bundled: they come from the
-# machine's CUDA install, see docs/gpu.md).
+# machine's CUDA install, see docs/gpu.md),
+# VULKAN=1 (also build llama.cpp's Vulkan backend, libggml-vulkan.so, with
+# scripts/build_vulkan_module.sh; the Vulkan loader, libvulkan.so.1, and the
+# GPU's driver come from the machine, and where they are missing llama.cpp
+# skips the module).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -66,9 +70,15 @@ if [ "${CUDA:-0}" = 1 ]; then
         EXCLUDE+=(--exclude "$lib")
     done
 fi
+MODULES=()
+if [ "${VULKAN:-0}" = 1 ]; then
+    scripts/build_vulkan_module.sh "$raw/modules"
+    MODULES+=("$raw/modules/libggml-vulkan.so")
+    EXCLUDE+=(--exclude libvulkan.so.1)
+fi
 maturin build --features "$FEATURES" --auditwheel skip -o "$raw" \
     ${CARGO_BUILD_TARGET:+--target "$CARGO_BUILD_TARGET"}
-python3 scripts/bundle_ggml_libs.py "$raw"/lloyal*.whl "$CARGO_TARGET_DIR"
+python3 scripts/bundle_ggml_libs.py "$raw"/lloyal*.whl "$CARGO_TARGET_DIR" "${MODULES[@]}"
 mkdir -p "$DIST"
 rm -f "$DIST"/lloyal*_"$ARCH".whl
 auditwheel repair ${PLAT:+--plat "$PLAT"} "${EXCLUDE[@]}" -w "$DIST" "$raw"/lloyal*.whl

@@ -10,7 +10,11 @@ them in llama-cpp-sys-2's build output and adds them under ``lloyal/``, each
 library under the name the extension asks for (its soname), and rewrites the
 wheel's RECORD.
 
-    python scripts/bundle_ggml_libs.py dist-dl/lloyal-*.whl $CARGO_TARGET_DIR
+    python scripts/bundle_ggml_libs.py dist-dl/lloyal-*.whl $CARGO_TARGET_DIR [MODULE.so ...]
+
+Further arguments are backend modules built apart from the wheel from the
+same source (``libggml-vulkan.so`` from scripts/build_vulkan_module.sh),
+added the same way.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ def sys_out_dir(target_dir: str) -> str:
 
 
 def main() -> None:
-    wheel, target_dir = sys.argv[1], sys.argv[2]
+    wheel, target_dir, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
     out = sys_out_dir(target_dir)
     search = [os.path.join(out, "lib"), os.path.join(out, "lib64"), os.path.join(out, "build")]
     built = glob.glob(os.path.join(out, "build", "**", "*.so*"), recursive=True)
@@ -78,6 +82,8 @@ def main() -> None:
         libs[soname] = path
         todo += needed(path)
     for mod in sorted(glob.glob(os.path.join(out, "backends", "libggml-*.so"))):
+        libs[os.path.basename(mod)] = os.path.realpath(mod)
+    for mod in extra:
         libs[os.path.basename(mod)] = os.path.realpath(mod)
     print(f"bundling from {out}:", *sorted(libs), sep="\n  ")
 

@@ -114,3 +114,34 @@ def test_a_loop_without_add_reader_is_handed_results_by_callback(smollm2: Path) 
         loop.close()
     assert len(flat) == 1
     assert len(branch) == 3
+
+
+async def test_auto_gpu_layers_offload_none_without_a_gpu(model: Path) -> None:
+    """``n_gpu_layers="auto"`` (the default) costs nothing and offloads
+    nothing where there is no GPU; explicit values are kept as given. (With
+    a GPU: tests/test_vulkan.py.)"""
+    if lloyal.supports_gpu_offload():
+        pytest.skip("this build has a GPU device: tests/test_vulkan.py covers auto there")
+    assert lloyal.fit_gpu_layers(model, n_ctx=256) == 0
+    async with await lloyal.create_context(model, n_ctx=256) as ctx:
+        assert ctx.n_gpu_layers == 0
+    for given in (-1, 0, 7):
+        async with await lloyal.create_context(model, n_ctx=256, n_gpu_layers=given) as ctx:
+            assert ctx.n_gpu_layers == given
+
+
+async def test_bad_gpu_layer_options_are_refused(model: Path) -> None:
+    bad: list[tuple[dict[str, object], type[Exception]]] = [
+        ({"n_gpu_layers": -2}, ValueError),
+        ({"n_gpu_layers": "all"}, ValueError),
+        ({"n_gpu_layers": 1.5}, TypeError),
+        ({"fit_margin": -1}, ValueError),
+        ({"fit_margin": "1G"}, TypeError),
+    ]
+    for kwargs, error in bad:
+        with pytest.raises(error):
+            await lloyal.create_context(model, n_ctx=256, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fit_margin"):
+        lloyal.fit_gpu_layers(model, fit_margin=-1)
+    with pytest.raises(FileNotFoundError):
+        lloyal.fit_gpu_layers(model.with_name("missing.gguf"))

@@ -171,3 +171,5 @@ def test_info_prints_the_build_and_the_model(smollm2: Path) -> None:
     assert re.search(rf"^cpu variant\s+{re.escape(info.cpu_variant or '-')}$", result.stdout, re.M)
     assert re.search(r"^architecture\s+llama$", result.stdout, re.M)
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in result.stdout
+    if not info.gpu_backends:
+        assert re.search(r"^gpu layers \(auto\)\s+0 \(no GPU\)$", result.stdout, re.M)

@@ -36,6 +36,7 @@ from lloyal.context import (
     ContextStats,
     ModelInfo,
     create_context,
+    fit_gpu_layers,
 )
 from lloyal.errors import (
     AdapterLoadError,
@@ -121,6 +122,7 @@ __all__ = [
     "WorkerLostError",
     "backend_info",
     "create_context",
+    "fit_gpu_layers",
     "json_schema_to_grammar",
     "parse_chat_output",
     "supports_gpu_offload",

@@ -39,6 +39,7 @@ __all__ = [
     "__version__",
     "backend_info",
     "builtin_chat_templates",
+    "fit_gpu_layers",
     "join_workers",
     "json_schema_to_grammar",
     "supports_gpu_offload",
@@ -207,7 +208,8 @@ class NativeContext:
         pooling: str,
         type_k: str | None,
         type_v: str | None,
-        n_gpu_layers: int,
+        n_gpu_layers: int | None,
+        fit_margin: int | None,
         deterministic: bool = False,
     ) -> None: ...
     def decode(
@@ -243,6 +245,8 @@ class NativeContext:
     def n_batch(self) -> int: ...
     @property
     def n_seq_max(self) -> int: ...
+    @property
+    def n_gpu_layers(self) -> int: ...
     @property
     def n_threads(self) -> int: ...
     @property
@@ -331,6 +335,19 @@ class NativeContext:
 def validate_chat_template(source: str) -> bool: ...
 def builtin_chat_templates() -> list[str]: ...
 def supports_gpu_offload() -> bool: ...
+def fit_gpu_layers(
+    model_path: str,
+    *,
+    n_ctx: int,
+    n_batch: int,
+    n_seq_max: int,
+    embeddings: bool,
+    pooling: str,
+    type_k: str | None,
+    type_v: str | None,
+    fit_margin: int | None,
+    deterministic: bool = False,
+) -> int: ...
 def backend_info() -> dict[str, Any]: ...
 def join_workers() -> None: ...
 def json_schema_to_grammar(schema: str) -> str: ...

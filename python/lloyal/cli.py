@@ -398,9 +398,20 @@ async def _info(args: argparse.Namespace) -> int:
                 "chat template": "yes" if info.has_chat_template else "no (base model)",
                 "eog token": f"{ctx.eog_token} {eog_text!r}",
                 "memory at n_ctx": f"{ctx.memory_size / 2**20:.1f} MiB (n_ctx={ctx.n_ctx})",
+                "gpu layers (auto)": _gpu_layers_text(ctx.n_gpu_layers, info.n_layer, gpus),
             }
         )
     return 0
+
+
+def _gpu_layers_text(n_gpu_layers: int, n_layer: int, gpus: list[str]) -> str:
+    """What ``n_gpu_layers="auto"`` chose, in words. llama.cpp counts the
+    output layer as one more layer to offload."""
+    if not gpus:
+        return "0 (no GPU)"
+    if n_gpu_layers < 0 or n_gpu_layers > n_layer:
+        return f"all {n_layer + 1} (with the output layer)"
+    return f"{n_gpu_layers} of {n_layer + 1} (what fits the free memory)"
 
 
 _MODEL_HELP = (

@@ -243,6 +243,12 @@ class Context:
         return int(self._native.n_seq_max)
 
     @property
+    def n_gpu_layers(self) -> int:
+        """The layers on the GPU: ``n_gpu_layers="auto"`` resolved, ``-1``
+        for every layer, ``0`` for none (always ``0`` without a GPU)."""
+        return int(self._native.n_gpu_layers)
+
+    @property
     def n_threads(self) -> int:
         return int(self._native.n_threads)
 
@@ -892,7 +898,8 @@ async def create_context(
     pooling: Pooling = "mean",
     type_k: KVType | None = None,
     type_v: KVType | None = None,
-    n_gpu_layers: int = -1,
+    n_gpu_layers: int | Literal["auto"] = "auto",
+    fit_margin: int | None = None,
     deterministic: bool = False,
     mmproj: str | os.PathLike[str] | None = None,
 ) -> Context:
@@ -913,6 +920,14 @@ async def create_context(
     ``GGML_CPU_TILED_MM=0`` for the whole process, so it must come before
     any other context of the process decodes (or the variable must be set
     at start).
+
+    ``n_gpu_layers``: ``"auto"`` (the default) offloads as many layers as
+    fit the GPU's free memory, with this context's KV cache and compute
+    buffers counted and ``fit_margin`` bytes (default 1 GiB) left free, as
+    ``llama-server --fit`` chooses (:func:`fit_gpu_layers` says what it
+    picks); with no GPU it offloads none, at no cost. ``-1`` offloads every
+    layer, ``0`` none, ``n`` the last ``n``. :attr:`Context.n_gpu_layers`
+    has the value used. ``docs/gpu.md``.
 
     ``mmproj``: a projector for images and audio (see :mod:`lloyal.media`
     and :meth:`Context.load_projector`).
@@ -935,7 +950,11 @@ async def create_context(
         _check.integer(value, name)
     if n_threads is not None:
         _check.integer(n_threads, "n_threads")
-    _check.integer(n_gpu_layers, "n_gpu_layers")
+    layers = _gpu_layers(n_gpu_layers)
+    if fit_margin is not None:
+        _check.integer(fit_margin, "fit_margin")
+        if fit_margin < 0:
+            raise ValueError(f"fit_margin must be >= 0 bytes, got {fit_margin}")
     _check.instance(embeddings, bool, "embeddings", "a bool")
     _check.instance(deterministic, bool, "deterministic", "a bool")
     if n_threads is not None and n_threads < 1:
@@ -956,7 +975,8 @@ async def create_context(
             pooling=pooling,
             type_k=type_k,
             type_v=type_v,
-            n_gpu_layers=n_gpu_layers,
+            n_gpu_layers=layers,
+            fit_margin=fit_margin,
             deterministic=deterministic,
         )
     )
@@ -981,3 +1001,69 @@ async def create_context(
 
 BUILTIN_CHAT_TEMPLATES: tuple[str, ...] = tuple(_lloyal.builtin_chat_templates())
 """Names accepted by ``format_chat(template=...)`` besides Jinja source."""
+
+
+def _gpu_layers(n_gpu_layers: object) -> int | None:
+    """``n_gpu_layers`` for the engine: ``None`` for ``"auto"``."""
+    if n_gpu_layers == "auto":
+        return None
+    if isinstance(n_gpu_layers, str):
+        raise ValueError(f'n_gpu_layers must be "auto", -1 or a count >= 0, got {n_gpu_layers!r}')
+    _check.integer(n_gpu_layers, "n_gpu_layers")
+    assert isinstance(n_gpu_layers, int)
+    if n_gpu_layers < -1:
+        raise ValueError(f"n_gpu_layers must be >= -1, got {n_gpu_layers}")
+    return n_gpu_layers
+
+
+def fit_gpu_layers(
+    model_path: str | os.PathLike[str],
+    *,
+    n_ctx: int = 2048,
+    n_batch: int = 512,
+    n_seq_max: int = 1,
+    embeddings: bool = False,
+    pooling: Pooling = "mean",
+    type_k: KVType | None = None,
+    type_v: KVType | None = None,
+    fit_margin: int | None = None,
+    deterministic: bool = False,
+) -> int:
+    """What ``n_gpu_layers="auto"`` would offload for this model and a
+    context with these options: ``-1`` every layer, else a count (``0``
+    without a GPU). It runs llama.cpp's parameter fitting, which reads the
+    model file and measures its buffers without allocating them: it blocks
+    for a fraction of a model load (call it through ``asyncio.to_thread``
+    inside a loop). ``lloyal info --model`` prints it.
+
+    >>> import lloyal
+    >>> lloyal.fit_gpu_layers(MODEL) if not lloyal.supports_gpu_offload() else 0
+    0
+    """
+    path = os.fspath(model_path)
+    if not isinstance(path, str):
+        raise TypeError("model_path must be a str or os.PathLike[str]")
+    if not os.path.exists(path):
+        raise FileNotFoundError(path)
+    for name, value in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_seq_max", n_seq_max)):
+        _check.integer(value, name)
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if fit_margin is not None:
+        _check.integer(fit_margin, "fit_margin")
+        if fit_margin < 0:
+            raise ValueError(f"fit_margin must be >= 0 bytes, got {fit_margin}")
+    return int(
+        _lloyal.fit_gpu_layers(
+            path,
+            n_ctx=n_ctx,
+            n_batch=n_batch,
+            n_seq_max=n_seq_max,
+            embeddings=embeddings,
+            pooling=pooling,
+            type_k=type_k,
+            type_v=type_v,
+            fit_margin=fit_margin,
+            deterministic=deterministic,
+        )
+    )

@@ -59,6 +59,7 @@ pub mod chat;
 pub mod embed;
 pub mod engine;
 pub mod error;
+mod fit;
 pub mod flat;
 pub mod gbnf;
 pub mod gguf;
@@ -109,6 +110,7 @@ pub use engine::{
     StepInput, WORKER_THREAD_NAME,
 };
 pub use error::{Error, Result};
+pub use fit::fit_gpu_layers;
 pub use grammar::{json_schema_to_grammar, Grammar, GrammarSpec};
 pub use metrics::{Base, PerplexityTracker};
 pub use model::{FimTokens, Model, ModelInfo};

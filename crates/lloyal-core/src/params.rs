@@ -149,6 +149,41 @@ pub const MAX_THREADS: u32 = 512;
 /// also pads `n_ctx` up in 32-bit arithmetic. Memory runs out long before.
 pub const MAX_N_CTX: u32 = 1 << 30;
 
+/// The margin [`GpuLayers::Auto`] leaves free on each device by default:
+/// llama.cpp's own default for `--fit-target` (1 GiB).
+pub const DEFAULT_FIT_MARGIN: u64 = 1 << 30;
+
+/// How many of a model's layers are offloaded to the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuLayers {
+    /// As many as fit the free memory of the devices, with the context's
+    /// KV cache and compute buffers counted, as llama.cpp's `--fit` chooses
+    /// them (`crate::fit`). No GPU: none, at no cost.
+    #[default]
+    Auto,
+    /// Every layer the build can offload (none on a CPU-only build).
+    All,
+    /// This many layers (the last ones; `0` offloads none).
+    Count(u32),
+}
+
+impl GpuLayers {
+    /// llama.cpp's `n_gpu_layers` for a resolved value: `-1` for every
+    /// layer. `Auto` must be resolved first (`crate::fit`); it maps to `-1`,
+    /// llama.cpp's own default.
+    pub fn to_llama(self) -> i32 {
+        match self {
+            GpuLayers::Auto | GpuLayers::All => -1,
+            GpuLayers::Count(n) => i32::try_from(n).unwrap_or(i32::MAX),
+        }
+    }
+
+    /// Whether any layer may go to a GPU.
+    pub fn offloads(self) -> bool {
+        self != GpuLayers::Count(0)
+    }
+}
+
 /// Everything `create_context` accepts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ContextParams {
@@ -161,8 +196,12 @@ pub struct ContextParams {
     pub pooling: Pooling,
     pub type_k: KvType,
     pub type_v: KvType,
-    /// `-1` offloads all layers the build can, `0` none.
-    pub n_gpu_layers: i32,
+    /// How many layers go to the GPU: fitted to free device memory by
+    /// llama.cpp ([`GpuLayers::Auto`], the default), every layer, or a count.
+    pub n_gpu_layers: GpuLayers,
+    /// With [`GpuLayers::Auto`]: bytes to leave free on each device (llama.cpp's
+    /// `--fit-target`; 1 GiB by default).
+    pub fit_margin: u64,
     /// Batch-invariant logits on the CPU backend (docs/determinism.md):
     /// weights in file layout (no repacking), K-quant matmuls on the
     /// dot-product path (`GGML_CPU_TILED_MM=0`, process-wide) and a
@@ -181,7 +220,8 @@ impl Default for ContextParams {
             pooling: Pooling::Mean,
             type_k: KvType::F16,
             type_v: KvType::F16,
-            n_gpu_layers: -1,
+            n_gpu_layers: GpuLayers::Auto,
+            fit_margin: DEFAULT_FIT_MARGIN,
             deterministic: false,
         }
     }
@@ -234,12 +274,6 @@ impl ContextParams {
                  by batch size; got type_k={}, type_v={}",
                 self.type_k.name(),
                 self.type_v.name()
-            )));
-        }
-        if self.n_gpu_layers < -1 {
-            return Err(invalid(format!(
-                "n_gpu_layers must be >= -1, got {}",
-                self.n_gpu_layers
             )));
         }
         Ok(())

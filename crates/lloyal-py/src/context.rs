@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use lloyal_core::params::GpuLayers;
 use lloyal_core::{chat, Base, Context, ContextParams, KvType, Pooling};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -70,7 +71,7 @@ impl PyContext {
     /// call ``done(error, context)`` from that thread.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (model_path, done, *, n_ctx, n_batch, n_seq_max, n_threads, embeddings, pooling, type_k, type_v, n_gpu_layers, deterministic=false))]
+    #[pyo3(signature = (model_path, done, *, n_ctx, n_batch, n_seq_max, n_threads, embeddings, pooling, type_k, type_v, n_gpu_layers, fit_margin, deterministic=false))]
     fn open(
         model_path: PathBuf,
         done: Py<PyAny>,
@@ -82,25 +83,22 @@ impl PyContext {
         pooling: &str,
         type_k: Option<&str>,
         type_v: Option<&str>,
-        n_gpu_layers: i32,
+        n_gpu_layers: Option<i64>,
+        fit_margin: Option<u64>,
         deterministic: bool,
     ) -> PyResult<()> {
-        let kv = |name: Option<&str>| -> PyResult<KvType> {
-            name.map_or(Ok(KvType::default_for(deterministic)), parse::<KvType>)
-        };
-        let params = ContextParams {
+        let params = context_params(
             n_ctx,
             n_batch,
             n_seq_max,
             n_threads,
             embeddings,
-            pooling: parse::<Pooling>(pooling)?,
-            type_k: kv(type_k)?,
-            type_v: kv(type_v)?,
+            pooling,
+            [type_k, type_v],
             n_gpu_layers,
+            fit_margin,
             deterministic,
-        };
-        params.validate().py_err()?;
+        )?;
         Context::open(model_path, params, py_reply(done, wrap_context));
         Ok(())
     }
@@ -145,6 +143,13 @@ impl PyContext {
     #[getter]
     fn n_batch(&self) -> u32 {
         self.inner.params().n_batch
+    }
+
+    /// The layers offloaded to the GPU, ``n_gpu_layers="auto"`` resolved:
+    /// ``-1`` every layer, ``0`` none.
+    #[getter]
+    fn n_gpu_layers(&self) -> i32 {
+        self.inner.params().n_gpu_layers.to_llama()
     }
 
     #[getter]
@@ -383,6 +388,85 @@ pub fn builtin_chat_templates() -> Vec<&'static str> {
 #[pyfunction]
 pub fn join_workers(py: Python<'_>) {
     py.detach(lloyal_core::join_workers);
+}
+
+/// ``ContextParams`` from ``create_context``'s arguments, validated.
+/// ``n_gpu_layers``: ``None`` fits (auto), ``-1`` every layer, else a count.
+#[allow(clippy::too_many_arguments)]
+fn context_params(
+    n_ctx: u32,
+    n_batch: u32,
+    n_seq_max: u32,
+    n_threads: Option<u32>,
+    embeddings: bool,
+    pooling: &str,
+    [type_k, type_v]: [Option<&str>; 2],
+    n_gpu_layers: Option<i64>,
+    fit_margin: Option<u64>,
+    deterministic: bool,
+) -> PyResult<ContextParams> {
+    let kv = |name: Option<&str>| -> PyResult<KvType> {
+        name.map_or(Ok(KvType::default_for(deterministic)), parse::<KvType>)
+    };
+    let n_gpu_layers = match n_gpu_layers {
+        None => GpuLayers::Auto,
+        Some(-1) => GpuLayers::All,
+        Some(n) => GpuLayers::Count(u32::try_from(n).map_err(|_| {
+            pyo3::exceptions::PyValueError::new_err(format!(
+                "n_gpu_layers must be \"auto\", -1 (every layer) or a count >= 0, got {n}"
+            ))
+        })?),
+    };
+    let params = ContextParams {
+        n_ctx,
+        n_batch,
+        n_seq_max,
+        n_threads,
+        embeddings,
+        pooling: parse::<Pooling>(pooling)?,
+        type_k: kv(type_k)?,
+        type_v: kv(type_v)?,
+        n_gpu_layers,
+        fit_margin: fit_margin.unwrap_or(lloyal_core::params::DEFAULT_FIT_MARGIN),
+        deterministic,
+    };
+    params.validate().py_err()?;
+    Ok(params)
+}
+
+/// What ``n_gpu_layers="auto"`` chooses for this model and context (see
+/// ``lloyal_core::fit_gpu_layers``): ``-1`` every layer, else a count. Runs
+/// without the GPU; reads the model file.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (model_path, *, n_ctx, n_batch, n_seq_max, embeddings, pooling, type_k, type_v, fit_margin, deterministic=false))]
+pub fn fit_gpu_layers(
+    py: Python<'_>,
+    model_path: PathBuf,
+    n_ctx: u32,
+    n_batch: u32,
+    n_seq_max: u32,
+    embeddings: bool,
+    pooling: &str,
+    type_k: Option<&str>,
+    type_v: Option<&str>,
+    fit_margin: Option<u64>,
+    deterministic: bool,
+) -> PyResult<i32> {
+    let params = context_params(
+        n_ctx,
+        n_batch,
+        n_seq_max,
+        None,
+        embeddings,
+        pooling,
+        [type_k, type_v],
+        None,
+        fit_margin,
+        deterministic,
+    )?;
+    let fitted = py.detach(|| lloyal_core::fit_gpu_layers(&model_path, &params));
+    Ok(fitted.py_err()?.to_llama())
 }
 
 /// Whether this build can offload layers to a GPU.

@@ -34,6 +34,7 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(context::validate_chat_template, m)?)?;
     m.add_function(wrap_pyfunction!(context::builtin_chat_templates, m)?)?;
     m.add_function(wrap_pyfunction!(context::supports_gpu_offload, m)?)?;
+    m.add_function(wrap_pyfunction!(context::fit_gpu_layers, m)?)?;
     m.add_function(wrap_pyfunction!(backend::backend_info, m)?)?;
     m.add_function(wrap_pyfunction!(context::join_workers, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -420,7 +420,7 @@ impl Worker<'_> {
         let singles = parts.iter().filter(|p| p.to - p.from == 1).count();
         if singles < FA_TILE_TOKENS
             || self.n_batch < FA_TILE_TOKENS
-            || (self.params.n_gpu_layers != 0 && crate::backend::supports_gpu_offload())
+            || (self.params.n_gpu_layers.offloads() && crate::backend::supports_gpu_offload())
         {
             return None;
         }

@@ -1,13 +1,11 @@
 //! Opening a context: the model, the llama.cpp context and the worker
 //! thread that owns them.
 
-use std::num::NonZeroU32;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use llama_cpp_2::context::params::LlamaContextParams;
 use llama_cpp_2::context::LlamaContext;
 use llama_cpp_2::llama_batch::LlamaBatch;
 
@@ -120,7 +118,15 @@ impl Context {
 }
 
 fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option<Reply<Context>>) {
-    let model = match Model::load(&model_path, params.n_gpu_layers, !params.deterministic) {
+    let loaded = crate::fit::resolved(&model_path, params).and_then(|params| {
+        Model::load(
+            &model_path,
+            params.n_gpu_layers.to_llama(),
+            !params.deterministic,
+        )
+        .map(|model| (model, params))
+    });
+    let (model, params) = match loaded {
         Ok(m) => m,
         Err(e) => {
             if let Some(ready) = on_ready.take() {
@@ -183,7 +189,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         // token tree, `branch_prefill_tree`).
         batch: LlamaBatch::new(n_batch, params.n_seq_max as i32),
         n_batch,
-        cpu: (params.n_gpu_layers == 0 || !crate::backend::supports_gpu_offload())
+        cpu: (!params.n_gpu_layers.offloads() || !crate::backend::supports_gpu_offload())
             .then(crate::omp::CpuContext::open),
         params,
         shared,
@@ -236,7 +242,7 @@ fn effective_n_batch(params: &ContextParams) -> u32 {
 /// offloads layers keeps it in device memory, where llama.cpp's own
 /// allocation failure is a clean error.
 fn check_memory(model: &Model, params: &ContextParams) -> Result<()> {
-    let offloaded = params.n_gpu_layers != 0 && crate::backend::supports_gpu_offload();
+    let offloaded = params.n_gpu_layers.offloads() && crate::backend::supports_gpu_offload();
     if offloaded {
         return Ok(());
     }
@@ -259,27 +265,7 @@ fn check_memory(model: &Model, params: &ContextParams) -> Result<()> {
 }
 
 fn create_llama_context<'m>(model: &'m Model, params: &ContextParams) -> Result<LlamaContext<'m>> {
-    let threads = i32::try_from(params.effective_threads()).unwrap_or(1);
-    let cparams = LlamaContextParams::default()
-        .with_n_ctx(NonZeroU32::new(params.n_ctx))
-        .with_n_batch(params.n_batch)
-        .with_n_ubatch(params.n_batch)
-        .with_n_seq_max(params.llama_n_seq_max())
-        .with_n_threads(threads)
-        .with_n_threads_batch(threads)
-        .with_embeddings(params.embeddings)
-        .with_pooling_type(if params.pools_in_rust() {
-            crate::params::Pooling::None.to_llama()
-        } else {
-            params.pooling.to_llama()
-        })
-        .with_type_k(params.type_k.to_llama())
-        .with_type_v(params.type_v.to_llama())
-        // One KV pool for every sequence, so forks share their prefix cells.
-        .with_kv_unified(true)
-        // Sliding-window layers keep every cell, so sequences can be copied
-        // and trimmed at any position (Gemma 3 and other SWA models).
-        .with_swa_full(true);
+    let cparams = crate::fit::llama_context_params(params);
     let backend = backend()?;
     let _guard = lock(&CONTEXT_CREATION);
     model.llama.new_context(backend, cparams).map_err(|e| {

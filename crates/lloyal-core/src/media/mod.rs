@@ -137,7 +137,7 @@ impl Worker<'_> {
             .ok_or_else(|| refuse("the path is not valid UTF-8".into()))?;
         let params = MtmdContextParams {
             n_threads: self.params.effective_threads() as i32,
-            use_gpu: self.params.n_gpu_layers != 0,
+            use_gpu: self.params.n_gpu_layers.offloads(),
             print_timings: false,
             ..MtmdContextParams::default()
         };
