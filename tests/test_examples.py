@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -174,3 +175,25 @@ def test_server_client_runs_against_a_fresh_server() -> None:
     assert "8 concurrent requests:" in result.stdout
     assert "choice 1:" in result.stdout
     assert "tool call: get_weather(" in result.stdout
+
+
+def test_program_examples_run() -> None:
+    """examples/programs: a self-consistency vote, a JSON extraction batch,
+    a tree of thought and a tool-using agent, each a lloyal program."""
+    vote = run_example(example("programs", "self_consistency.py"), "-n", "3", "--max-tokens", "8")
+    assert vote.returncode == 0, vote.stderr
+    assert "majority (" in vote.stdout
+    assert vote.stdout.count("  [") == 3
+    batch = run_example(example("programs", "json_extraction.py"), "--concurrency", "3")
+    assert batch.returncode == 0, batch.stderr
+    rows = [line.split(" -> ", 1)[1] for line in batch.stdout.splitlines() if " -> " in line]
+    assert len(rows) == 6
+    assert all(set(json.loads(row)) == {"name", "age"} for row in rows)
+    tree = run_example(example("programs", "tree_of_thought.py"), "--width", "2", "--depth", "1")
+    assert tree.returncode == 0, tree.stderr
+    assert "level 0: kept" in tree.stdout
+    assert "answer:" in tree.stdout
+    agent = run_example(example("programs", "tool_agent.py"))
+    assert agent.returncode == 0, agent.stderr
+    assert re.search(r"calls (add|multiply)\(-?\d+, -?\d+\) -> -?\d+", agent.stdout), agent.stdout
+    assert "answer:" in agent.stdout

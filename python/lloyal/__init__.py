@@ -62,6 +62,16 @@ from lloyal.errors import (
 from lloyal.grammar import Grammar, json_schema_to_grammar
 from lloyal.media import MEDIA_MARKER, Media, ProjectorInfo
 from lloyal.prefix_cache import PrefixCache, PrefixCacheStats
+from lloyal.programs import (
+    Program,
+    ProgramState,
+    Turn,
+    assistant,
+    program,
+    run_batch,
+    system,
+    user,
+)
 from lloyal.rerank import Rerank
 from lloyal.sampling import GREEDY, SamplingParams
 from lloyal.session import Session
@@ -106,6 +116,8 @@ __all__ = [
     "PrefixCache",
     "PrefixCacheStats",
     "Produced",
+    "Program",
+    "ProgramState",
     "ProjectorInfo",
     "ProjectorLoadError",
     "PullError",
@@ -119,11 +131,17 @@ __all__ = [
     "Token",
     "TokenTree",
     "ToolCall",
+    "Turn",
     "WorkerLostError",
+    "assistant",
     "backend_info",
     "create_context",
     "fit_gpu_layers",
     "json_schema_to_grammar",
     "parse_chat_output",
+    "program",
+    "run_batch",
     "supports_gpu_offload",
+    "system",
+    "user",
 ]

@@ -1,0 +1,419 @@
+"""The state a program writes to: text, chat turns, generations and choices
+on one branch, forked into siblings that share its KV prefix."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from lloyal import _check
+from lloyal.branch import Branch
+from lloyal.errors import StateError
+from lloyal.programs._roles import Chat, Turn
+from lloyal.programs._select import choose
+from lloyal.sampling import SamplingParams
+from lloyal.text import TextStream
+
+if TYPE_CHECKING:
+    from lloyal.context import Context
+
+__all__ = ["ProgramState"]
+
+
+class ProgramState:
+    """What a program's ``s`` is: the text so far on a branch, and the
+    values its generations and choices captured.
+
+    ``s += "text"`` and ``s += lloyal.user("...")`` append (decoded lazily,
+    together, at the next ``gen``, ``select`` or ``fork``); ``await
+    s.gen("name", ...)`` generates and captures ``s["name"]``; ``await
+    s.select("name", choices)`` picks one choice by its log-probability;
+    ``await s.fork(n)`` makes ``n`` states that share this one's KV prefix.
+    Make one with :meth:`lloyal.Program.run` (or :meth:`open` for a state
+    outside a program).
+
+    >>> import asyncio, lloyal
+    >>> async def main():
+    ...     async with await lloyal.create_context(MODEL, n_seq_max=4) as ctx:
+    ...         async with await lloyal.ProgramState.open(ctx) as s:
+    ...             s += "The capital of France is"
+    ...             city = await s.select("city", [" Paris", " London", " Rome"])
+    ...             return city, s.text
+    >>> asyncio.run(main())
+    (' Paris', 'The capital of France is Paris')
+    """
+
+    def __init__(self, ctx: Context, branch: Branch, params: SamplingParams, chat: Chat) -> None:
+        self._ctx = ctx
+        self._branch: Branch | None = branch
+        self._params = params
+        self._chat = chat
+        self._text = ""
+        self._pending = ""
+        self._captures: dict[str, Any] = {}
+        self._scores: dict[str | None, list[tuple[float, int]]] = {}
+        self._forks = 0  # forks made so far (their seeds differ)
+        self.result: Any = None
+        """What the program function returned (set by :meth:`Program.run`)."""
+
+    @classmethod
+    async def open(
+        cls,
+        source: Context | Branch,
+        *,
+        params: SamplingParams | None = None,
+        chat_template: str | None = None,
+    ) -> ProgramState:
+        """A new state on a context (a new branch: one KV lease) or on a
+        fork of ``source`` if it is a branch (the branch's text is not
+        known to the state; ``text`` holds only what is appended).
+        ``chat_template``: the template chat turns render with (Jinja
+        source or a built-in name, as :meth:`Context.format_chat` takes;
+        default: the model's)."""
+        from lloyal.context import Context
+
+        if params is not None:
+            _check.instance(params, SamplingParams, "params", "a SamplingParams")
+        if isinstance(source, Branch):
+            branch = await source.fork(root=True)
+            ctx = source._ctx
+            branch.set_sampler_params(params or branch.sampler_params)
+        elif isinstance(source, Context):
+            ctx = source
+            branch = Branch.create(ctx, params or SamplingParams())
+        else:
+            raise TypeError(f"source must be a Context or a Branch, got {type(source).__name__}")
+        return cls(ctx, branch, params or branch.sampler_params, Chat(chat_template))
+
+    # -- what it holds ---------------------------------------------------------
+
+    @property
+    def text(self) -> str:
+        """Everything appended and generated, as text (chat turns as their
+        template renders them)."""
+        return self._text
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The chat turns appended so far (with an open assistant turn's
+        content once it is closed)."""
+        return [dict(m) for m in self._chat.messages]
+
+    @property
+    def captures(self) -> dict[str, Any]:
+        """Every named value captured so far."""
+        return dict(self._captures)
+
+    @property
+    def branch(self) -> Branch:
+        """The branch holding the decoded text (pending appends are decoded
+        by the next ``gen``, ``select``, ``fork`` or :meth:`flush`)."""
+        return self._live()
+
+    def __getitem__(self, name: str) -> Any:
+        return self._captures[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._captures.get(name, default)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._captures
+
+    def __iadd__(self, other: str | Turn) -> ProgramState:
+        self._live()
+        if isinstance(other, Turn):
+            self._append(self._chat.turn_text(self._ctx, other))
+        elif isinstance(other, str):
+            self._chat.append_text(other)
+            self._append(other)
+        else:
+            raise TypeError(
+                f"a program appends str or a turn (lloyal.user(...)), got {type(other).__name__}"
+            )
+        return self
+
+    def _append(self, text: str) -> None:
+        self._text += text
+        self._pending += text
+
+    def _live(self) -> Branch:
+        if self._branch is None:
+            raise StateError("this program state is closed (its program ended or was joined)")
+        return self._branch
+
+    async def flush(self) -> None:
+        """Decode what was appended and not decoded yet."""
+        branch = self._live()
+        if not self._pending:
+            return
+        first = branch.position == 0
+        tokens = self._ctx.tokenize_sync(self._pending, add_special=first)
+        bos = self._ctx.bos_token
+        if first and len(tokens) > 1 and tokens[0] == tokens[1] == bos:
+            tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
+        await branch.prefill(tokens)
+        self._pending = ""
+
+    # -- generation ------------------------------------------------------------
+
+    async def gen(
+        self,
+        name: str | None = None,
+        *,
+        max_tokens: int = 128,
+        stop: str | Sequence[str] | None = None,
+        regex: str | None = None,
+        json_schema: Mapping[str, Any] | str | bool | None = None,
+        choices: Sequence[str] | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+    ) -> str:
+        """Generate until the end of the model's turn, a ``stop`` string
+        (not kept) or ``max_tokens``; append the text and capture it as
+        ``s[name]``. ``regex=`` / ``json_schema=`` constrain it (a grammar
+        for this generation only); ``choices=`` is :meth:`select`.
+        ``temperature`` / ``top_p`` change the state's sampling for this
+        generation (``temperature=0``: greedy).
+
+        Forks generating under ``asyncio.gather`` share one decode per step.
+        """
+        if choices is not None:
+            return await self.select(name, choices)
+        parts = [
+            piece
+            async for piece in self.gen_stream(
+                name,
+                max_tokens=max_tokens,
+                stop=stop,
+                regex=regex,
+                json_schema=json_schema,
+                temperature=temperature,
+                top_p=top_p,
+            )
+        ]
+        return "".join(parts)
+
+    async def gen_stream(
+        self,
+        name: str | None = None,
+        *,
+        max_tokens: int = 128,
+        stop: str | Sequence[str] | None = None,
+        regex: str | None = None,
+        json_schema: Mapping[str, Any] | str | bool | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+    ) -> AsyncIterator[str]:
+        """:meth:`gen`, yielding the text as it comes (held back only while
+        it could be the start of a ``stop`` string). The capture is set
+        when the stream ends.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         async with await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY) as s:
+        ...             s += "1, 2, 3,"
+        ...             pieces = [p async for p in s.gen_stream("more", max_tokens=6, stop=",")]
+        ...             return "".join(pieces) == s["more"], s["more"]
+        >>> asyncio.run(main())
+        (True, ' 4')
+        """
+        _check.integer(max_tokens, "max_tokens")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        stops = _stops(stop)
+        branch = self._live()
+        await self.flush()
+        grammar = _grammar(regex, json_schema)
+        changed = self._sampling(temperature, top_p)
+        if grammar is not None:
+            branch.set_grammar(**grammar)
+        start = branch.position
+        stream = TextStream(self._ctx)
+        text, ends, shown = "", [], 0
+        hold = max((len(s) for s in stops), default=1) - 1
+        cut: int | None = None
+        try:
+            for _ in range(max_tokens):
+                produced = await branch.produce()
+                if produced.is_stop:
+                    break
+                await branch.commit(produced.token)
+                before = len(text)
+                text += stream.push(produced.token)
+                ends.append(len(text))
+                cut = _find_stop(text, stops, before)
+                if cut is not None:
+                    break
+                safe = len(text) - hold
+                if safe > shown:
+                    yield text[shown:safe]
+                    shown = safe
+            if cut is None:
+                text += stream.flush()
+                cut = len(text)
+            else:
+                # Keep the tokens wholly before the stop string; the rest of
+                # the text before it is appended again as text.
+                keep = sum(1 for e in ends if e <= cut)
+                await branch.truncate(start + keep)
+                self._pending += text[(ends[keep - 1] if keep else 0) : cut]
+            if cut > shown:
+                yield text[shown:cut]
+        finally:
+            if grammar is not None:
+                branch.set_grammar()
+            if changed is not None:
+                branch.set_sampler_params(changed)
+        out = text[:cut]
+        self._text += out
+        self._chat.append_text(out)
+        if name is not None:
+            self._captures[name] = out
+
+    def _sampling(self, temperature: float | None, top_p: float | None) -> SamplingParams | None:
+        """Apply per-generation sampling; return the params to restore."""
+        if temperature is None and top_p is None:
+            return None
+        changes: dict[str, float] = {}
+        if temperature is not None:
+            changes["temperature"] = float(temperature)
+        if top_p is not None:
+            changes["top_p"] = float(top_p)
+        branch = self._live()
+        before = branch.sampler_params
+        branch.set_sampler_params(before.with_(**changes))
+        return before
+
+    async def select(
+        self,
+        name: str | None,
+        choices: Sequence[str],
+        *,
+        normalize: bool = True,
+    ) -> str:
+        """Append the choice the model finds most likely here and capture
+        it. Every choice is scored in one decode (``prefill_tree``: a prefix
+        that choices share is decoded once), given enough free KV leases
+        (``len(choices) - 1``; with fewer, choices are scored one by one).
+        ``normalize=True`` compares the mean log-probability per token (SGLang's
+        default), ``False`` the sum. ``s.scores[name]`` keeps each choice's
+        sum of log-probabilities (nats) and token count.
+        """
+        branch = self._live()
+        await self.flush()
+        picked, scores, kept = await choose(self._ctx, branch, choices, normalize=normalize)
+        if kept is not branch:
+            await branch.prune()
+            self._branch = kept
+        text = choices[picked]
+        self._text += text
+        self._chat.append_text(text)
+        self._scores[name] = scores
+        if name is not None:
+            self._captures[name] = text
+        return text
+
+    @property
+    def scores(self) -> dict[str | None, list[tuple[float, int]]]:
+        """Per :meth:`select` name, each choice's ``(sum of log-probs, tokens)``."""
+        return self._scores
+
+    # -- forks -----------------------------------------------------------------
+
+    async def fork(self, n: int) -> list[ProgramState]:
+        """``n`` states that continue from this one: each a KV fork (the
+        decoded prefix is shared, not copied) with a copy of the text, the
+        chat turns and the captures. Each fork's sampler gets a random
+        stream of its own, so sampled generations differ; with a ``seed``
+        in the sampling params, fork ``i`` of a state is seeded from it and
+        ``i`` (reproducible). Raises :class:`NoLeaseError` when fewer than
+        ``n`` leases are free (none made)."""
+        _check.integer(n, "n")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        branch = self._live()
+        await self.flush()
+        forks: list[ProgramState] = []
+        try:
+            base = branch.sampler_params.seed
+            for i in range(n):
+                child = await branch.fork(root=True)
+                seed = random.getrandbits(32) if base is None else _fork_seed(base, self._forks + i)
+                child.reseed_sampler(seed)
+                state = ProgramState(self._ctx, child, self._params, self._chat.copy())
+                state._text = self._text
+                state._captures = dict(self._captures)
+                forks.append(state)
+        except BaseException:
+            for state in forks:
+                await state.close()
+            raise
+        self._forks += n
+        return forks
+
+    async def join(self, forks: Sequence[ProgramState]) -> None:
+        """Close ``forks`` (their KV comes back); their text and captures
+        stay readable."""
+        for state in forks:
+            if not isinstance(state, ProgramState):
+                raise TypeError(f"join takes program states, got {type(state).__name__}")
+        for state in forks:
+            await state.close()
+
+    async def close(self) -> None:
+        """Free this state's branch; text and captures stay readable."""
+        branch, self._branch = self._branch, None
+        if branch is not None and not branch.disposed:
+            await branch.prune()
+
+    @property
+    def closed(self) -> bool:
+        return self._branch is None
+
+    async def __aenter__(self) -> ProgramState:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._branch is None else f"position={self._branch.position}"
+        return f"<lloyal.ProgramState {state} captures={sorted(map(str, self._captures))}>"
+
+
+def _fork_seed(seed: int, i: int) -> int:
+    """The seed of fork ``i`` of a state sampling with ``seed``."""
+    return (seed * 1_000_003 + i + 1) % (1 << 32)
+
+
+def _stops(stop: str | Sequence[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else list(stop)
+    for s in items:
+        if not isinstance(s, str) or not s:
+            raise ValueError("stop must be a non-empty string or a sequence of them")
+    return items
+
+
+def _find_stop(text: str, stops: list[str], since: int) -> int | None:
+    """Where the first stop string in ``text`` starts (searching from a
+    little before ``since``, the text new this step), or None."""
+    found = [at for s in stops if (at := text.find(s, max(0, since - len(s) + 1))) >= 0]
+    return min(found) if found else None
+
+
+def _grammar(
+    regex: str | None, json_schema: Mapping[str, Any] | str | bool | None
+) -> dict[str, Any] | None:
+    if regex is not None and json_schema is not None:
+        raise ValueError("give regex= or json_schema=, not both")
+    if regex is not None:
+        if not isinstance(regex, str):
+            raise TypeError(f"regex must be a str, got {type(regex).__name__}")
+        return {"lark": "start: /" + regex.replace("/", "\\/") + "/"}
+    if json_schema is not None:
+        return {"json_schema": json_schema}
+    return None

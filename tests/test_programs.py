@@ -1,0 +1,274 @@
+"""lloyal.programs: gen / select / fork / join / run_batch against real models."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import re
+from pathlib import Path
+
+import lloyal
+import numpy as np
+import pytest
+from lloyal.programs import choice_logprobs
+
+NO_EOS = {t: -100.0 for t in range(3)}
+"""Bias keeping both test models off their end tokens (ids 1 and 2)."""
+
+CHOICES = [" Paris", " London", " Berlin", " Madrid", " Rome", " Lisbon", " Vienna", " Paris!"]
+
+
+def run(coro_fn, *args):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro_fn(*args))
+
+
+@pytest.mark.deterministic_first
+def test_select_scores_eight_choices_in_one_decode_as_scoring_each_alone(model: Path) -> None:
+    """One decode for 8 choices (two share " Paris"), and on a deterministic
+    context the same scores, bit for bit, as each choice decoded alone on a
+    fork; the state goes on with the chosen text in its KV."""
+
+    async def main() -> None:
+        async with (
+            await lloyal.create_context(model, n_ctx=512, n_seq_max=9, deterministic=True) as ctx,
+            await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY) as s,
+        ):
+            s += "The capital of France is"
+            await s.flush()
+            first = s.branch.logits.copy()
+            alone = []
+            for choice in CHOICES:
+                tokens = ctx.tokenize_sync(choice, add_special=False)
+                fork = await s.branch.fork(root=True)
+                rows = await fork.prefill(tokens, logits="all")
+                alone.append((choice_logprobs(first, rows, tokens), len(tokens)))
+                await fork.prune()
+            before = ctx.stats.decode_calls
+            picked = await s.select("city", CHOICES)
+            assert ctx.stats.decode_calls == before + 1
+            assert s.scores["city"] == alone  # bit for bit
+            means = [total / n for total, n in alone]
+            assert picked == CHOICES[int(np.argmax(means))] == s["city"]
+            assert s.text == "The capital of France is" + picked
+            # The chosen path is what the branch holds, the others are gone.
+            prompt = ctx.tokenize_sync("The capital of France is")
+            assert s.branch.position == len(prompt) + alone[CHOICES.index(picked)][1]
+            assert lloyal.BranchStore(ctx).available == ctx.n_seq_max - 1
+            # Unnormalised: the sum decides.
+            await s.select("raw", [" and", " a city", " the capital"], normalize=False)
+            sums = [total for total, _ in s.scores["raw"]]
+            assert s["raw"] == [" and", " a city", " the capital"][int(np.argmax(sums))]
+
+    run(main)
+
+
+def test_select_with_too_few_leases_scores_one_by_one(smollm2: Path) -> None:
+    async def main() -> tuple[str, list[tuple[float, int]], str, list[tuple[float, int]]]:
+        results = []
+        for n_seq_max in (2, 9):
+            async with (
+                await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=n_seq_max) as ctx,
+                await lloyal.ProgramState.open(ctx) as s,
+            ):
+                s += "The capital of France is"
+                results.append((await s.select("city", CHOICES), s.scores["city"]))
+        return results[0][0], results[0][1], results[1][0], results[1][1]
+
+    few, few_scores, many, many_scores = run(main)
+    assert few == many
+    # Two routes (a tree in one decode, chains one by one): close, not bitwise.
+    np.testing.assert_allclose(
+        [t for t, _ in few_scores], [t for t, _ in many_scores], rtol=0, atol=0.5
+    )
+
+
+def test_forks_generating_together_cost_one_decode_per_step(model: Path) -> None:
+    async def main() -> None:
+        params = lloyal.GREEDY.with_(logit_bias=NO_EOS)
+        async with (
+            await lloyal.create_context(model, n_ctx=512, n_seq_max=5) as ctx,
+            await lloyal.ProgramState.open(ctx, params=params) as s,
+        ):
+            s += "Once upon a time"
+            forks = await s.fork(4)
+            assert lloyal.BranchStore(ctx).available == 0
+            before = ctx.stats.decode_calls
+            texts = await asyncio.gather(*(f.gen("story", max_tokens=8) for f in forks))
+            assert ctx.stats.decode_calls == before + 8  # 4 forks, one decode a step
+            assert all(
+                f["story"] == t and f.text.endswith(t) for f, t in zip(forks, texts, strict=True)
+            )
+            assert all(f.branch.position == forks[0].branch.position for f in forks)
+            await s.join(forks)
+            assert all(f.closed for f in forks)
+            assert forks[0]["story"] == texts[0]
+            assert lloyal.BranchStore(ctx).available == 4
+            assert "story" not in s  # a fork's captures are its own
+
+    run(main)
+
+
+def test_stop_strings_are_cut_from_the_text_and_the_kv(smollm2: Path) -> None:
+    """The stop string is neither captured nor kept in the KV: what the
+    branch holds is the text up to it, so the next generation continues
+    from there."""
+
+    async def main() -> None:
+        async with (
+            await lloyal.create_context(smollm2, n_ctx=512) as ctx,
+            await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY) as s,
+        ):
+            s += "1, 2, 3, 4,"
+            await s.flush()
+            start = s.branch.position
+            a = await s.gen("a", max_tokens=8, stop=",")
+            assert a == " 5"
+            assert s.text == "1, 2, 3, 4, 5"
+            # The branch holds " 5" and not the comma after it.
+            assert s.branch.position == start + len(ctx.tokenize_sync(a, add_special=False))
+            s += ","
+            b = await s.gen("b", max_tokens=8, stop=[",", "\n"])
+            assert b == " 6"
+
+    run(main)
+
+
+def test_streamed_pieces_join_to_the_capture(model: Path) -> None:
+    async def main() -> None:
+        async with (
+            await lloyal.create_context(model, n_ctx=512) as ctx,
+            await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY) as s,
+        ):
+            s += "Once upon a time"
+            pieces = [p async for p in s.gen_stream("story", max_tokens=12, stop=".")]
+            assert "".join(pieces) == s["story"]
+            assert "." not in s["story"]
+
+    run(main)
+
+
+def test_regex_and_json_schema_constrain_one_generation(model: Path) -> None:
+    async def main() -> None:
+        async with (
+            await lloyal.create_context(model, n_ctx=512) as ctx,
+            await lloyal.ProgramState.open(ctx) as s,
+        ):
+            s += "A three-digit number:"
+            number = await s.gen("n", regex=r" [0-9]{3}", max_tokens=8)
+            assert re.fullmatch(r" [0-9]{3}", number)
+            s += "\nAs JSON:"
+            schema = {
+                "type": "object",
+                "properties": {"n": {"type": "integer"}},
+                "required": ["n"],
+                "additionalProperties": False,
+            }
+            data = json.loads(await s.gen("json", json_schema=schema, max_tokens=24))
+            assert isinstance(data["n"], int)
+            # The grammar was for that generation only.
+            free = await s.gen("free", max_tokens=4)
+            assert isinstance(free, str)
+
+    run(main)
+
+
+def test_chat_turns_are_the_template_text(model: Path) -> None:
+    """Turns appended one by one give the text the template renders for the
+    whole chat, with an assistant turn generated in the middle."""
+
+    async def main() -> None:
+        async with await lloyal.create_context(model, n_ctx=1024) as ctx:
+            # The Gemma 3 test model's GGUF has no template: the built-in one.
+            template = None if ctx.chat_template else "gemma"
+            async with await lloyal.ProgramState.open(
+                ctx, params=lloyal.GREEDY, chat_template=template
+            ) as s:
+                s += lloyal.system("Answer with one word.")
+                s += lloyal.user("What colour is the sky?")
+                s += lloyal.assistant()
+                opened = ctx.format_chat(s.messages, template=template).prompt
+                assert s.text == opened
+                answer = await s.gen("answer", max_tokens=6)
+                s += lloyal.user("And grass?")
+                messages = [
+                    {"role": "system", "content": "Answer with one word."},
+                    {"role": "user", "content": "What colour is the sky?"},
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": "And grass?"},
+                ]
+                assert s.messages == messages
+                rendered = ctx.format_chat(messages, add_generation_prompt=False, template=template)
+                assert s.text == rendered.prompt
+                s += lloyal.assistant()
+                assert await s.gen("again", max_tokens=6)
+
+    run(main)
+
+
+@pytest.mark.deterministic_first
+def test_run_batch_returns_what_running_one_by_one_returns(smollm2: Path) -> None:
+    @lloyal.program
+    async def continue_count(s: lloyal.ProgramState, start: int) -> str:
+        s += ", ".join(str(start + i) for i in range(4)) + ","
+        await s.gen("next", max_tokens=6, stop=",")
+        return str(s["next"]).strip()
+
+    async def main() -> None:
+        async with await lloyal.create_context(
+            smollm2, n_ctx=1024, n_seq_max=4, deterministic=True
+        ) as ctx:
+            inputs = [1, 7, 20, 33, 41, 58]
+            alone = [
+                (await continue_count.run(ctx, i, params=lloyal.GREEDY)).result for i in inputs
+            ]
+            report = io.StringIO()
+            before = ctx.stats.decode_calls
+            states = await continue_count.run_batch(
+                ctx, inputs, params=lloyal.GREEDY, concurrency=3, progress=report
+            )
+            assert [s.result for s in states] == alone
+            assert all(s.closed for s in states)
+            assert report.getvalue().rstrip().endswith("6/6")
+            # Three at a time share decodes: fewer decodes than one by one.
+            assert ctx.stats.decode_calls - before < 6 * 3
+            assert lloyal.BranchStore(ctx).available == 4
+
+    run(main)
+
+
+def test_bad_input_is_refused_and_leaves_the_state_usable(smollm2: Path) -> None:
+    async def main() -> None:
+        async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=2) as ctx:
+            s = await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY)
+            s += "The capital of France is"
+            with pytest.raises(TypeError):
+                s += 5  # type: ignore[operator]
+            with pytest.raises(ValueError, match="not both"):
+                await s.gen(regex="a", json_schema={"type": "string"})
+            with pytest.raises(ValueError, match="stop"):
+                await s.gen(stop="")
+            with pytest.raises(ValueError, match="max_tokens"):
+                await s.gen(max_tokens=0)
+            with pytest.raises(ValueError, match="choices"):
+                await s.select("x", [])
+            with pytest.raises(ValueError, match="empty"):
+                await s.select("x", [" Paris", ""])
+            with pytest.raises(ValueError, match="n must be"):
+                await s.fork(0)
+            with pytest.raises(lloyal.NoLeaseError):
+                await s.fork(2)
+            with pytest.raises(lloyal.GrammarError):
+                await s.gen(regex="(")
+            assert s.text == "The capital of France is"
+            assert await s.select("city", [" Paris", " London"]) == " Paris"
+            await s.close()
+            with pytest.raises(lloyal.StateError):
+                await s.gen("late")
+            with pytest.raises(lloyal.StateError):
+                s += "more"
+            assert s["city"] == " Paris"
+            with pytest.raises(TypeError):
+                await lloyal.run_batch(lambda s: None, ctx, [1])  # type: ignore[arg-type]
+
+    run(main)
