@@ -474,6 +474,37 @@ def test_a_commit_its_worker_has_no_cells_for_moves_the_branch(small_pool: Conte
     asyncio.run(run())
 
 
+def test_a_program_runs_unchanged_on_the_pool(pool: ContextPool) -> None:
+    """The same lloyal program runs on a pool: sent to a worker, run next to
+    its context; run_batch spreads programs over the workers and returns
+    what running them one by one returns (deterministic workers)."""
+
+    @lloyal.program
+    async def capital(s: lloyal.ProgramState, country: str) -> str:
+        s += f"The capital of {country} is"
+        await s.select("city", [" Paris", " Berlin", " Madrid", " Rome"])
+        s += "."
+        await s.gen("more", max_tokens=6)
+        return str(s["city"])
+
+    async def run() -> None:
+        one = await capital.run(pool, "France", params=lloyal.GREEDY)
+        assert one.closed
+        assert one.result == one["city"]
+        assert one.text.startswith("The capital of France is" + one["city"] + ".")
+        countries = ["France", "Germany", "Spain", "Italy", "Greece", "Peru"]
+        alone = [(await capital.run(pool, c, params=lloyal.GREEDY)).text for c in countries]
+        before = [(await w.call("stats"))["decode_calls"] for w in pool.workers]
+        states = await capital.run_batch(pool, countries, params=lloyal.GREEDY)
+        after = [(await w.call("stats"))["decode_calls"] for w in pool.workers]
+        assert [s.text for s in states] == alone
+        assert all(a > b for a, b in zip(after, before, strict=True))  # both workers ran some
+        for w in pool.workers:
+            assert (await w.load())["branches"] == 0
+
+    asyncio.run(run())
+
+
 NO_EOS = {t: -100.0 for t in range(3)}
 """Bias keeping both test models off their end tokens (ids 1 and 2)."""
 

@@ -430,6 +430,7 @@ class ContextPool:
         self.workers: list[Worker] = []
         self.replaced = 0
         """Actors started in place of dead ones."""
+        self._programs: dict[Worker, int] = {}  # programs running on each worker
         self.migrations = 0
         """Branches copied between workers by their state bytes: moves,
         forks made elsewhere, automatic moves when a worker ran out of room."""
@@ -535,6 +536,40 @@ class ContextPool:
         target = worker if worker is not None else await self.place(tokens)
         bid, info, decoded = await target.make("create", [int(t) for t in tokens], params, seed)
         return RemoteBranch(target, bid, info, decoded)
+
+    async def available(self) -> int:
+        """Free KV leases over the live workers (their prefix caches'
+        entries included: they give theirs back on demand)."""
+        return sum(load["free"] for _, load in await self._loads())
+
+    async def run_program(
+        self,
+        prog: Any,
+        *args: Any,
+        params: SamplingParams | None = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run a :class:`lloyal.Program` on the worker with the most free
+        leases (``prog.run(pool, ...)`` comes here) and return its finished
+        state, closed (text, captures, ``result``)."""
+        from lloyal.programs import ProgramState
+
+        loads = await self._loads()
+        if not loads:
+            raise WorkerLostError("no worker of the pool is alive")
+        # Programs started here and not finished count against a worker's
+        # free leases: a batch started at once spreads over the workers.
+        target = max(
+            (w for w, _ in loads),
+            key=lambda w: (dict(loads)[w]["free"] - self._programs.get(w, 0), -w.index),
+        )
+        self._programs[target] = self._programs.get(target, 0) + 1
+        try:
+            data = await target.call("run_program", prog, args, kwargs, params, chat_template)
+        finally:
+            self._programs[target] -= 1
+        return ProgramState.from_snapshot(None, data)
 
     async def aclose(self) -> None:
         for w in self.workers:

@@ -79,6 +79,24 @@ class ContextWorker:
             "cells_free": self._ctx.n_ctx - self._store.cells_held,
         }
 
+    async def run_program(
+        self,
+        prog: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        params: SamplingParams | None,
+        chat_template: str | None,
+    ) -> dict[str, Any]:
+        """Run a :class:`lloyal.Program` on this worker's context (its
+        commits share decodes with whatever else runs here); the finished
+        state as plain data."""
+        assert self._ctx is not None
+        await self._cache.make_room(1)
+        state = await prog.run(
+            self._ctx, *args, params=params, chat_template=chat_template, **kwargs
+        )
+        return dict(state.snapshot())
+
     def match(self, tokens: list[int]) -> int:
         """Tokens of ``tokens`` the prefix cache holds already."""
         return self._cache.match(tokens)

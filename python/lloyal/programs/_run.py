@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import anyio
 
@@ -15,6 +15,7 @@ from lloyal.programs._state import ProgramState
 from lloyal.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from lloyal.cluster import ContextPool
     from lloyal.context import Context
 
 __all__ = ["Program", "program", "run_batch"]
@@ -51,7 +52,7 @@ class Program:
 
     async def run(
         self,
-        source: Context | Branch,
+        source: Context | Branch | ContextPool,
         /,
         *args: Any,
         params: SamplingParams | None = None,
@@ -62,15 +63,26 @@ class Program:
         of ``source``, one KV lease, freed at the end) and return it,
         closed: its ``text``, captures and ``result`` (the function's return
         value) stay readable. ``params`` / ``chat_template``: see
-        :meth:`ProgramState.open`."""
-        state = await ProgramState.open(source, params=params, chat_template=chat_template)
+        :meth:`ProgramState.open`.
+
+        ``source`` may also be a :class:`lloyal.cluster.ContextPool`: the
+        program then runs, unchanged, on the worker with the most free
+        leases, next to its context (the function is sent there, so it
+        must be picklable by Ray: a module-level or local function, whose
+        arguments and return value are plain data)."""
+        if _is_pool(source):
+            return await cast("ContextPool", source).run_program(  # type: ignore[no-any-return]
+                self, *args, params=params, chat_template=chat_template, **kwargs
+            )
+        local = cast("Context | Branch", source)
+        state = await ProgramState.open(local, params=params, chat_template=chat_template)
         async with state:
             state.result = await self._fn(state, *args, **kwargs)
         return state
 
     async def run_batch(
         self,
-        ctx: Context,
+        ctx: Context | ContextPool,
         inputs: Sequence[Any],
         *,
         concurrency: int | None = None,
@@ -114,7 +126,7 @@ def program(fn: ProgramFunction) -> Program:
 
 async def run_batch(
     prog: Program,
-    ctx: Context,
+    ctx: Context | ContextPool,
     inputs: Sequence[Any],
     *,
     concurrency: int | None = None,
@@ -129,7 +141,10 @@ async def run_batch(
     that raises cancels the rest and the error propagates.
 
     ``concurrency`` defaults to the context's free KV leases (a program
-    that forks needs one more lease per fork: lower it then).
+    that forks needs one more lease per fork: lower it then). On a
+    :class:`lloyal.cluster.ContextPool` each program runs on the worker
+    with the most free leases when it starts; ``concurrency`` defaults to
+    the pool's free leases.
     ``progress``: a stream to report on (``True``: stderr; default: stderr
     when it is a terminal).
 
@@ -150,7 +165,11 @@ async def run_batch(
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
         raise TypeError("inputs must be a sequence")
     if concurrency is None:
-        concurrency = max(1, BranchStore(ctx).available)
+        if _is_pool(ctx):
+            free = await cast("ContextPool", ctx).available()
+        else:
+            free = BranchStore(cast("Context", ctx)).available
+        concurrency = max(1, free)
     _check.integer(concurrency, "concurrency")
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -180,6 +199,11 @@ async def run_batch(
     if out is not None:
         out.write("\n")
     return [r for r in results if r is not None]
+
+
+def _is_pool(source: object) -> bool:
+    """A ContextPool (duck-typed: lloyal.cluster needs Ray, an extra)."""
+    return callable(getattr(source, "run_program", None))
 
 
 def _arguments(item: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

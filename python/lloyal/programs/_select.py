@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from lloyal.branch import Branch, BranchStore
+from lloyal.errors import NoLeaseError
 
 if TYPE_CHECKING:
     from lloyal.context import Context
@@ -80,14 +81,17 @@ async def choose(
         if not tokens:
             raise ValueError(f"choices[{i}] is empty (no tokens)")
         sequences.append(tokens)
-    first = branch.logits
+    first = branch.logits.copy()
     store = BranchStore(ctx)
     nodes, parents, paths = _trie(sequences)
     leaves = len(set(range(len(nodes))) - set(parents))
     if leaves - 1 > store.available:
         return await _one_by_one(branch, sequences, first, normalize)
     root_position = branch.position
-    tree = await store.prefill_tree(branch, nodes, parents)
+    try:
+        tree = await store.prefill_tree(branch, nodes, parents)
+    except NoLeaseError:  # taken meanwhile by another task (nothing was decoded)
+        return await _one_by_one(branch, sequences, first, normalize)
     scores = []
     for seq, path in zip(sequences, paths, strict=True):
         total = float(log_softmax(first)[seq[0]])
@@ -108,17 +112,15 @@ async def choose(
 
 
 async def _one_by_one(
-    branch: Branch, sequences: list[list[int]], first: npt.ArrayLike, normalize: bool
+    branch: Branch, sequences: list[list[int]], first: npt.NDArray[np.float32], normalize: bool
 ) -> tuple[int, list[tuple[float, int]], Branch]:
-    """Score each choice on a fork of its own (one lease), then decode the
-    best into ``branch``."""
+    """Score each choice on ``branch`` itself (no lease needed): decode it,
+    read its rows, cut it off again; then decode the best."""
     scores = []
+    position = branch.position
     for seq in sequences:
-        fork = await branch.fork(root=True)
-        try:
-            rows = await fork.prefill(seq, logits="all")
-        finally:
-            await fork.prune()
+        rows = await branch.prefill(seq, logits="all")
+        await branch.truncate(position, first)
         scores.append((choice_logprobs(first, rows, seq), len(seq)))
     best = _best(scores, normalize)
     await branch.prefill(sequences[best])

@@ -44,7 +44,9 @@ class ProgramState:
     (' Paris', 'The capital of France is Paris')
     """
 
-    def __init__(self, ctx: Context, branch: Branch, params: SamplingParams, chat: Chat) -> None:
+    def __init__(
+        self, ctx: Context, branch: Branch, params: SamplingParams | None, chat: Chat
+    ) -> None:
         self._ctx = ctx
         self._branch: Branch | None = branch
         self._params = params
@@ -296,7 +298,8 @@ class ProgramState:
         """Append the choice the model finds most likely here and capture
         it. Every choice is scored in one decode (``prefill_tree``: a prefix
         that choices share is decoded once), given enough free KV leases
-        (``len(choices) - 1``; with fewer, choices are scored one by one).
+        (``len(choices) - 1``; with fewer, choices are scored one by one on
+        this branch, each decoded and cut off again, which needs none).
         ``normalize=True`` compares the mean log-probability per token (SGLang's
         default), ``False`` the sum. ``s.scores[name]`` keeps each choice's
         sum of log-probabilities (nats) and token count.
@@ -371,6 +374,34 @@ class ProgramState:
     @property
     def closed(self) -> bool:
         return self._branch is None
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a finished state holds, as plain data (what a cluster
+        worker sends back; :meth:`from_snapshot` reads it)."""
+        return {
+            "text": self._text,
+            "captures": dict(self._captures),
+            "messages": self.messages,
+            "scores": dict(self._scores),
+            "result": self.result,
+        }
+
+    @classmethod
+    def from_snapshot(cls, ctx: Any, data: Mapping[str, Any]) -> ProgramState:
+        """A closed state holding ``data`` (from :meth:`snapshot`)."""
+        state = cls.__new__(cls)
+        state._ctx = ctx
+        state._branch = None
+        state._params = None
+        state._chat = Chat()
+        state._chat.messages = [dict(m) for m in data["messages"]]
+        state._text = data["text"]
+        state._pending = ""
+        state._captures = dict(data["captures"])
+        state._scores = dict(data["scores"])
+        state._forks = 0
+        state.result = data["result"]
+        return state
 
     async def __aenter__(self) -> ProgramState:
         return self
