@@ -152,7 +152,7 @@ def test_regex_and_json_schema_constrain_one_generation(model: Path) -> None:
     async def main() -> None:
         async with (
             await lloyal.create_context(model, n_ctx=512) as ctx,
-            await lloyal.ProgramState.open(ctx) as s,
+            await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY) as s,
         ):
             s += "A three-digit number:"
             number = await s.gen("n", regex=r" [0-9]{3}", max_tokens=8)
@@ -160,11 +160,11 @@ def test_regex_and_json_schema_constrain_one_generation(model: Path) -> None:
             s += "\nAs JSON:"
             schema = {
                 "type": "object",
-                "properties": {"n": {"type": "integer"}},
+                "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
                 "required": ["n"],
                 "additionalProperties": False,
             }
-            data = json.loads(await s.gen("json", json_schema=schema, max_tokens=24))
+            data = json.loads(await s.gen("json", json_schema=schema, max_tokens=48))
             assert isinstance(data["n"], int)
             # The grammar was for that generation only.
             free = await s.gen("free", max_tokens=4)
@@ -270,5 +270,25 @@ def test_bad_input_is_refused_and_leaves_the_state_usable(smollm2: Path) -> None
             assert s["city"] == " Paris"
             with pytest.raises(TypeError):
                 await lloyal.run_batch(lambda s: None, ctx, [1])  # type: ignore[arg-type]
+
+    run(main)
+
+
+def test_a_stream_closed_early_keeps_what_was_generated(smollm2: Path) -> None:
+    async def main() -> None:
+        async with (
+            await lloyal.create_context(smollm2, n_ctx=512) as ctx,
+            await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY) as s,
+        ):
+            s += "Once upon a time"
+            await s.flush()
+            start = s.branch.position
+            stream = s.gen_stream("story", max_tokens=20)
+            first = await stream.__anext__()
+            await stream.aclose()
+            assert s["story"] == first
+            assert s.text == "Once upon a time" + first
+            assert s.branch.position == start + 1  # one token, and it is in the text
+            assert await s.gen("more", max_tokens=3)
 
     run(main)

@@ -252,15 +252,15 @@ class ProgramState:
                 if safe > shown:
                     yield text[shown:safe]
                     shown = safe
-            if cut is None:
-                text += stream.flush()
-                cut = len(text)
-            else:
+            if cut is not None:
                 # Keep the tokens wholly before the stop string; the rest of
                 # the text before it is appended again as text.
                 keep = sum(1 for e in ends if e <= cut)
                 await branch.truncate(start + keep)
                 self._pending += text[(ends[keep - 1] if keep else 0) : cut]
+            else:
+                text += stream.flush()
+                cut = len(text)
             if cut > shown:
                 yield text[shown:cut]
         finally:
@@ -268,11 +268,16 @@ class ProgramState:
                 branch.set_grammar()
             if changed is not None:
                 branch.set_sampler_params(changed)
-        out = text[:cut]
-        self._text += out
-        self._chat.append_text(out)
-        if name is not None:
-            self._captures[name] = out
+            # Also when the stream is closed early or a step fails: the
+            # text is what the branch holds.
+            if cut is None:
+                text += stream.flush()
+                cut = len(text)
+            out = text[:cut]
+            self._text += out
+            self._chat.append_text(out)
+            if name is not None:
+                self._captures[name] = out
 
     def _sampling(self, temperature: float | None, top_p: float | None) -> SamplingParams | None:
         """Apply per-generation sampling; return the params to restore."""
