@@ -86,15 +86,17 @@ def test_a_failing_tool_reports_the_error_to_the_model(smollm2: Path) -> None:
 def test_diverge_forks_the_task_once_and_keeps_the_best(smollm2: Path) -> None:
     async def main() -> None:
         async with await lloyal.create_context(smollm2, n_ctx=2048, n_seq_max=5) as ctx:
-            agent = Agent(ctx, params=lloyal.SamplingParams(temperature=1.5, top_k=0), max_tokens=12)
-            before = ctx.stats.decode_calls
+            agent = Agent(ctx, params=lloyal.SamplingParams(temperature=1.5), max_tokens=12)
+            before = ctx.stats
             out = await diverge(agent, "Name a colour.", 4, lambda r: len(r.answer), seed=3)
+            after = ctx.stats
             assert len(out.results) == 4
             assert out.scores == [len(r.answer) for r in out.results]
             assert out.answer is out.results[out.best]
             assert out.scores[out.best] == max(out.scores)
-            # The four attempts commit together: far fewer decodes than 4 x 12.
-            assert ctx.stats.decode_calls - before <= 1 + 12 + 4 * 2
+            # The four attempts commit together: several tokens per decode.
+            calls = after.decode_calls - before.decode_calls
+            assert calls * 2 < after.tokens_decoded - before.tokens_decoded
             assert len({r.answer for r in out.results}) > 1  # reseeded forks differ
             assert lloyal.BranchStore(ctx).available == 5
             with pytest.raises(ValueError, match="leases"):
