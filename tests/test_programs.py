@@ -292,3 +292,24 @@ def test_a_stream_closed_early_keeps_what_was_generated(smollm2: Path) -> None:
             assert await s.gen("more", max_tokens=3)
 
     run(main)
+
+
+def test_a_failing_program_in_a_batch_raises_its_own_error(smollm2: Path) -> None:
+    """The others finish and give their leases back; the error is the
+    program's own (not a task group's wrapper)."""
+
+    @lloyal.program
+    async def picky(s: lloyal.ProgramState, n: int) -> str:
+        s += f"{n}, {n + 1},"
+        out = await s.gen("next", max_tokens=3, stop=",")
+        if n == 2:
+            raise KeyError("two")
+        return out
+
+    async def main() -> None:
+        async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=4) as ctx:
+            with pytest.raises(KeyError, match="two"):
+                await picky.run_batch(ctx, [1, 2, 3, 4], params=lloyal.GREEDY)
+            assert lloyal.BranchStore(ctx).available == 4
+
+    run(main)

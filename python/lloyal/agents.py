@@ -30,6 +30,7 @@ import anyio
 
 from lloyal.branch import BranchStore
 from lloyal.session import Session
+from lloyal.strategies._lanes import gather
 
 if TYPE_CHECKING:
     from lloyal.context import Context
@@ -337,15 +338,9 @@ async def diverge(
             fork = await base.fork()
             fork.branch.reseed_sampler(rng.getrandbits(32))
             forks.append(fork)
-        results: list[AgentResult | None] = [None] * n
-
-        async def attempt(i: int) -> None:
-            results[i] = await agent.continue_(forks[i])
-
-        async with anyio.create_task_group() as tg:
-            for i in range(n):
-                tg.start_soon(attempt, i)
-        done = [r for r in results if r is not None]
+        outcomes = await gather(*(agent.continue_(fork) for fork in forks))
+        _raise_first(outcomes)
+        done: list[AgentResult] = list(outcomes)
         scores = []
         for r in done:
             value = score(r)
@@ -363,23 +358,29 @@ async def fan_out(
 ) -> list[AgentResult]:
     """Run each task (on ``agents[i]``, or all on one agent) at once, at
     most ``concurrency`` at a time (default: the free KV leases); results
-    in task order. Their commits share decodes."""
+    in task order. Their commits share decodes. If some raise, the others
+    still finish, then the first error (in task order) is raised."""
     pool = [agents] * len(tasks) if isinstance(agents, Agent) else list(agents)
     if len(pool) != len(tasks):
         raise ValueError(f"{len(pool)} agents for {len(tasks)} tasks")
     if not pool:
         return []
     limit = anyio.Semaphore(concurrency or max(1, BranchStore(pool[0].ctx).available))
-    results: list[AgentResult | None] = [None] * len(tasks)
 
-    async def one(i: int) -> None:
+    async def one(i: int) -> AgentResult:
         async with limit:
-            results[i] = await pool[i].run(tasks[i])
+            return await pool[i].run(tasks[i])
 
-    async with anyio.create_task_group() as tg:
-        for i in range(len(tasks)):
-            tg.start_soon(one, i)
-    return [r for r in results if r is not None]
+    outcomes = await gather(*(one(i) for i in range(len(tasks))))
+    _raise_first(outcomes)
+    return list(outcomes)
+
+
+def _raise_first(outcomes: list[Any]) -> None:
+    """Raise the first exception among ``outcomes`` (once all finished)."""
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            raise outcome
 
 
 async def chain(agents: Agent | Sequence[Agent], tasks: Sequence[str]) -> list[AgentResult]:

@@ -549,12 +549,11 @@ class ContextPool:
         params: SamplingParams | None = None,
         chat_template: str | None = None,
         **kwargs: Any,
-    ) -> Any:
+    ) -> dict[str, Any]:
         """Run a :class:`lloyal.Program` on the worker with the most free
-        leases (``prog.run(pool, ...)`` comes here) and return its finished
-        state, closed (text, captures, ``result``)."""
-        from lloyal.programs import ProgramState
-
+        leases and return its finished state as plain data
+        (``ProgramState.snapshot()``); ``prog.run(pool, ...)`` calls this
+        and makes it a closed :class:`lloyal.ProgramState`."""
         loads = await self._loads()
         if not loads:
             raise WorkerLostError("no worker of the pool is alive")
@@ -569,7 +568,7 @@ class ContextPool:
             data = await target.call("run_program", prog, args, kwargs, params, chat_template)
         finally:
             self._programs[target] -= 1
-        return ProgramState.from_snapshot(None, data)
+        return dict(data)
 
     async def aclose(self) -> None:
         for w in self.workers:

@@ -13,6 +13,7 @@ from lloyal import _check
 from lloyal.branch import Branch, BranchStore
 from lloyal.programs._state import ProgramState
 from lloyal.sampling import SamplingParams
+from lloyal.strategies._lanes import gather
 
 if TYPE_CHECKING:
     from lloyal.cluster import ContextPool
@@ -71,9 +72,10 @@ class Program:
         must be picklable by Ray: a module-level or local function, whose
         arguments and return value are plain data)."""
         if _is_pool(source):
-            return await cast("ContextPool", source).run_program(  # type: ignore[no-any-return]
+            data = await cast("ContextPool", source).run_program(
                 self, *args, params=params, chat_template=chat_template, **kwargs
             )
+            return ProgramState.from_snapshot(None, data)
         local = cast("Context | Branch", source)
         state = await ProgramState.open(local, params=params, chat_template=chat_template)
         async with state:
@@ -136,9 +138,10 @@ async def run_batch(
 ) -> list[ProgramState]:
     """Run ``prog`` once per input, ``concurrency`` at a time, and return
     the states in input order. An input is a mapping (keyword arguments), a
-    tuple (positional arguments) or one argument. The programs run as tasks
-    of one task group, so their commits of a tick share one decode; one
-    that raises cancels the rest and the error propagates.
+    tuple (positional arguments) or one argument. The programs run as
+    concurrent tasks, so their commits of a tick share one decode. If some
+    raise, the others still finish (their KV freed), then the first error
+    (in input order) is raised.
 
     ``concurrency`` defaults to the context's free KV leases (a program
     that forks needs one more lease per fork: lower it then). On a
@@ -193,11 +196,12 @@ async def run_batch(
             )
             out.flush()
 
-    async with anyio.create_task_group() as tg:
-        for i, item in enumerate(inputs):
-            tg.start_soon(one, i, item)
+    outcomes = await gather(*(one(i, item) for i, item in enumerate(inputs)))
     if out is not None:
         out.write("\n")
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            raise outcome
     return [r for r in results if r is not None]
 
 
