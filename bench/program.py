@@ -135,10 +135,10 @@ def main() -> None:
             server[0].wait()
     total = n * tokens
     print(f"{path.name}: {n} inputs x {tokens} tokens, best of {args.runs} runs")
-    print(f"{'way':<12} {'seconds':>8} {'tok/s':>8} {'run_batch is':>14}")
+    print(f"{'way':<12} {'seconds':>8} {'tok/s':>8} {'run_batch speed-up':>19}")
     for name, seconds in best.items():
         ratio = seconds / best["run_batch"]
-        print(f"{name:<12} {seconds:8.2f} {total / seconds:8.1f} {ratio:13.2f}x")
+        print(f"{name:<12} {seconds:8.2f} {total / seconds:8.1f} {ratio:18.2f}x")
 
 
 if __name__ == "__main__":
