@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 
 from lloyal.server._chat import ChatChoice, chat_events, chat_prompt, prepare, prompt_tokens
 from lloyal.server._engine import Event
-from lloyal.server._http import event_stream, primed, until_disconnect
+from lloyal.server._http import event_stream, primed, sse_json, until_disconnect
 from lloyal.server._protocol import ApiError, chat_request, parse_json
 from lloyal.server._state import State
 
@@ -48,7 +48,7 @@ def error_body(e: ApiError) -> dict[str, Any]:
 
 def _sse(body: dict[str, Any]) -> bytes:
     """An Anthropic event: its type on an ``event:`` line, then the data."""
-    return f"event: {body['type']}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+    return f"event: {body['type']}\ndata: {sse_json(body)}\n\n".encode()
 
 
 def _bad(message: str) -> ApiError:

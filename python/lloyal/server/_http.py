@@ -128,8 +128,21 @@ async def read_body(request: Request) -> object:
     return request.state.json
 
 
+# Characters that str.splitlines (and so line readers built on it, such as
+# httpx's iter_lines) take for line breaks, though SSE ends lines only at CR
+# and LF: escaped in an event's JSON, so such a client never cuts an event.
+_LINE_BREAKS = str.maketrans(
+    {c: f"\\u{ord(c):04x}" for c in "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+)
+
+
+def sse_json(obj: object) -> str:
+    """``obj`` as JSON for one SSE data line (UTF-8, line breaks escaped)."""
+    return json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)
+
+
 def sse(obj: object) -> bytes:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+    return f"data: {sse_json(obj)}\n\n".encode()
 
 
 async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
