@@ -55,3 +55,15 @@ def test_gpu_backends_are_the_gpu_devices() -> None:
     assert set(info.gpu_backends) == gpus
     if gpus:
         assert lloyal.supports_gpu_offload()
+
+
+def test_the_build_leaves_out_llama_cpps_amx_kernels() -> None:
+    """GCC 12 miscompiles llama.cpp's AMX matmul (the tile configuration's
+    row sizes are never stored), so on a CPU with AMX the first decode died
+    with SIGSEGV. The build undefines the AMX macros (.cargo/config.toml);
+    on such a CPU the AVX-512 kernels run instead. llama.cpp reports
+    AMX_INT8 only when its AMX code is compiled in and the CPU has it, so
+    this can fail only on an AMX host, where the rest of the suite would
+    crash too."""
+    info = lloyal.backend_info()
+    assert not any(f.startswith("AMX") for f in info.cpu_features), info.system_info
