@@ -7,6 +7,11 @@
   with the ``openai`` client, all requests at once (the server batches
   them its own way), what an SGLang-style frontend driving a server does.
 
+Beside them, the ceiling: the same prompts and token counts run by plain
+llama-cpp-2 calls with no lloyal code (``examples/raw_lockstep.rs``), one
+prompt at a time and all at once. Its ratio is what batching can buy on
+this host and model; run_batch's speed-up can only approach it.
+
 The program appends a prompt and generates ``--tokens`` tokens (end of
 text banned so every input generates the same number). Each way runs
 ``--runs`` times, taking turns; the table shows the best run's tok/s and
@@ -21,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import socket
 import subprocess
 import sys
@@ -28,7 +35,11 @@ import time
 from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 import lloyal
+from _common import build_example, run_json
 from lloyal.models import model_path
 
 BANNED = {t: -100.0 for t in range(3)}  # the test models' end tokens (ids 0-2)
@@ -81,6 +92,15 @@ async def _server(url: str, n: int, tokens: int) -> float:
     return seconds
 
 
+def _raw(path: Path, n: int, tokens: int, lanes: int, prompts: Path) -> float:
+    """Seconds plain llama.cpp takes for the workload, ``lanes`` prompts at
+    a time (``examples/raw_lockstep.rs``)."""
+    binary = build_example("raw_lockstep")
+    threads = str(os.cpu_count() or 1)
+    cmd = [str(binary), str(path), str(prompts), str(tokens), threads, str(lanes), "unified"]
+    return float(run_json(cmd)["seconds"])
+
+
 def _start_server(model: Path, n: int) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -115,10 +135,15 @@ def main() -> None:
 
     server = None if args.no_server else _start_server(path, n)
     best: dict[str, float] = {}
+    prompts = Path(f"/tmp/lloyal-program-prompts-{os.getpid()}.json")
+
+    raw: dict[str, float] = {}
+    tokens_of: list[list[int]] = []
 
     async def measure() -> None:
         async with await lloyal.create_context(path, n_ctx=128 * n, n_seq_max=n) as ctx:
             await _batch(ctx, min(n, 4), 4)  # warm-up
+            tokens_of.extend(ctx.tokenize_sync(_prompt(i)) for i in range(n))
             for _ in range(args.runs):
                 for name, run in (("sequential", _sequential), ("run_batch", _batch)):
                     seconds = await run(ctx, n, tokens)
@@ -129,7 +154,14 @@ def main() -> None:
 
     try:
         asyncio.run(measure())
+        # The ceiling, with lloyal's context closed (its KV memory freed).
+        prompts.write_text(json.dumps(tokens_of))
+        for _ in range(args.runs):
+            for name, lanes in (("raw, one", 1), ("raw, all", n)):
+                seconds = _raw(path, n, tokens, lanes, prompts)
+                raw[name] = min(raw.get(name, seconds), seconds)
     finally:
+        prompts.unlink(missing_ok=True)
         if server is not None:
             server[0].terminate()
             server[0].wait()
@@ -139,6 +171,14 @@ def main() -> None:
     for name, seconds in best.items():
         ratio = seconds / best["run_batch"]
         print(f"{name:<12} {seconds:8.2f} {total / seconds:8.1f} {ratio:18.2f}x")
+    ceiling = raw["raw, one"] / raw["raw, all"]
+    print("plain llama.cpp, the same prompts and tokens (examples/raw_lockstep.rs):")
+    for name, seconds in raw.items():
+        print(f"{name:<12} {seconds:8.2f} {total / seconds:8.1f}")
+    print(
+        f"ceiling: all at once is {ceiling:.2f}x one at a time; run_batch gets "
+        f"{best['sequential'] / best['run_batch']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -95,16 +95,75 @@ def test_forks_generating_together_cost_one_decode_per_step(model: Path) -> None
             assert lloyal.BranchStore(ctx).available == 0
             before = ctx.stats.decode_calls
             texts = await asyncio.gather(*(f.gen("story", max_tokens=8) for f in forks))
-            assert ctx.stats.decode_calls == before + 8  # 4 forks, one decode a step
+            # 4 forks, one decode a step; the 8th token of each is chosen
+            # and not decoded yet (nothing has needed it).
+            assert ctx.stats.decode_calls == before + 7
             assert all(
                 f["story"] == t and f.text.endswith(t) for f, t in zip(forks, texts, strict=True)
             )
             assert all(f.branch.position == forks[0].branch.position for f in forks)
+            await asyncio.gather(*(f.flush() for f in forks))
+            assert ctx.stats.decode_calls == before + 8
             await s.join(forks)
             assert all(f.closed for f in forks)
             assert forks[0]["story"] == texts[0]
             assert lloyal.BranchStore(ctx).available == 4
             assert "story" not in s  # a fork's captures are its own
+
+    run(main)
+
+
+def test_a_generations_last_token_is_decoded_with_what_comes_next(smollm2: Path) -> None:
+    """The last token of a generation is chosen, in the text and in the
+    sampler's history, but decoded only with the next append (one decode
+    for both), or never if the program ends; what follows sees the same
+    logits either way."""
+
+    async def main() -> None:
+        async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=2) as ctx:
+            async with await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY) as s:
+                s += "Once upon a time"
+                await s.flush()
+                start = s.branch.position
+                before = ctx.stats.decode_calls
+                story = await s.gen("story", max_tokens=5)
+                assert ctx.stats.decode_calls == before + 4
+                assert s.branch.position == start + 4
+                s += ". The end"
+                before = ctx.stats.decode_calls
+                after = await s.gen("after", max_tokens=3)
+                assert ctx.stats.decode_calls == before + 3  # the append and 5th token: one
+                assert (
+                    s.branch.position
+                    == start + 5 + len(ctx.tokenize_sync(". The end", add_special=False)) + 2
+                )
+            # The same text decoded as a prompt gives the same next tokens.
+            b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+            await b.prefill(ctx.tokenize_sync("Once upon a time" + story + ". The end"))
+            assert (await b.produce()).text == after[: len((await b.produce()).text)]
+            await b.prune()
+
+    run(main)
+
+
+def test_a_generation_right_after_a_stop_string_goes_on_from_the_cut(smollm2: Path) -> None:
+    """Whether the stop string cut the generation after some tokens or at
+    its first, the branch is left with logits to go on from: a second
+    generation needs no append in between."""
+
+    async def main() -> None:
+        async with (
+            await lloyal.create_context(smollm2, n_ctx=512) as ctx,
+            await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY) as s,
+        ):
+            s += "1, 2, 3, 4,"
+            a = await s.gen("a", max_tokens=8, stop=",")
+            assert a == " 5"
+            empty = await s.gen("b", max_tokens=8, stop=",")  # stops at once
+            assert empty == ""
+            again = await s.gen("c", max_tokens=1)
+            assert again == ","
+            assert s.text == "1, 2, 3, 4, 5,"
 
     run(main)
 
@@ -125,7 +184,9 @@ def test_stop_strings_are_cut_from_the_text_and_the_kv(smollm2: Path) -> None:
             a = await s.gen("a", max_tokens=8, stop=",")
             assert a == " 5"
             assert s.text == "1, 2, 3, 4, 5"
-            # The branch holds " 5" and not the comma after it.
+            # The branch holds " 5" (its last token once flushed) and not
+            # the comma after it.
+            await s.flush()
             assert s.branch.position == start + len(ctx.tokenize_sync(a, add_special=False))
             s += ","
             b = await s.gen("b", max_tokens=8, stop=[",", "\n"])

@@ -53,6 +53,10 @@ class ProgramState:
         self._chat = chat
         self._text = ""
         self._pending = ""
+        # Tokens chosen (accepted by the sampler) and not decoded yet: a
+        # generation's last token waits for whatever comes next, so that it
+        # is decoded with it, or never if the state ends.
+        self._deferred: list[int] = []
         self._captures: dict[str, Any] = {}
         self._scores: dict[str | None, list[tuple[float, int]]] = {}
         self._forks = 0  # forks made so far (their seeds differ)
@@ -109,8 +113,9 @@ class ProgramState:
 
     @property
     def branch(self) -> Branch:
-        """The branch holding the decoded text (pending appends are decoded
-        by the next ``gen``, ``select``, ``fork`` or :meth:`flush`)."""
+        """The branch holding the decoded text. Pending appends, and the
+        last token of the last generation, are decoded by the next
+        ``gen``, ``select``, ``fork`` or :meth:`flush`."""
         return self._live()
 
     def __getitem__(self, name: str) -> Any:
@@ -145,17 +150,23 @@ class ProgramState:
         return self._branch
 
     async def flush(self) -> None:
-        """Decode what was appended and not decoded yet."""
+        """Decode what was appended and not decoded yet (with the last
+        generated token, which waits for this: a program that ends after
+        a generation never decodes it), in one decode."""
         branch = self._live()
-        if not self._pending:
+        if not self._pending and not self._deferred:
             return
-        first = branch.position == 0
-        tokens = self._ctx.tokenize_sync(self._pending, add_special=first)
-        bos = self._ctx.bos_token
-        if first and len(tokens) > 1 and tokens[0] == tokens[1] == bos:
-            tokens = tokens[1:]  # the template wrote BOS and the tokenizer added one
+        tokens = list(self._deferred)
+        if self._pending:
+            first = branch.position == 0 and not tokens
+            text = self._ctx.tokenize_sync(self._pending, add_special=first)
+            bos = self._ctx.bos_token
+            if first and len(text) > 1 and text[0] == text[1] == bos:
+                text = text[1:]  # the template wrote BOS and the tokenizer added one
+            tokens += text
         await branch.prefill(tokens)
         self._pending = ""
+        self._deferred = []
 
     # -- generation ------------------------------------------------------------
 
@@ -232,31 +243,48 @@ class ProgramState:
         if grammar is not None:
             branch.set_grammar(**grammar)
         start = branch.position
+        # Where a stop string cuts every generated token off, the branch
+        # goes back to here, logits and all.
+        logits_at_start = branch.logits if stops else None
         stream = TextStream(self._ctx)
-        text, ends, shown = "", [], 0
+        text, ends, tokens, shown = "", [], [], 0
         hold = max((len(s) for s in stops), default=1) - 1
         cut: int | None = None
         try:
-            for _ in range(max_tokens):
+            for k in range(max_tokens):
                 produced = await branch.produce()
                 if produced.is_stop:
                     break
-                await branch.commit(produced.token)
+                last = k == max_tokens - 1
+                if last:
+                    branch.accept(produced.token)  # decoded by the next flush
+                else:
+                    await branch.commit(produced.token)
+                tokens.append(produced.token)
                 before = len(text)
                 text += stream.push(produced.token)
                 ends.append(len(text))
                 cut = _find_stop(text, stops, before)
                 if cut is not None:
                     break
+                if last:
+                    self._deferred.append(produced.token)
                 safe = len(text) - hold
                 if safe > shown:
                     yield text[shown:safe]
                     shown = safe
             if cut is not None:
-                # Keep the tokens wholly before the stop string; the rest of
-                # the text before it is appended again as text.
+                # Keep the tokens wholly before the stop string, the last of
+                # them undecoded (as after any generation, so the branch has
+                # logits to go on from); the rest of the text before the stop
+                # is appended again as text.
                 keep = sum(1 for e in ends if e <= cut)
-                await branch.truncate(start + keep)
+                if keep == 0:
+                    if branch.position > start:
+                        await branch.truncate(start, logits=logits_at_start)
+                elif branch.position > start + keep:
+                    await branch.truncate(start + keep - 1)
+                    self._deferred.append(tokens[keep - 1])
                 self._pending += text[(ends[keep - 1] if keep else 0) : cut]
             else:
                 text += stream.flush()
@@ -402,6 +430,7 @@ class ProgramState:
         state._chat.messages = [dict(m) for m in data["messages"]]
         state._text = data["text"]
         state._pending = ""
+        state._deferred = []
         state._captures = dict(data["captures"])
         state._scores = dict(data["scores"])
         state._forks = 0
