@@ -11,8 +11,11 @@
 //! all at once.
 //!
 //! `KV` is `unified` (lloyal's layout: one cell pool that every sequence
-//! shares, so each token's attention scans every used cell) or `split`
-//! (one stream of cells per sequence, as llama-server runs its slots).
+//! shares, so each token's attention scans every used cell), `unified63`
+//! (the same, each step's tokens decoded in decodes of at most 63, as
+//! lloyal's worker decodes many commits when attention dominates: docs/
+//! batching.md, "Many sequences") or `split` (one stream of cells per
+//! sequence, as llama-server runs its slots).
 //!
 //! ```text
 //! cargo run --example raw_lockstep -- MODEL PROMPTS.json STEPS N_THREADS LANES KV
@@ -36,17 +39,19 @@ fn main() -> AnyResult<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() != 7 {
         return Err(
-            "usage: raw_lockstep MODEL PROMPTS.json STEPS N_THREADS LANES unified|split".into(),
+            "usage: raw_lockstep MODEL PROMPTS.json STEPS N_THREADS LANES unified|unified63|split"
+                .into(),
         );
     }
     let prompts: Vec<Vec<i32>> = serde_json::from_str(&std::fs::read_to_string(&args[2])?)?;
     let steps: usize = args[3].parse()?;
     let n_threads: i32 = args[4].parse()?;
     let lanes: usize = args[5].parse()?;
-    let unified = match args[6].as_str() {
-        "unified" => true,
-        "split" => false,
-        other => return Err(format!("KV is unified or split, not {other:?}").into()),
+    let (unified, most_rows) = match args[6].as_str() {
+        "unified" => (true, usize::MAX),
+        "unified63" => (true, 63),
+        "split" => (false, usize::MAX),
+        other => return Err(format!("KV is unified, unified63 or split, not {other:?}").into()),
     };
     if prompts.is_empty() || prompts.iter().any(Vec::is_empty) || lanes == 0 {
         return Err("need at least one lane and one non-empty prompt".into());
@@ -100,8 +105,7 @@ fn main() -> AnyResult<()> {
         let t = Instant::now();
         let lens: Vec<i32> = group.iter().map(|p| p.len() as i32).collect();
         for k in 0..steps as i32 {
-            step_at(&mut ctx, &mut batch, &mut next, &lens, k)?;
-            decodes += 1;
+            decodes += step_at(&mut ctx, &mut batch, &mut next, &lens, k, most_rows)?;
         }
         step_s += t.elapsed().as_secs_f64();
     }
@@ -122,21 +126,30 @@ fn main() -> AnyResult<()> {
 }
 
 /// One lockstep step: sequence `s` decodes `next[s]` at position
-/// `lens[s] + k`, all in one `llama_decode`; then each row's greedy token.
+/// `lens[s] + k`, in decodes of at most `most_rows` tokens (one, when it is
+/// at least the number of sequences); then each row's greedy token. The
+/// number of decodes.
 fn step_at(
     ctx: &mut llama_cpp_2::context::LlamaContext<'_>,
     batch: &mut LlamaBatch<'_>,
     next: &mut [i32],
     lens: &[i32],
     k: i32,
-) -> AnyResult<()> {
-    batch.clear();
-    for (seq, &t) in next.iter().enumerate() {
-        batch.add(LlamaToken(t), lens[seq] + k, &[seq as i32], true)?;
+    most_rows: usize,
+) -> AnyResult<usize> {
+    let mut decodes = 0;
+    for (c, chunk) in next.chunks_mut(most_rows).enumerate() {
+        let first = c * most_rows;
+        batch.clear();
+        for (row, &t) in chunk.iter().enumerate() {
+            let seq = first + row;
+            batch.add(LlamaToken(t), lens[seq] + k, &[seq as i32], true)?;
+        }
+        ctx.decode(batch)?;
+        decodes += 1;
+        for (row, t) in chunk.iter_mut().enumerate() {
+            *t = argmax(ctx.get_logits_ith(row as i32));
+        }
     }
-    ctx.decode(batch)?;
-    for (row, t) in next.iter_mut().enumerate() {
-        *t = argmax(ctx.get_logits_ith(row as i32));
-    }
-    Ok(())
+    Ok(decodes)
 }
