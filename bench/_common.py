@@ -41,6 +41,13 @@ def median(xs: list[float]) -> float:
 
 VENV = Path.home() / ".cache" / "lloyal" / "bench-venv"
 
+# The llama.cpp peers are compiled as lloyal is (.cargo/config.toml): with
+# llama.cpp's AMX kernels left out. GCC 12 miscompiles them (SIGSEGV at the
+# first decode on a CPU with AMX), and with them the peers would run other
+# kernels than lloyal on such a CPU.
+NO_AMX = "-U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__"
+CMAKE_NO_AMX = [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+
 
 def llama_cpp_python(extra: str = "") -> Path:
     """The python of a venv with llama-cpp-python (``extra``: e.g.
@@ -52,7 +59,8 @@ def llama_cpp_python(extra: str = "") -> Path:
     probe = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True)
     if probe.returncode != 0:
         print("building llama-cpp-python in", VENV, "(several minutes)", file=sys.stderr)
-        env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON"}
+        flags = " ".join(f"'{f}'" for f in CMAKE_NO_AMX)
+        env = {**os.environ, "CMAKE_ARGS": f"-DGGML_NATIVE=ON {flags}"}
         subprocess.run(
             [str(python), "-m", "pip", "install", "-q", f"llama-cpp-python{extra}"],
             check=True,

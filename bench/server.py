@@ -58,7 +58,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lloyal
-from _common import llama_cpp_python
+from _common import CMAKE_NO_AMX, llama_cpp_python
 from lloyal.models import model_path
 
 CACHE = Path.home() / ".cache" / "lloyal"
@@ -143,6 +143,7 @@ def llama_server() -> tuple[Path, str]:
                 "-DLLAMA_BUILD_SERVER=ON",
                 "-DLLAMA_BUILD_TESTS=OFF",
                 "-DLLAMA_BUILD_EXAMPLES=OFF",
+                *CMAKE_NO_AMX,
             ],
             check=True,
             capture_output=True,
