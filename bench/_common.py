@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,21 @@ def run_json(cmd: list[str]) -> dict[str, Any]:
     if out.returncode != 0:
         sys.exit(f"{cmd[0]} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def raw_lockstep(
+    model: Path, prompts: list[list[int]], steps: int, threads: int, lanes: int, kv: str
+) -> dict[str, Any]:
+    """Plain llama-cpp-2 over ``prompts``, ``lanes`` at a time, ``steps``
+    lockstep steps each, ``kv`` layout (``examples/raw_lockstep.rs``): its
+    JSON answer (``seconds``, ``prefill_seconds``, ``step_seconds``,
+    ``decodes``)."""
+    binary = build_example("raw_lockstep")
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(prompts, f)
+        f.flush()
+        cmd = [binary, model, f.name, steps, threads, lanes, kv]
+        return run_json([str(x) for x in cmd])
 
 
 def median(xs: list[float]) -> float:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 from pathlib import Path
@@ -39,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lloyal
-from _common import build_example, run_json
+from _common import raw_lockstep
 from lloyal.models import model_path
 
 
@@ -61,14 +60,12 @@ def main() -> None:
     args = parser.parse_args()
     path = Path(args.model) if Path(args.model).exists() else model_path(args.model)
     clients = [int(c) for c in args.clients.split(",")]
-    binary = build_example("raw_lockstep")
 
     async def tokenize() -> list[list[int]]:
         async with await lloyal.create_context(path, n_ctx=256) as ctx:
             return [ctx.tokenize_sync(_prompt(i)) for i in range(max(clients))]
 
     tokens = asyncio.run(tokenize())
-    prompts = Path(f"/tmp/lloyal-kv-streams-{os.getpid()}.json")
     print(
         f"{path.name}: prompts of {min(map(len, tokens))}-{max(map(len, tokens))} tokens, "
         f"{args.steps} steps, {args.threads} threads, best of {args.runs} runs"
@@ -78,23 +75,18 @@ def main() -> None:
         f"{'clients':>7} {'unified':>9} {'unified63':>10} {'split':>7}"
         f" {'split/unified':>14} {'split/unified63':>16}"
     )
-    try:
-        for c in clients:
-            prompts.write_text(json.dumps(tokens[:c]))
-            best: dict[str, float] = {}
-            for _ in range(args.runs):
-                for kv in ("unified", "unified63", "split"):
-                    cmd = [str(binary), str(path), str(prompts), str(args.steps)]
-                    out = run_json([*cmd, str(args.threads), str(c), kv])
-                    seconds = out["step_seconds"] / args.steps
-                    best[kv] = min(best.get(kv, seconds), seconds)
-            ms = {kv: seconds * 1e3 for kv, seconds in best.items()}
-            print(
-                f"{c:>7} {ms['unified']:9.1f} {ms['unified63']:10.1f} {ms['split']:7.1f}"
-                f" {ms['unified'] / ms['split']:13.2f}x {ms['unified63'] / ms['split']:15.2f}x"
-            )
-    finally:
-        prompts.unlink(missing_ok=True)
+    for c in clients:
+        best: dict[str, float] = {}
+        for _ in range(args.runs):
+            for kv in ("unified", "unified63", "split"):
+                out = raw_lockstep(path, tokens[:c], args.steps, args.threads, c, kv)
+                seconds = out["step_seconds"] / args.steps
+                best[kv] = min(best.get(kv, seconds), seconds)
+        ms = {kv: seconds * 1e3 for kv, seconds in best.items()}
+        print(
+            f"{c:>7} {ms['unified']:9.1f} {ms['unified63']:10.1f} {ms['split']:7.1f}"
+            f" {ms['unified'] / ms['split']:13.2f}x {ms['unified63'] / ms['split']:15.2f}x"
+        )
 
 
 if __name__ == "__main__":

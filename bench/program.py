@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import socket
 import subprocess
@@ -39,7 +38,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lloyal
-from _common import build_example, run_json
+from _common import raw_lockstep
 from lloyal.models import model_path
 
 BANNED = {t: -100.0 for t in range(3)}  # the test models' end tokens (ids 0-2)
@@ -92,15 +91,6 @@ async def _server(url: str, n: int, tokens: int) -> float:
     return seconds
 
 
-def _raw(path: Path, n: int, tokens: int, lanes: int, prompts: Path) -> float:
-    """Seconds plain llama.cpp takes for the workload, ``lanes`` prompts at
-    a time (``examples/raw_lockstep.rs``)."""
-    binary = build_example("raw_lockstep")
-    threads = str(os.cpu_count() or 1)
-    cmd = [str(binary), str(path), str(prompts), str(tokens), threads, str(lanes), "unified"]
-    return float(run_json(cmd)["seconds"])
-
-
 def _start_server(model: Path, n: int) -> tuple[subprocess.Popen[bytes], str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -135,7 +125,6 @@ def main() -> None:
 
     server = None if args.no_server else _start_server(path, n)
     best: dict[str, float] = {}
-    prompts = Path(f"/tmp/lloyal-program-prompts-{os.getpid()}.json")
 
     raw: dict[str, float] = {}
     tokens_of: list[list[int]] = []
@@ -155,13 +144,12 @@ def main() -> None:
     try:
         asyncio.run(measure())
         # The ceiling, with lloyal's context closed (its KV memory freed).
-        prompts.write_text(json.dumps(tokens_of))
+        threads = os.cpu_count() or 1
         for _ in range(args.runs):
             for name, lanes in (("raw, one", 1), ("raw, all", n)):
-                seconds = _raw(path, n, tokens, lanes, prompts)
-                raw[name] = min(raw.get(name, seconds), seconds)
+                out = raw_lockstep(path, tokens_of, tokens, threads, lanes, "unified")
+                raw[name] = min(raw.get(name, out["seconds"]), out["seconds"])
     finally:
-        prompts.unlink(missing_ok=True)
         if server is not None:
             server[0].terminate()
             server[0].wait()

@@ -53,10 +53,10 @@ class ProgramState:
         self._chat = chat
         self._text = ""
         self._pending = ""
-        # Tokens chosen (accepted by the sampler) and not decoded yet: a
-        # generation's last token waits for whatever comes next, so that it
-        # is decoded with it, or never if the state ends.
-        self._deferred: list[int] = []
+        # A generation's last token: chosen (accepted by the sampler), not
+        # decoded yet. It waits for whatever comes next, so that it is
+        # decoded with it, or never if the state ends.
+        self._deferred: int | None = None
         self._captures: dict[str, Any] = {}
         self._scores: dict[str | None, list[tuple[float, int]]] = {}
         self._forks = 0  # forks made so far (their seeds differ)
@@ -154,9 +154,9 @@ class ProgramState:
         generated token, which waits for this: a program that ends after
         a generation never decodes it), in one decode."""
         branch = self._live()
-        if not self._pending and not self._deferred:
+        if not self._pending and self._deferred is None:
             return
-        tokens = list(self._deferred)
+        tokens = [] if self._deferred is None else [self._deferred]
         if self._pending:
             first = branch.position == 0 and not tokens
             text = self._ctx.tokenize_sync(self._pending, add_special=first)
@@ -166,7 +166,7 @@ class ProgramState:
             tokens += text
         await branch.prefill(tokens)
         self._pending = ""
-        self._deferred = []
+        self._deferred = None
 
     # -- generation ------------------------------------------------------------
 
@@ -268,7 +268,7 @@ class ProgramState:
                 if cut is not None:
                     break
                 if last:
-                    self._deferred.append(produced.token)
+                    self._deferred = produced.token
                 safe = len(text) - hold
                 if safe > shown:
                     yield text[shown:safe]
@@ -284,7 +284,7 @@ class ProgramState:
                         await branch.truncate(start, logits=logits_at_start)
                 elif branch.position > start + keep:
                     await branch.truncate(start + keep - 1)
-                    self._deferred.append(tokens[keep - 1])
+                    self._deferred = tokens[keep - 1]
                 self._pending += text[(ends[keep - 1] if keep else 0) : cut]
             else:
                 text += stream.flush()
@@ -430,7 +430,7 @@ class ProgramState:
         state._chat.messages = [dict(m) for m in data["messages"]]
         state._text = data["text"]
         state._pending = ""
-        state._deferred = []
+        state._deferred = None
         state._captures = dict(data["captures"])
         state._scores = dict(data["scores"])
         state._forks = 0
