@@ -113,14 +113,18 @@ def test_forks_generating_together_cost_one_decode_per_step(model: Path) -> None
     run(main)
 
 
+@pytest.mark.deterministic_first
 def test_a_generations_last_token_is_decoded_with_what_comes_next(smollm2: Path) -> None:
     """The last token of a generation is chosen, in the text and in the
     sampler's history, but decoded only with the next append (one decode
     for both), or never if the program ends; what follows sees the same
-    logits either way."""
+    logits either way (a deterministic context: the comparison with a
+    plain prefill does not hang on how the decodes were split)."""
 
     async def main() -> None:
-        async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=2) as ctx:
+        async with await lloyal.create_context(
+            smollm2, n_ctx=512, n_seq_max=2, deterministic=True
+        ) as ctx:
             async with await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY) as s:
                 s += "Once upon a time"
                 await s.flush()
