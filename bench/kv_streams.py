@@ -17,14 +17,25 @@ see. lloyal's worker therefore decodes many commits in decodes of at most
 
 This measures all of it with no lloyal code in the loop
 (``examples/raw_lockstep.rs``): C distinct prompts of a server-like length
-prefilled together, then ``--steps`` lockstep greedy steps, in three
-layouts taking turns: unified KV with one decode a step, unified KV in
-decodes of at most 63 tokens (what lloyal does), and split KV with one
-decode a step. Printed per C: milliseconds per step in each, and how much
-faster split KV is than each unified layout.
+prefilled together, then ``--steps`` lockstep greedy steps, in four
+layouts taking turns:
 
-    python bench/kv_streams.py [--model smollm2|gemma3|PATH] [--clients 8,32,64]
-                               [--steps 128] [--runs 2]
+- ``unified``: unified KV, one decode a step, upstream's attention kernel
+  (the project's patch switched off for the run);
+- ``unified63``: the same in decodes of at most 63 tokens (what lloyal's
+  worker did before the patch);
+- ``split``: one KV stream per sequence, upstream's kernel (llama-server's
+  slots);
+- ``patched``: unified KV, one decode a step, with the project's flash
+  attention patch (patches/llama.cpp/0001-*: each row reads only the cells
+  it may see). This is what lloyal runs.
+
+Printed per C: milliseconds per step (best of ``--runs``, and min/median/max
+over the runs of each layout so the host's noise shows), and each unified
+layout's speed as a fraction of split KV's (>= 1.0: as fast as split).
+
+    python bench/kv_streams.py [--model smollm2|gemma3|PATH] [--clients 8,32,64,128]
+                               [--steps 128] [--runs 2] [--layouts unified,unified63,split,patched]
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lloyal
-from _common import raw_lockstep
+from _common import median, raw_lockstep
 from lloyal.models import model_path
 
 
@@ -50,16 +61,30 @@ def _prompt(i: int) -> str:
     )
 
 
+LAYOUTS = {
+    # name: (raw_lockstep's KV argument, upstream attention)
+    "unified": ("unified", True),
+    "unified63": ("unified63", True),
+    "split": ("split", True),
+    "patched": ("unified", False),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--clients", default="8,32,64")
+    parser.add_argument("--clients", default="8,32,64,128")
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
     path = Path(args.model) if Path(args.model).exists() else model_path(args.model)
     clients = [int(c) for c in args.clients.split(",")]
+    layouts = [name for name in args.layouts.split(",") if name]
+    unknown = set(layouts) - set(LAYOUTS)
+    if unknown or "split" not in layouts:
+        parser.error(f"--layouts: names from {sorted(LAYOUTS)}, split among them")
 
     async def tokenize() -> list[list[int]]:
         async with await lloyal.create_context(path, n_ctx=256) as ctx:
@@ -68,25 +93,29 @@ def main() -> None:
     tokens = asyncio.run(tokenize())
     print(
         f"{path.name}: prompts of {min(map(len, tokens))}-{max(map(len, tokens))} tokens, "
-        f"{args.steps} steps, {args.threads} threads, best of {args.runs} runs"
+        f"{args.steps} steps, {args.threads} threads, {args.runs} runs a layout, layouts in turn"
     )
-    print("ms per step, and how much faster split KV is than each unified layout:")
+    others = [name for name in layouts if name != "split"]
+    print("ms per step (best; min/median/max over runs), and speed as a fraction of split KV's:")
     print(
-        f"{'clients':>7} {'unified':>9} {'unified63':>10} {'split':>7}"
-        f" {'split/unified':>14} {'split/unified63':>16}"
+        f"{'clients':>7} "
+        + " ".join(f"{name:>24}" for name in layouts)
+        + "  "
+        + " ".join(f"{name + '/split':>16}" for name in others)
     )
     for c in clients:
-        best: dict[str, float] = {}
+        times: dict[str, list[float]] = {name: [] for name in layouts}
         for _ in range(args.runs):
-            for kv in ("unified", "unified63", "split"):
-                out = raw_lockstep(path, tokens[:c], args.steps, args.threads, c, kv)
-                seconds = out["step_seconds"] / args.steps
-                best[kv] = min(best.get(kv, seconds), seconds)
-        ms = {kv: seconds * 1e3 for kv, seconds in best.items()}
-        print(
-            f"{c:>7} {ms['unified']:9.1f} {ms['unified63']:10.1f} {ms['split']:7.1f}"
-            f" {ms['unified'] / ms['split']:13.2f}x {ms['unified63'] / ms['split']:15.2f}x"
-        )
+            for name in layouts:
+                kv, upstream = LAYOUTS[name]
+                out = raw_lockstep(path, tokens[:c], args.steps, args.threads, c, kv, upstream)
+                times[name].append(out["step_seconds"] / args.steps * 1e3)
+        cells = []
+        for name in layouts:
+            t = times[name]
+            cells.append(f"{min(t):7.1f} ({min(t):.0f}/{median(t):.0f}/{max(t):.0f})".rjust(24))
+        ratios = [f"{min(times['split']) / min(times[name]):15.2f}x" for name in others]
+        print(f"{c:>7} " + " ".join(cells) + "  " + " ".join(ratios), flush=True)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@
 # skips the module).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+scripts/patch_llama.sh
 
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/lloyal/target-wheel}"
 DIST="${DIST:-dist}"
