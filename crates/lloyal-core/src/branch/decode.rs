@@ -24,9 +24,6 @@ struct Part {
     to: usize,
 }
 
-/// See `Worker::single_tokens_cap`: ggml's `GGML_FA_TILE_Q`.
-const FA_TILE_TOKENS: usize = 64;
-
 /// Rows a batch asked logits for: (part, batch row, greedy) of each part's
 /// last token, and (part, batch row) of every token of an `all_rows` group.
 #[derive(Default)]
@@ -338,21 +335,17 @@ impl Worker<'_> {
         captured: &mut [Captured],
     ) -> Result<()> {
         let total: usize = parts.iter().map(|p| p.to - p.from).sum();
-        let cap = self.single_tokens_cap(parts);
         let mut rows = Rows::default();
         let mut added = 0usize;
-        let mut in_singles = false;
         self.batch.clear();
         for (i, p) in parts.iter().enumerate() {
-            let single = p.to - p.from == 1;
-            // A capped run of single tokens is decoded on its own, and so
-            // is each adapter set's run of parts (see `by_adapters`).
+            // Each adapter set's run of parts is decoded on its own (see
+            // `by_adapters`).
             let set_changes = i > 0 && work(step, &parts[i - 1]).adapters != work(step, p).adapters;
-            if (set_changes || (in_singles && !single)) && self.batch.n_tokens() > 0 {
+            if set_changes && self.batch.n_tokens() > 0 {
                 self.flush(&mut rows, captured)?;
             }
             self.use_adapters(&work(step, p).adapters)?;
-            in_singles = cap.is_some() && single;
             let keep_all = step.groups[p.group].all_rows;
             let w = work(step, p);
             for j in p.from..p.to {
@@ -373,12 +366,7 @@ impl Worker<'_> {
                     )
                     .map_err(|e| Error::Internal(format!("batch add: {e}")))?;
                 added += 1;
-                let n = self.batch.n_tokens() as usize;
-                let limit = match cap {
-                    Some(c) if in_singles => c,
-                    _ => self.n_batch,
-                };
-                if n >= limit || added == total {
+                if self.batch.n_tokens() as usize >= self.n_batch || added == total {
                     self.flush(&mut rows, captured)?;
                 }
             }
@@ -401,33 +389,6 @@ impl Worker<'_> {
         }
         self.batch.clear();
         Ok(())
-    }
-
-    /// How many single tokens (commits, of as many sequences) one decode
-    /// should hold, when fewer than `n_batch`. ggml's CPU flash attention
-    /// runs a batch of at least `FA_TILE_TOKENS` tokens through its tiled
-    /// kernel, which computes every KV tile that any of 64 consecutive
-    /// batch tokens may see: for tokens of 64 different sequences, about
-    /// every cell in use, however few each sequence has. Below that size it
-    /// skips each cell a token may not see. When that waste outweighs
-    /// reading the weights once more -- attention over every cell in use
-    /// costing over half the matmuls, counted in FLOPs per token as
-    /// `2 cells n_layer n_embd` against `n_params` -- commits go in decodes
-    /// of `FA_TILE_TOKENS - 1`. On the 2-core development VM, SmolLM2 with
-    /// 64 sequences of ~110 cells each: 674 ms per 64-token decode, 2 x
-    /// 145 ms split (docs/batching.md). GPU contexts are left alone.
-    fn single_tokens_cap(&self, parts: &[Part]) -> Option<usize> {
-        let singles = parts.iter().filter(|p| p.to - p.from == 1).count();
-        if singles < FA_TILE_TOKENS
-            || self.n_batch < FA_TILE_TOKENS
-            || (self.params.n_gpu_layers.offloads() && crate::backend::supports_gpu_offload())
-        {
-            return None;
-        }
-        let info = self.model.info();
-        let cells = lock(&self.shared.branches).cells_held() as f64;
-        let attention = 2.0 * cells * f64::from(info.n_layer) * f64::from(info.n_embd);
-        (attention > 0.5 * info.n_params.max(1) as f64).then_some(FA_TILE_TOKENS - 1)
     }
 
     /// Answer a finished group: a failed one is put back as it was; a
