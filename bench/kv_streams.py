@@ -34,8 +34,15 @@ Printed per C: milliseconds per step (best of ``--runs``, and min/median/max
 over the runs of each layout so the host's noise shows), and each unified
 layout's speed as a fraction of split KV's (>= 1.0: as fast as split).
 
+Then one sequence, where the patch must cost nothing: a ``--one``-token
+prompt prefilled in one decode (the tiled kernel's causal rows), then
+``--steps`` single-token decodes over its cells (the kernel that splits
+them among threads), patched and upstream taking turns; the ratio is
+upstream's time over the patch's (>= 1.0: the patch is no slower).
+
     python bench/kv_streams.py [--model smollm2|gemma3|PATH] [--clients 8,32,64,128]
                                [--steps 128] [--runs 2] [--layouts unified,unified63,split,patched]
+                               [--one 512]
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--one", type=int, default=512, help="one sequence's prompt (0: skip)")
     args = parser.parse_args()
     path = Path(args.model) if Path(args.model).exists() else model_path(args.model)
     clients = [int(c) for c in args.clients.split(",")]
@@ -87,8 +95,10 @@ def main() -> None:
         parser.error(f"--layouts: names from {sorted(LAYOUTS)}, split among them")
 
     async def tokenize() -> list[list[int]]:
+        # enough prompts for the one-sequence prompt too (~40 tokens each)
+        n = max(max(clients), args.one // 30 + 1)
         async with await lloyal.create_context(path, n_ctx=256) as ctx:
-            return [ctx.tokenize_sync(_prompt(i)) for i in range(max(clients))]
+            return [ctx.tokenize_sync(_prompt(i)) for i in range(n)]
 
     tokens = asyncio.run(tokenize())
     print(
@@ -116,6 +126,36 @@ def main() -> None:
             cells.append(f"{min(t):7.1f} ({min(t):.0f}/{median(t):.0f}/{max(t):.0f})".rjust(24))
         ratios = [f"{min(times['split']) / min(times[name]):15.2f}x" for name in others]
         print(f"{c:>7} " + " ".join(cells) + "  " + " ".join(ratios), flush=True)
+    if args.one:
+        one_sequence(path, tokens, args)
+
+
+def one_sequence(path: Path, tokens: list[list[int]], args: argparse.Namespace) -> None:
+    """One prompt of ``args.one`` tokens and ``args.steps`` decodes, with the
+    patch and without, taking turns."""
+    prompt = [t for p in tokens for t in p][: args.one]
+    got: dict[str, dict[str, list[float]]] = {
+        name: {"prefill": [], "decode": []} for name in ("upstream", "patched")
+    }
+    for _ in range(max(args.runs, 3)):
+        for name in got:
+            out = raw_lockstep(
+                path, [prompt], args.steps, args.threads, 1, "unified", name == "upstream"
+            )
+            got[name]["prefill"].append(out["prefill_seconds"] * 1e3)
+            got[name]["decode"].append(out["step_seconds"] / args.steps * 1e3)
+    print(
+        f"one sequence: {len(prompt)}-token prompt in one decode, then {args.steps} decodes "
+        "(ms; min/median/max; upstream/patched >= 1.0: the patch is no slower)"
+    )
+    for what in ("prefill", "decode"):
+        up, pa = got["upstream"][what], got["patched"][what]
+        print(
+            f"  {what:>7}: upstream {min(up):.1f} ({min(up):.1f}/{median(up):.1f}/{max(up):.1f})"
+            f"  patched {min(pa):.1f} ({min(pa):.1f}/{median(pa):.1f}/{max(pa):.1f})"
+            f"  upstream/patched {min(up) / min(pa):.2f}x (medians {median(up) / median(pa):.2f}x)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
