@@ -20,34 +20,21 @@ and compares what came out:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests._hang import HANG_GUARD_S
+from tests._child import run_child
 
 CHILD = Path(__file__).with_name("attention_child.py")
 SWITCH = "GGML_CPU_DISABLE_FA_SPARSE"
 
 
 def run(model: Path, scenario: str, *, patched: bool) -> list[list[dict[str, Any]]]:
-    env = {k: v for k, v in os.environ.items() if k not in (SWITCH, "GGML_CPU_TILED_MM")}
-    if not patched:
-        env[SWITCH] = "1"
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), str(model), scenario],
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-        env=env,
+    steps: list[list[dict[str, Any]]] = run_child(
+        CHILD, str(model), scenario, env={} if patched else {SWITCH: "1"}
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    steps: list[list[dict[str, Any]]] = json.loads(proc.stdout.strip().splitlines()[-1])
     return steps
 
 

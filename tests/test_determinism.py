@@ -12,7 +12,6 @@ has decoded long before these tests run."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -22,22 +21,14 @@ from typing import Any
 import lloyal
 import pytest
 
+from tests._child import run_child
 from tests._hang import HANG_GUARD_S
 
 CHILD = Path(__file__).with_name("determinism_child.py")
 
 
 def run_check(model: Path, check: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k != "GGML_CPU_TILED_MM"}
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), str(model), check],
-        capture_output=True,
-        text=True,
-        timeout=HANG_GUARD_S,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = run_child(CHILD, str(model), check)
     return result
 
 

@@ -159,288 +159,221 @@ fn with_distances(base: Vec<Vec<u16>>) -> Vec<Vec<u16>> {
         .collect()
 }
 
+impl Case {
+    /// `shape`: head size (K and V), query heads, KV heads.
+    fn new(
+        name: &'static str,
+        shape: (i64, i64, i64),
+        kv: Kv,
+        mask: Vec<Vec<u16>>,
+        outcome: Outcome,
+    ) -> Self {
+        let (dk, heads, kv_heads) = shape;
+        Case {
+            name,
+            dk,
+            heads,
+            kv_heads,
+            n_q: mask.len() as i64,
+            n_kv: mask[0].len() as i64,
+            kv,
+            mask: vec![mask],
+            softcap: 0.0,
+            max_bias: 0.0,
+            sinks: false,
+            outcome,
+        }
+    }
+    fn softcap(mut self, cap: f32) -> Self {
+        self.softcap = cap;
+        self
+    }
+    fn alibi(mut self, max_bias: f32) -> Self {
+        self.max_bias = max_bias;
+        self
+    }
+    fn sinks(mut self) -> Self {
+        self.sinks = true;
+        self
+    }
+    /// One mask per query head (mask->ne[2] == heads).
+    fn per_head(mut self, masks: Vec<Vec<Vec<u16>>>) -> Self {
+        self.mask = masks;
+        self
+    }
+}
+
 fn cases() -> Vec<Case> {
+    use Kv::{F16, Q8};
+    use Outcome::{Close, SameBits};
+    const SMOL: (i64, i64, i64) = (64, 9, 3); // SmolLM2's attention
+    const GEMMA: (i64, i64, i64) = (256, 4, 1); // Gemma 3 270M's
+    const MID: (i64, i64, i64) = (128, 8, 2);
+    const SMALL: (i64, i64, i64) = (64, 4, 2);
     let mut rng = Rng(0x5EED_F1A5_0000_0001);
-    let base = |name, dk, heads, kv_heads, kv, mask: Vec<Vec<u16>>, outcome| Case {
-        name,
-        dk,
-        heads,
-        kv_heads,
-        n_q: mask.len() as i64,
-        n_kv: mask[0].len() as i64,
-        kv,
-        mask: vec![mask],
-        softcap: 0.0,
-        max_bias: 0.0,
-        sinks: false,
-        outcome,
+    let mut heads_of = |n: usize, n_kv: usize, pct: usize| -> Vec<Vec<Vec<u16>>> {
+        (0..4).map(|_| random(&mut rng, n, n_kv, pct)).collect()
     };
-    let mut v = vec![
+    let per_head_sparse = heads_of(64, 64 * 30, 3);
+    let per_head_dense = heads_of(12, 52, 40);
+    let mut rng = Rng(0x5EED_F1A5_0000_0002);
+    vec![
         // many sequences' single tokens: 64 and 100 rows leave the tiled
         // kernel for the per-row one (upstream tiles them: another kernel)
-        base(
+        Case::new(
             "64 sequences, f16",
-            64,
-            9,
-            3,
-            Kv::F16,
+            SMOL,
+            F16,
             interleaved(64, 20, 30, 128),
-            Outcome::SameBits,
+            SameBits,
         ),
-        base(
+        Case::new(
             "100 sequences, f16",
-            64,
-            4,
-            1,
-            Kv::F16,
+            (64, 4, 1),
+            F16,
             interleaved(100, 9, 12, 0),
-            Outcome::SameBits,
+            SameBits,
         ),
-        base(
+        Case::new(
             "64 sequences, head 256",
-            256,
-            4,
-            1,
-            Kv::F16,
+            GEMMA,
+            F16,
             interleaved(64, 30, 20, 64),
-            Outcome::SameBits,
+            SameBits,
         ),
-        base(
+        Case::new(
             "8 sequences",
-            64,
-            9,
-            3,
-            Kv::F16,
+            SMOL,
+            F16,
             interleaved(8, 40, 50, 256),
-            Outcome::SameBits,
+            SameBits,
         ),
-        base(
+        Case::new(
             "64 sequences, q8_0",
-            128,
-            8,
-            2,
-            Kv::Q8,
+            MID,
+            Q8,
             interleaved(64, 16, 24, 0),
-            Outcome::SameBits,
+            SameBits,
         ),
         // one sequence: its prompt on the tiled kernel, one token's decode
         // split among threads (F16), or the per-row kernel
-        base(
+        Case::new(
             "prompt after a prefix",
-            64,
-            9,
-            3,
-            Kv::F16,
+            SMOL,
+            F16,
             causal(300, 130, 100),
-            Outcome::Close,
+            Close,
         ),
-        base(
-            "prompt from the start",
-            128,
-            8,
-            2,
-            Kv::F16,
-            causal(0, 200, 56),
-            Outcome::Close,
-        ),
-        base(
-            "short prompt",
-            64,
-            9,
-            3,
-            Kv::F16,
-            causal(70, 40, 30),
-            Outcome::SameBits,
-        ),
-        base(
-            "prompt, q8_0",
-            64,
-            9,
-            3,
-            Kv::Q8,
-            causal(100, 90, 0),
-            Outcome::SameBits,
-        ),
-        base(
+        Case::new("prompt from the start", MID, F16, causal(0, 200, 56), Close),
+        Case::new("short prompt", SMOL, F16, causal(70, 40, 30), SameBits),
+        Case::new("prompt, q8_0", SMOL, Q8, causal(100, 90, 0), SameBits),
+        Case::new(
             "one token over 1000 cells",
-            64,
-            9,
-            3,
-            Kv::F16,
+            SMOL,
+            F16,
             causal(999, 1, 25),
-            Outcome::Close,
+            Close,
         ),
-        base(
-            "one token, q8_0",
-            64,
-            9,
-            3,
-            Kv::Q8,
-            causal(700, 1, 0),
-            Outcome::SameBits,
-        ),
-        base(
-            "one token of many sequences",
-            64,
-            9,
-            3,
-            Kv::F16,
+        Case::new("one token, q8_0", SMOL, Q8, causal(700, 1, 0), SameBits),
+        Case::new(
+            "one token of many",
+            SMOL,
+            F16,
             interleaved(40, 20, 10, 0)[..1].to_vec(),
-            Outcome::Close,
+            Close,
         ),
         // forks of two prompts: dense rows, each prompt's tiles for its forks
-        base(
-            "two prompts' forks",
-            64,
-            9,
-            3,
-            Kv::F16,
-            two_prompts(200, 64),
-            Outcome::Close,
-        ),
-        base(
+        Case::new("two prompts' forks", SMOL, F16, two_prompts(200, 64), Close),
+        Case::new(
             "two prompts' forks, 70",
-            256,
-            4,
-            1,
-            Kv::F16,
+            GEMMA,
+            F16,
             two_prompts(130, 70),
-            Outcome::Close,
+            Close,
         ),
         // random visibility, and rows that see nothing
-        base(
+        Case::new(
             "random 30%",
-            64,
-            4,
-            2,
-            Kv::F16,
+            SMALL,
+            F16,
             random(&mut rng, 80, 700, 30),
-            Outcome::Close,
+            Close,
         ),
-        base(
+        Case::new(
             "random 2%",
-            64,
-            4,
-            2,
-            Kv::F16,
+            SMALL,
+            F16,
             random(&mut rng, 96, 1500, 2),
-            Outcome::Close,
+            Close,
         ),
-        base(
+        Case::new(
             "random 5%, 20 rows",
-            64,
-            4,
-            2,
-            Kv::F16,
+            SMALL,
+            F16,
             random(&mut rng, 20, 600, 5),
-            Outcome::SameBits,
+            SameBits,
         ),
-        base(
+        Case::new(
             "random 0%",
-            64,
-            4,
-            2,
-            Kv::F16,
+            SMALL,
+            F16,
             random(&mut rng, 70, 300, 0),
-            Outcome::SameBits,
+            SameBits,
         ),
-    ];
-    // Gemma 2's logit softcap and gpt-oss's sinks, on both kernels
-    let mut c = base(
-        "softcap, sparse",
-        64,
-        4,
-        2,
-        Kv::F16,
-        interleaved(64, 10, 20, 0),
-        Outcome::SameBits,
-    );
-    c.softcap = 30.0;
-    v.push(c);
-    let mut c = base(
-        "softcap, prompt",
-        64,
-        4,
-        2,
-        Kv::F16,
-        causal(64, 64, 0),
-        Outcome::Close,
-    );
-    c.softcap = 30.0;
-    v.push(c);
-    let mut c = base(
-        "sinks, sparse",
-        64,
-        4,
-        2,
-        Kv::F16,
-        interleaved(64, 10, 20, 0),
-        Outcome::SameBits,
-    );
-    c.sinks = true;
-    v.push(c);
-    let mut c = base(
-        "sinks, prompt",
-        64,
-        4,
-        2,
-        Kv::F16,
-        causal(10, 100, 0),
-        Outcome::Close,
-    );
-    c.sinks = true;
-    v.push(c);
-    // ALiBi: finite mask values, scaled by a slope per head
-    let mut c = base(
-        "alibi, sparse",
-        64,
-        8,
-        8,
-        Kv::F16,
-        with_distances(interleaved(64, 12, 16, 0)),
-        Outcome::SameBits,
-    );
-    c.max_bias = 8.0;
-    v.push(c);
-    let mut c = base(
-        "alibi, q8_0",
-        64,
-        8,
-        8,
-        Kv::Q8,
-        with_distances(causal(50, 30, 0)),
-        Outcome::SameBits,
-    );
-    c.max_bias = 8.0;
-    v.push(c);
-    // a mask per head (mask->ne[2] == heads): each head its own visibility
-    let mut c = base(
-        "per-head masks",
-        64,
-        4,
-        2,
-        Kv::F16,
-        interleaved(64, 10, 20, 0),
-        Outcome::SameBits,
-    );
-    c.mask = (0..4)
-        .map(|_| random(&mut rng, 64, c.n_kv as usize, 3))
-        .collect();
-    v.push(c);
-    let mut c = base(
-        "per-head masks, 12 rows",
-        64,
-        4,
-        2,
-        Kv::Q8,
-        causal(40, 12, 0),
-        Outcome::SameBits,
-    );
-    c.mask = (0..4)
-        .map(|_| random(&mut rng, 12, c.n_kv as usize, 40))
-        .collect();
-    v.push(c);
-    v
+        // Gemma 2's logit softcap and gpt-oss's sinks, on both kernels
+        Case::new(
+            "softcap, sparse",
+            SMALL,
+            F16,
+            interleaved(64, 10, 20, 0),
+            SameBits,
+        )
+        .softcap(30.0),
+        Case::new("softcap, prompt", SMALL, F16, causal(64, 64, 0), Close).softcap(30.0),
+        Case::new(
+            "sinks, sparse",
+            SMALL,
+            F16,
+            interleaved(64, 10, 20, 0),
+            SameBits,
+        )
+        .sinks(),
+        Case::new("sinks, prompt", SMALL, F16, causal(10, 100, 0), Close).sinks(),
+        // ALiBi: finite mask values, scaled by a slope per head
+        Case::new(
+            "alibi, sparse",
+            (64, 8, 8),
+            F16,
+            with_distances(interleaved(64, 12, 16, 0)),
+            SameBits,
+        )
+        .alibi(8.0),
+        Case::new(
+            "alibi, q8_0",
+            (64, 8, 8),
+            Q8,
+            with_distances(causal(50, 30, 0)),
+            SameBits,
+        )
+        .alibi(8.0),
+        // a mask per head: each head its own visibility
+        Case::new(
+            "per-head masks",
+            SMALL,
+            F16,
+            interleaved(64, 10, 20, 0),
+            SameBits,
+        )
+        .per_head(per_head_sparse),
+        Case::new(
+            "per-head masks, 12 rows",
+            SMALL,
+            Q8,
+            causal(40, 12, 0),
+            SameBits,
+        )
+        .per_head(per_head_dense),
+    ]
 }
 
 /// The op's output computed by the patched kernels (`use_ref` false) or the
@@ -591,20 +524,13 @@ fn the_patched_kernels_agree_with_the_reference() {
 /// such rows skips every KV tile).
 #[test]
 fn rows_that_see_nothing_are_zero() {
-    let case = Case {
-        name: "nothing visible",
-        dk: 64,
-        heads: 4,
-        kv_heads: 2,
-        n_q: 70,
-        n_kv: 300,
-        kv: Kv::F16,
-        mask: vec![vec![vec![NINF; 300]; 70]],
-        softcap: 0.0,
-        max_bias: 0.0,
-        sinks: false,
-        outcome: Outcome::SameBits,
-    };
+    let case = Case::new(
+        "nothing visible",
+        (64, 4, 2),
+        Kv::F16,
+        vec![vec![NINF; 300]; 70],
+        Outcome::SameBits,
+    );
     for threads in [1, 2] {
         assert!(compute(&case, 7, threads, false).iter().all(|&x| x == 0.0));
     }
