@@ -34,6 +34,11 @@ def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+# The switch of patches/llama.cpp/0001-*: set to 1, llama.cpp's CPU flash
+# attention scans every KV cell as upstream's does (read once per process).
+DENSE_ATTENTION = "GGML_CPU_DISABLE_FA_SPARSE"
+
+
 def raw_lockstep(
     model: Path,
     prompts: list[list[int]],
@@ -58,11 +63,6 @@ def raw_lockstep(
         f.flush()
         cmd = [binary, model, f.name, steps, threads, lanes, kv]
         return run_json([str(x) for x in cmd], env)
-
-
-# The switch of patches/llama.cpp/0001-*: set to 1, llama.cpp's CPU flash
-# attention scans every KV cell as upstream's does (read once per process).
-DENSE_ATTENTION = "GGML_CPU_DISABLE_FA_SPARSE"
 
 
 def median(xs: list[float]) -> float:

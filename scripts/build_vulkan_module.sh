@@ -35,8 +35,9 @@ case "$(uname -m)" in
     *) echo "build_vulkan_module.sh: unsupported architecture $(uname -m)" >&2; exit 2 ;;
 esac
 
-# The vendored llama.cpp of the pinned llama-cpp-sys-2 (fetched by cargo if
-# it is not in the registry cache yet).
+# The llama.cpp that lloyal builds: the pinned llama-cpp-sys-2 with the
+# project's patches, in vendor/ (Cargo.toml's [patch.crates-io]).
+scripts/patch_llama.sh
 SRC="$(cargo metadata --format-version 1 --locked 2>/dev/null | python3 -c '
 import json, os, sys
 pkg = next(p for p in json.load(sys.stdin)["packages"] if p["name"] == "llama-cpp-sys-2")

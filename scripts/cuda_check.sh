@@ -7,7 +7,7 @@
 #
 #   lloyal-*.whl             from scripts/build_wheel.sh (`make wheel`)
 #   llama.cpp-src.tar.xz     the llama.cpp source llama-cpp-sys-2 vendors:
-#                            tar -C ~/.cargo/registry/src/*/llama-cpp-sys-2-0.1.160 -cJf llama.cpp-src.tar.xz llama.cpp
+#                            tar -C vendor/llama-cpp-sys-2 -cJf llama.cpp-src.tar.xz llama.cpp   # patched: scripts/patch_llama.sh
 #   *.gguf                   the model (e.g. scripts/truncate_gguf.py's output)
 #   *.whl besides lloyal's   optional: installed next to the wheel (what
 #                            the machine's Python lacks: sniffio; trio and
