@@ -10,14 +10,18 @@ threads as the machine has cores -- what each library does by default.
 The busy processes are Python busy loops started before the children and
 stopped after them. At each load the two libraries take turns,
 ``--rounds`` times in alternating order; the ratio printed is the median of
-the rounds' ratios (lloyal over llama-cpp-python; above 1: lloyal faster).
+the rounds' ratios (lloyal over llama-cpp-python; above 1: lloyal faster),
+with their min and max, so the host's noise shows. Both clocks time the
+same work: they start after the same warm-up (one token decoded, the cache
+cleared) and after the prompt is in every sequence (lloyal prefills once
+and forks, the peer prefills every sequence), and stop after the last step.
 
 "Two contexts" runs, in one lloyal process, one context decoding alone and
 then two contexts (each with its own worker thread, as two models served
 by one process would be) decoding at the same time; the ratio is their
 combined tokens per second over the one's.
 
-    python bench/contention.py [--model smollm2] [--tokens 48] [--rounds 3] [--busy 0,1,2]
+    python bench/contention.py [--model smollm2] [--tokens 96] [--rounds 3] [--busy 0,1,2]
 
 llama-cpp-python comes from ``~/.cache/lloyal/bench-venv`` (built the first
 time: several minutes). Run with nothing else on the machine: the point is
@@ -51,16 +55,17 @@ def _lloyal_child(model: str, branches: int, tokens: int, contexts: int) -> dict
 
     import lloyal
 
-    async def one(ctx: lloyal.Context) -> int:
+    async def ready(ctx: lloyal.Context) -> list[lloyal.Branch]:
         prompt = await ctx.tokenize(PROMPT)
         root = lloyal.Branch.create(ctx, lloyal.GREEDY)
         await root.prefill(prompt)
-        forks = [root] + [await root.fork() for _ in range(branches - 1)]
+        return [root] + [await root.fork() for _ in range(branches - 1)]
+
+    async def run(ctx: lloyal.Context, forks: list[lloyal.Branch]) -> int:
         store = lloyal.BranchStore(ctx)
         for _ in range(tokens):
             produced = await store.produce(forks)
             await store.commit([(b, p.token) for b, p in zip(forks, produced, strict=True)])
-        await root.prune_subtree()
         return tokens * branches
 
     async def main() -> dict[str, Any]:
@@ -71,14 +76,19 @@ def _lloyal_child(model: str, branches: int, tokens: int, contexts: int) -> dict
             for _ in range(contexts)
         ]
         try:
-            # Warm up each context (first decode, thread start-up).
-            warm = [await ctx.tokenize("Hi") for ctx in ctxs]
-            await asyncio.gather(*(ctx.decode(w, 0) for ctx, w in zip(ctxs, warm, strict=True)))
+            # The peer's warm-up (one token decoded, the cache cleared),
+            # then the prompt and the forks: the clock starts after both,
+            # as the peer's starts after its prompt.
             for ctx in ctxs:
+                first = (await ctx.tokenize(PROMPT))[:1]
+                await ctx.decode(first, 0)
                 await ctx.kv_cache_clear()
+            forks = await asyncio.gather(*(ready(ctx) for ctx in ctxs))
             started = time.perf_counter()
-            made = await asyncio.gather(*(one(ctx) for ctx in ctxs))
+            made = await asyncio.gather(*(run(c, f) for c, f in zip(ctxs, forks, strict=True)))
             seconds = time.perf_counter() - started
+            for f in forks:
+                await f[0].prune_subtree()
         finally:
             for ctx in ctxs:
                 await ctx.aclose()
@@ -173,10 +183,15 @@ def _median(xs: list[float]) -> float:
     return s[len(s) // 2] if s else float("nan")
 
 
+def _spread(ratios: list[float]) -> str:
+    """The median ratio, with the min and max of the rounds'."""
+    return f"{_median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--busy", default="0,1,2", help="competing busy processes")
     parser.add_argument("--no-peer", action="store_true", help="lloyal only")
@@ -225,7 +240,7 @@ def main() -> None:
                         ratios.append(got["lloyal"] / got["peer"])
                     print(f"busy={busy} branches={branches} round {r}: {got}", file=sys.stderr)
                 peer_col = f"{_median(theirs):.1f}" if theirs else "-"
-                ratio = f"{_median(ratios):.2f}x" if ratios else "-"
+                ratio = _spread(ratios) if ratios else "-"
                 rows.append(f"| {busy} | {branches} | {_median(mine):.1f} | {peer_col} | {ratio} |")
             alone, two, pair = [], [], []
             for _ in range(args.rounds):
@@ -236,7 +251,7 @@ def main() -> None:
                 pair.append(b / a)
             rows.append(
                 f"| {busy} | two contexts, 1 branch each | {_median(two):.1f} "
-                f"| one alone: {_median(alone):.1f} | {_median(pair):.2f}x |"
+                f"| one alone: {_median(alone):.1f} | {_spread(pair)} |"
             )
         finally:
             for p in procs:
@@ -246,7 +261,8 @@ def main() -> None:
         f"\nmodel: {model.name}; {args.tokens} greedy steps; {_threads()} threads a process; "
         f"{args.rounds} rounds, taking turns (medians)"
     )
-    print("\n| busy processes | branches | lloyal tok/s | llama-cpp-python tok/s | lloyal / peer |")
+    columns = ["busy processes", "branches", "lloyal tok/s", "llama-cpp-python tok/s"]
+    print("\n| " + " | ".join([*columns, "lloyal / peer (min-max)"]) + " |")
     print("| --- | --- | --- | --- | --- |")
     for row in rows:
         print(row)

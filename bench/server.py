@@ -16,6 +16,15 @@ the same concurrency), all from one run.
     python bench/server.py --clients 1,8 --servers lloyal,llama-server
     python bench/server.py --model gemma3 --clients 1,8,32,64 --servers lloyal,llama-server
     python bench/server.py --workload echo --servers lloyal,lloyal-spec --clients 1,4
+    python bench/server.py --workload agents --servers lloyal,llama-server --rounds 1
+
+``--workload agents`` is an agent framework's load: 32 clients (unless
+``--clients`` says), each a conversation of ``--requests`` turns (3 by
+default) under one system prompt of about 1,500 tokens that defines the
+agents' tools, shared by every client; each turn sends the conversation so
+far (its earlier questions and the answers it streamed) and a new question.
+lloyal forks the shared prompt's cells; llama-server's slots each hold and
+compute their own. Every server gets 2,048 KV cells per slot for it.
 
 ``--workload echo`` asks each request to copy a passage (greedy, the answer
 as long as the model makes it, counted from ``usage``): the load where
@@ -71,6 +80,134 @@ PASSAGE = (
     "in the pool below the weir; in autumn the leaves of the plane trees drift on it."
 )
 
+# The agents workload's tools: a system prompt of about 1,500 tokens
+# (SmolLM2's tokenizer; Gemma's is within a few percent).
+_TOOLS = [
+    (
+        "search_web",
+        "Search the web and return the ten best results with titles and snippets.",
+        {"query": "string", "site": "string, optional", "recent_days": "integer, optional"},
+    ),
+    (
+        "fetch_page",
+        "Download a web page and return its readable text, without markup.",
+        {"url": "string", "max_chars": "integer, optional"},
+    ),
+    (
+        "read_file",
+        "Read a file of the project workspace and return its text.",
+        {"path": "string", "offset": "integer, optional", "limit": "integer, optional"},
+    ),
+    (
+        "write_file",
+        "Create or overwrite a file of the project workspace.",
+        {"path": "string", "content": "string"},
+    ),
+    (
+        "list_dir",
+        "List the entries of a folder of the workspace, with sizes.",
+        {"path": "string", "recursive": "boolean, optional"},
+    ),
+    (
+        "run_shell",
+        "Run a shell command in the workspace and return its output and exit status.",
+        {"command": "string", "timeout_s": "integer, optional"},
+    ),
+    (
+        "query_sql",
+        "Run a read-only SQL query against the analytics database.",
+        {"sql": "string", "max_rows": "integer, optional"},
+    ),
+    (
+        "send_email",
+        "Send an email from the team's shared address.",
+        {"to": "string", "subject": "string", "body": "string", "cc": "string, optional"},
+    ),
+    (
+        "calendar_find",
+        "Find free slots shared by several people's calendars.",
+        {"people": "array of strings", "duration_min": "integer", "within_days": "integer"},
+    ),
+    (
+        "calendar_book",
+        "Book a meeting in a slot found by calendar_find.",
+        {"slot_id": "string", "title": "string", "agenda": "string, optional"},
+    ),
+    (
+        "weather",
+        "The weather forecast for a place, by day.",
+        {"place": "string", "days": "integer, optional"},
+    ),
+    (
+        "convert_units",
+        "Convert a quantity between units of length, mass, volume or temperature.",
+        {"value": "number", "from_unit": "string", "to_unit": "string"},
+    ),
+    (
+        "translate",
+        "Translate a text between two languages.",
+        {"text": "string", "source": "string, optional", "target": "string"},
+    ),
+    (
+        "create_ticket",
+        "Open a ticket in the issue tracker.",
+        {"title": "string", "body": "string", "labels": "array of strings, optional"},
+    ),
+    (
+        "update_ticket",
+        "Change a ticket's state, assignee or labels, or comment on it.",
+        {"id": "integer", "state": "string, optional", "comment": "string, optional"},
+    ),
+    (
+        "get_stock_quote",
+        "The latest price and the day's change of a listed company's stock.",
+        {"symbol": "string"},
+    ),
+    (
+        "summarize",
+        "Summarize a long text in a given number of sentences.",
+        {"text": "string", "sentences": "integer, optional"},
+    ),
+    (
+        "remember",
+        "Store a fact in the agent's long-term memory under a key.",
+        {"key": "string", "value": "string"},
+    ),
+    (
+        "recall",
+        "Look up facts in the agent's long-term memory by key or by meaning.",
+        {"key": "string, optional", "about": "string, optional"},
+    ),
+]
+AGENT_SYSTEM = (
+    "You are an agent that completes tasks for the user with the tools below. "
+    "To call a tool, answer with one JSON object on a line of its own: "
+    '{"tool": NAME, "arguments": {...}}, then wait for its result. Call one '
+    "tool at a time, check each result before the next step, never invent a "
+    "result, and when the task is done, answer in plain words. Ask the user "
+    "when a request is ambiguous. Keep answers short.\n\nTools:\n"
+    + "\n".join(
+        json.dumps(
+            {
+                "name": name,
+                "description": what,
+                "parameters": {
+                    "type": "object",
+                    "properties": {k: {"type": v.split(",")[0]} for k, v in args.items()},
+                    "required": [k for k, v in args.items() if "optional" not in v],
+                },
+            }
+        )
+        for name, what, args in _TOOLS
+    )
+)
+AGENT_TASKS = [
+    "Find a free hour next week for Ana, Bo and Chen and book a design review.",
+    "What will the weather be in Lisbon on Friday, in Fahrenheit?",
+    "Open a ticket for the failing nightly build and assign it to me.",
+    "Summarize the README of the workspace in three sentences.",
+]
+
 
 @dataclass
 class Result:
@@ -117,8 +254,10 @@ def llama_server() -> tuple[Path, str]:
                 "download",
                 "-q",
                 "--no-deps",
+                # Its source, not a wheel; its build tools (cmake, ninja)
+                # as wheels (":all:" would compile those from source too).
                 "--no-binary",
-                ":all:",
+                "llama-cpp-python",
                 "llama-cpp-python",
                 "-d",
                 str(src),
@@ -158,7 +297,14 @@ def llama_server() -> tuple[Path, str]:
 
 
 def start(
-    kind: str, model: Path, port: int, slots: int, threads: int, template: str | None
+    kind: str,
+    model: Path,
+    port: int,
+    slots: int,
+    threads: int,
+    template: str | None,
+    per_slot: int = 256,
+    extra: list[str] | None = None,
 ) -> subprocess.Popen[bytes]:
     if kind in ("lloyal", "lloyal-spec"):
         cmd = [
@@ -174,7 +320,7 @@ def start(
             "--n-seq-max",
             str(slots + 1),
             "--n-ctx",
-            str(256 * (slots + 1)),
+            str(per_slot * (slots + 1)),
             "--threads",
             str(threads),
         ]
@@ -189,7 +335,7 @@ def start(
             "-np",
             str(slots),
             "-c",
-            str(256 * slots),
+            str(per_slot * slots),
             "-t",
             str(threads),
             "--cont-batching",
@@ -220,6 +366,8 @@ def start(
         cmd += ["--spec", "prompt-lookup"]
     if kind in ("lloyal", "lloyal-spec") and template:
         cmd += ["--template", template]
+    if kind in ("lloyal", "lloyal-spec"):
+        cmd += extra or []
     # Each server's output goes to a log of its own (a server that dies
     # says why there).
     log = open(CACHE / f"bench-{kind}.log", "wb")  # noqa: SIM115 - the server's whole life
@@ -244,7 +392,29 @@ class Load:
     gaps: list[float]
 
 
-def _body(workload: str, i: int, j: int, max_tokens: int, banned: dict[str, float]) -> dict:
+def _body(
+    workload: str,
+    i: int,
+    j: int,
+    max_tokens: int,
+    banned: dict[str, float],
+    history: list[dict[str, str]],
+) -> dict:
+    if workload == "agents":
+        task = AGENT_TASKS[i % len(AGENT_TASKS)]
+        question = f"Task {i}: {task}" if j == 0 else f"Turn {j}: go on with task {i}."
+        return {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": AGENT_SYSTEM},
+                *history,
+                {"role": "user", "content": question},
+            ],
+            "max_tokens": max_tokens,
+            "temperature": 0.7,
+            "seed": i * 1000 + j,
+            "logit_bias": banned,
+        }
     if workload == "echo":
         words = PASSAGE.split()
         shift = (i * 7 + j * 3) % len(words)  # each request its own passage
@@ -285,15 +455,18 @@ async def load(
 
     async def client(i: int, http: httpx.AsyncClient) -> None:
         nonlocal tokens
+        # The conversation so far (the agents workload sends it back).
+        history: list[dict[str, str]] = []
         for j in range(requests):
             body = {
-                **_body(workload, i, j, max_tokens, banned),
+                **_body(workload, i, j, max_tokens, banned, history),
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
             t0 = time.perf_counter()
             last: float | None = None
             used: int | None = None
+            reply: list[str] = []
             async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
                 r.raise_for_status()
                 async for line in r.aiter_lines():
@@ -303,8 +476,10 @@ async def load(
                     if chunk.get("usage"):
                         used = chunk["usage"]["completion_tokens"]
                     choices = chunk.get("choices") or [{}]
-                    if not (choices[0].get("delta") or {}).get("content"):
+                    text = (choices[0].get("delta") or {}).get("content")
+                    if not text:
                         continue
+                    reply.append(text)
                     now = time.perf_counter()
                     if last is None:
                         first.append(now - t0)
@@ -312,6 +487,7 @@ async def load(
                         gaps.append(now - last)
                     last = now
             latencies.append(time.perf_counter() - t0)
+            history += [body["messages"][-1], {"role": "assistant", "content": "".join(reply)}]
             # End-of-generation tokens are banned: every answer is max_tokens
             # long, whether or not the server reports usage when streaming.
             tokens += used if used is not None else max_tokens
@@ -328,7 +504,7 @@ async def load(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--clients", default="1,8,32")
+    parser.add_argument("--clients", help="concurrencies (default 1,8,32; agents: 32)")
     parser.add_argument("--requests", type=int, default=3, help="requests per client")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument(
@@ -336,8 +512,11 @@ def main() -> None:
         default="lloyal,llama-server,llama-cpp-python",
         help="any of lloyal, lloyal-spec (--spec prompt-lookup), llama-server, llama-cpp-python",
     )
-    parser.add_argument("--workload", choices=["chat", "echo"], default="chat")
+    parser.add_argument("--workload", choices=["chat", "echo", "agents"], default="chat")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--lloyal-args", default="", help="more arguments for lloyal serve, e.g. '--step-tokens 64'"
+    )
     parser.add_argument(
         "--rounds", type=int, default=3, help="turns per server at each concurrency"
     )
@@ -348,7 +527,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     model = Path(args.model) if Path(args.model).exists() else model_path(args.model)
-    counts = [int(c) for c in args.clients.split(",")]
+    clients = args.clients or ("32" if args.workload == "agents" else "1,8,32")
+    counts = [int(c) for c in clients.split(",")]
+    # KV cells per slot: a conversation under the agents' long system prompt.
+    per_slot = 2048 if args.workload == "agents" else 256
     slots = max(counts)
 
     async def end_tokens() -> dict[str, float]:
@@ -373,7 +555,16 @@ def main() -> None:
                 labels[kind] = llama_server()[1]
             port = _free_port()
             servers[kind] = (
-                start(kind, model, port, slots, args.threads, template),
+                start(
+                    kind,
+                    model,
+                    port,
+                    slots,
+                    args.threads,
+                    template,
+                    per_slot,
+                    args.lloyal_args.split(),
+                ),
                 f"http://127.0.0.1:{port}",
             )
         except (subprocess.CalledProcessError, RuntimeError, StopIteration, OSError) as e:

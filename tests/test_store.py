@@ -362,6 +362,66 @@ async def test_a_long_prompt_joins_running_streams_in_chunks(model: Path) -> Non
             assert int(np.argmax(late.logits)) == int(np.argmax(alone.logits))
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_step_budget_bounds_every_decode_and_changes_no_result(model: Path) -> None:
+    """With ``ctx.step_tokens`` set, a round decodes the commits waiting and
+    then prompt tokens up to the budget (at least a quarter of it): a
+    200-token prompt submitted with 8 streams' commits is one decode of 512
+    tokens without a budget and 1 + ceil((200 - 24) / 32) = 7 decodes with a
+    budget of 32, each of at most 32 tokens; the prompt's logits are the
+    same up to the route noise either way. Commits that fill the budget
+    still leave prompts a quarter of it. Bad budgets raise and change
+    nothing."""
+    async with await lloyal.create_context(model, n_ctx=2048, n_batch=512, n_seq_max=10) as ctx:
+        assert ctx.step_tokens is None
+        store = lloyal.BranchStore(ctx)
+        root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize("Count: one, two, three"))
+        streams = [await root.fork() for _ in range(8)]
+        prompt = (await ctx.tokenize("the cat sat on the mat " * 60))[:200]
+        logits = {}
+
+        async def round_trip(budget: int | None) -> tuple[int, int]:
+            ctx.step_tokens = budget
+            late = lloyal.Branch.create(ctx, lloyal.GREEDY)
+            picks = await store.produce(streams)
+            calls, tokens = ctx.stats.decode_calls, ctx.stats.tokens_decoded
+            # Held, the worker takes both as one step (on any machine).
+            hold = ctx._native.hold()
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(late.prefill, prompt)
+                    tg.start_soon(
+                        store.commit, [(b, p.token) for b, p in zip(streams, picks, strict=True)]
+                    )
+                    await anyio.wait_all_tasks_blocked()
+                    hold.release()
+            finally:
+                hold.release()
+            assert late.position == 200
+            logits[budget] = late.logits
+            await late.prune()
+            return ctx.stats.decode_calls - calls, ctx.stats.tokens_decoded - tokens
+
+        assert await round_trip(None) == (1, 208)
+        assert await round_trip(32) == (7, 208)
+        assert ctx.step_tokens == 32
+        assert np.abs(logits[32] - logits[None]).max() <= ROUTE_NOISE
+        # 8 commits fill a budget of 8: the prompt still gets 2 tokens
+        # beside them, then 8 a round.
+        assert await round_trip(8) == (1 + 25, 208)
+        # Larger than n_batch: n_batch.
+        ctx.step_tokens = 10_000
+        assert ctx.step_tokens == ctx.n_batch
+        for bad, error in ((0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError)):
+            with pytest.raises(error):
+                ctx.step_tokens = bad  # type: ignore[assignment]
+            assert ctx.step_tokens == ctx.n_batch
+        ctx.step_tokens = None
+        assert ctx.step_tokens is None
+        assert [b.position for b in streams] == [root.position + 3] * 8
+
+
 async def test_store_produce_chooses_every_token_in_one_call(model: Path) -> None:
     """``store.produce`` gives what each branch's own ``produce`` would: the
     same greedy tokens, grammar-constrained tokens for grammar branches

@@ -55,6 +55,13 @@ def add_serve_parser(sub: Any) -> None:
     srv.add_argument("--n-ctx", type=int, default=8192, help="KV cells shared by all requests")
     srv.add_argument("--n-seq-max", type=int, default=32, help="KV sequences: choices at once")
     srv.add_argument("--threads", type=int, default=None)
+    srv.add_argument(
+        "--step-tokens",
+        type=int,
+        default=None,
+        help="most tokens a step decodes: the streams' next tokens, then prompt chunks "
+        "(default 128; 0: n_batch)",
+    )
     srv.add_argument("--max-queue", type=int, default=64, help="requests that may wait (then 429)")
     srv.add_argument("--cache-branches", type=int, default=None, help="prefix cache entries")
     srv.add_argument("--no-prefix-cache", action="store_true")
@@ -178,6 +185,7 @@ def _config(
 ) -> ServerConfig:
     from lloyal.server import ServerConfig
     from lloyal.server._adapters import one_control_vector, scaled
+    from lloyal.server._state import DEFAULT_STEP_TOKENS
 
     return ServerConfig(
         model_path=model_path,
@@ -195,6 +203,7 @@ def _config(
         n_ctx=args.n_ctx,
         n_seq_max=args.n_seq_max,
         n_threads=args.threads,
+        step_tokens=DEFAULT_STEP_TOKENS if args.step_tokens is None else args.step_tokens or None,
         prefix_cache=not args.no_prefix_cache,
         cache_branches=args.cache_branches,
         cache_dir=args.cache_dir,

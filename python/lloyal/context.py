@@ -238,6 +238,43 @@ class Context:
         return int(self._native.n_batch)
 
     @property
+    def step_tokens(self) -> int | None:
+        """The most tokens one round of the step scheduler decodes, or
+        None (the default): ``n_batch``.
+
+        Commits (one token per streaming branch) go first; prompt tokens
+        fill what is left of the budget, and at least a quarter of it, so
+        a long prompt is decoded in chunks beside the streams instead of
+        stalling every stream for a whole ``n_batch`` (vLLM's
+        ``max_num_batched_tokens``; ``lloyal serve --step-tokens``). A
+        prefill alone then takes ``ceil(tokens / step_tokens)`` decodes.
+        Set it to any value in ``[1, n_batch]`` (larger is clamped to
+        ``n_batch``); it applies from the next round. A budget of 0 raises
+        ``ValueError``.
+
+        >>> import asyncio, lloyal
+        >>> from lloyal.models import model_path
+        >>> async def main():
+        ...     async with await lloyal.create_context(model_path("smollm2"), n_ctx=512) as ctx:
+        ...         ctx.step_tokens = 64
+        ...         root = lloyal.Branch.create(ctx)
+        ...         before = ctx.stats.decode_calls
+        ...         await root.prefill(list(range(100, 300)))  # 200 tokens
+        ...         return ctx.step_tokens, ctx.stats.decode_calls - before
+        >>> asyncio.run(main())
+        (64, 4)
+        """
+        return self._native.step_tokens
+
+    @step_tokens.setter
+    def step_tokens(self, tokens: int | None) -> None:
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int)):
+            raise TypeError(f"step_tokens must be an int or None, not {type(tokens).__name__}")
+        if tokens is not None and not 1 <= tokens <= 2**31:
+            raise ValueError(f"step_tokens must be >= 1 (or None), got {tokens}")
+        self._native.step_tokens = tokens
+
+    @property
     def n_seq_max(self) -> int:
         """How many sequences can hold KV at once."""
         return int(self._native.n_seq_max)

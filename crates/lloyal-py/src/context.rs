@@ -153,6 +153,16 @@ impl PyContext {
     }
 
     #[getter]
+    fn step_tokens(&self) -> Option<u32> {
+        self.inner.step_tokens()
+    }
+
+    #[setter]
+    fn set_step_tokens(&self, tokens: Option<u32>) -> PyResult<()> {
+        self.inner.set_step_tokens(tokens).py_err()
+    }
+
+    #[getter]
     fn n_seq_max(&self) -> u32 {
         self.inner.params().n_seq_max
     }

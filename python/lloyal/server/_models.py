@@ -56,7 +56,7 @@ async def _context(
     mmproj: str | os.PathLike[str] | None = None,
 ) -> Context:
     """A generating context on ``path`` sized as ``config`` says."""
-    return await create_context(
+    ctx = await create_context(
         path,
         n_ctx=config.n_ctx,
         n_seq_max=config.n_seq_max,
@@ -64,6 +64,8 @@ async def _context(
         deterministic=config.deterministic,
         mmproj=mmproj,
     )
+    ctx.step_tokens = config.step_tokens
+    return ctx
 
 
 class _Slot:

@@ -11,6 +11,12 @@ from pathlib import Path
 from lloyal.context import Context, create_context
 from lloyal.server._engine import Engine
 
+DEFAULT_STEP_TOKENS = 128
+"""The server's step budget (``--step-tokens``): a step of streams and
+prompt chunks costs at most about this many tokens' decode, so a new
+request's prompt delays the running streams' next token by about the time
+of this many tokens (docs/server.md has the measurements)."""
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -34,6 +40,9 @@ class ServerConfig:
     n_ctx: int = 8192
     n_seq_max: int = 32
     n_threads: int | None = None
+    # The most tokens a step decodes (Context.step_tokens): the streams'
+    # commits, then prompt chunks; None: n_batch.
+    step_tokens: int | None = DEFAULT_STEP_TOKENS
     prefix_cache: bool = True
     cache_branches: int | None = None
     cache_dir: str | os.PathLike[str] | None = None
@@ -94,6 +103,8 @@ class ServerConfig:
             raise ValueError(f"spec must be 'prompt-lookup' or None, not {self.spec!r}")
         if not 1 <= self.spec_k <= 32:
             raise ValueError(f"spec_k must be in [1, 32], not {self.spec_k}")
+        if self.step_tokens is not None and self.step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1 (or None), not {self.step_tokens}")
         if self.n_keep < 0:
             raise ValueError(f"n_keep must be >= 0, not {self.n_keep}")
         if self.keep_alive is not None and self.keep_alive <= 0:

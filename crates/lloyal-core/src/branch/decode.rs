@@ -2,6 +2,7 @@
 //! prompt chunks of many callers -- in one decode per round, and the undo
 //! that leaves every branch of a failed group as it was.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use llama_cpp_2::token::LlamaToken;
@@ -252,7 +253,7 @@ impl Worker<'_> {
                 to: 1,
             })
             .collect();
-        let mut room = self.n_batch - parts.len() % self.n_batch;
+        let mut room = self.prompt_room(parts.len());
         for (group, w, work) in live() {
             let left = work.tokens.len() - work.decoded;
             if work.commit || left == 0 || room == 0 {
@@ -268,6 +269,17 @@ impl Worker<'_> {
             });
         }
         parts
+    }
+
+    /// How many prompt tokens a round with `commits` commits takes: with
+    /// no step budget, what fills its last decode of `n_batch`; with one,
+    /// what is left of it after the commits, and never less than a quarter
+    /// of it, so that prompts go on while commits fill the budget.
+    fn prompt_room(&self, commits: usize) -> usize {
+        match self.shared.step_tokens.load(Ordering::Relaxed) {
+            0 => self.n_batch - commits % self.n_batch,
+            budget => budget.saturating_sub(commits).max(budget.div_ceil(4)),
+        }
     }
 
     /// Decode `parts`. When they do not fit the KV cache and belong to

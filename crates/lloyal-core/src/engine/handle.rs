@@ -198,6 +198,31 @@ impl Context {
         let _ = rx.recv();
     }
 
+    /// The most tokens one round of a step decodes (see `engine::step`):
+    /// commits first, then prompt chunks up to the budget, so that while
+    /// branches stream, a long prompt is decoded a budget at a time beside
+    /// them instead of stalling them for a whole `n_batch`. Prompts still
+    /// get at least a quarter of the budget in a round that commits fill.
+    /// `None` (the default): `n_batch`. Takes effect from the next round.
+    pub fn set_step_tokens(&self, tokens: Option<u32>) -> Result<()> {
+        let n = match tokens {
+            None => 0,
+            Some(0) => return Err(crate::error::invalid("step_tokens must be >= 1 (or None)")),
+            Some(n) => (n as usize).min(self.params.n_batch as usize),
+        };
+        self.shared.step_tokens.store(n, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The budget [`set_step_tokens`](Self::set_step_tokens) set (at most
+    /// `n_batch`), or `None`.
+    pub fn step_tokens(&self) -> Option<u32> {
+        match self.shared.step_tokens.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(n as u32),
+        }
+    }
+
     pub fn stats(&self) -> Stats {
         let s = &self.shared.stats;
         Stats {

@@ -1,6 +1,6 @@
 //! What the worker publishes for callers on other threads.
 
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::error::{invalid, Result};
@@ -52,6 +52,9 @@ pub(crate) struct Shared {
     pub(crate) default_adapters: Mutex<crate::adapter::Adapters>,
     /// Embeddings of the last `encode`.
     pub(crate) embeddings: Mutex<Option<Embeddings>>,
+    /// The most tokens a step's round decodes (0: `n_batch`); see
+    /// [`Context::set_step_tokens`](crate::Context::set_step_tokens).
+    pub(crate) step_tokens: AtomicUsize,
     /// The next job panics (`Context::panic_next_job`).
     #[cfg(feature = "testing")]
     pub(crate) panic_next: AtomicBool,

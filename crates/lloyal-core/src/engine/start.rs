@@ -156,6 +156,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         branches: Mutex::new(crate::state::Branches::new(params.n_seq_max)),
         default_adapters: Mutex::new(Default::default()),
         embeddings: Mutex::new(None),
+        step_tokens: AtomicUsize::new(0),
         #[cfg(feature = "testing")]
         panic_next: AtomicBool::new(false),
     });
