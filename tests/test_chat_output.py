@@ -419,7 +419,9 @@ def test_streaming_is_monotone(case: Case) -> None:
         ("Hello ``", "gemma", "Hello"),
         ("<thi", "auto", ""),
         ('{"na', "auto", ""),
-        ("Hello   ", "content", "Hello"),
+        # No calls: the text as written, trailing blanks at once.
+        ("Hello   ", "content", "Hello   "),
+        ("Hello   ", "hermes", "Hello"),
         ("Hello <b", "auto", "Hello <b"),
     ],
 )

@@ -633,3 +633,50 @@ def test_a_burst_beyond_the_cells_gets_retryable_refusals() -> None:
         asyncio.run(burst())
     finally:
         stop_server(proc)
+
+
+def test_prompts_prefilled_together_start_streaming_together(
+    smollm2: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request whose prompt is in while another request's longer prompt
+    is still being prefilled starts streaming once that one is in too (as
+    a burst would in llama-server), so its first tokens do not wait behind
+    the other prompt's chunks; while choices stream, the context's step
+    budget is the server's (``--step-tokens``), and with none streaming it
+    is back to ``n_batch``."""
+    from lloyal.server._engine import Engine
+    from lloyal.server._state import DEFAULT_STEP_TOKENS
+
+    seen: dict[str, list[Any]] = {"pending": [], "budget": []}
+    real_start, real_commit = Engine._start, Engine._commit
+
+    async def start(self: Engine, choices: list[Choice]) -> None:
+        seen["pending"].append(len(self._prefilling))
+        await real_start(self, choices)
+
+    async def commit(self: Engine, batch: list[tuple[Choice, int]]) -> None:
+        seen["budget"].append(self.ctx.step_tokens)
+        await real_commit(self, batch)
+
+    monkeypatch.setattr(Engine, "_start", start)
+    monkeypatch.setattr(Engine, "_commit", commit)
+    long = " ".join(f"item {i}," for i in range(150))  # ~600 tokens: two rounds of 512
+
+    async def run() -> None:
+        async with _in_process(smollm2) as (c, state):
+            bodies = [
+                {"messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0}
+                for text in ("Hi.", f"Repeat: {long}")
+            ]
+            replies = await asyncio.gather(
+                *(c.post("/v1/chat/completions", json=b) for b in bodies)
+            )
+            assert [r.status_code for r in replies] == [200, 200]
+            assert state.engine.ctx.step_tokens is None
+
+    asyncio.run(run())
+    # The short prompt was in after the first round; it started when the
+    # long one was in as well: no prompt was pending at either start.
+    assert seen["pending"] == [0, 0]
+    assert seen["budget"]
+    assert set(seen["budget"]) == {DEFAULT_STEP_TOKENS}

@@ -59,7 +59,11 @@ Choices where conventions differ:
 
 - Content is the text outside the calls, joined as written and stripped of
   surrounding whitespace (while streaming, trailing whitespace is held back
-  with it, and so is anything that may be the start of a marker).
+  with it, and so is anything that may be the start of a marker). In the
+  ``content`` format (no calls: a chat request without tools) only leading
+  whitespace is stripped: the text is the model's as written, as OpenAI's
+  and llama-server's replies are, and a stream sends a blank token at once
+  instead of holding it until the next word.
 - Reasoning is only recognised at the start of the reply (or, with
   ``thinking_started=True``, when the prompt already opened ``<think>``);
   one newline after ``<think>`` and one before ``</think>`` are dropped. A
@@ -171,7 +175,7 @@ def _trim_reasoning(reasoning: str) -> str:
 def _parse(text: str, spec: _Spec, *, partial: bool, thinking_started: bool) -> ChatOutput:
     reasoning, body = _split_reasoning(text, partial, thinking_started, spec.think)
     parsed = _parse_body(body, spec, partial, at_start=True)
-    return _output(parsed.pieces, reasoning, parsed.calls)
+    return _output(parsed.pieces, reasoning, parsed.calls, spec)
 
 
 @dataclass
@@ -257,8 +261,20 @@ def _first_marker(memo: _Memo, pos: int, markers: tuple[str, ...]) -> tuple[int,
     return best, found
 
 
-def _output(pieces: list[str], reasoning: str, calls: list[ToolCall]) -> ChatOutput:
-    return ChatOutput("".join(pieces).strip(), reasoning, tuple(calls))
+def _output(
+    pieces: list[str], reasoning: str, calls: list[ToolCall], spec: _Spec
+) -> ChatOutput:
+    return ChatOutput(_trim("".join(pieces), spec), reasoning, tuple(calls))
+
+
+def _trim(content: str, spec: _Spec) -> str:
+    """The content without its surrounding whitespace, or, in a format with
+    no calls (``content``), only without its leading whitespace: there the
+    text is the model's as written, and a stream need not hold back a
+    blank token until the next word."""
+    if spec.blocks or spec.generic or spec.llama:
+        return content.strip()
+    return content.lstrip()
 
 
 # --- streaming ------------------------------------------------------------------
@@ -401,7 +417,9 @@ class ChatOutputStream:
             self._at_start = False
         self._tail = tail
         return ChatOutput(
-            (self._content + "".join(pieces)).strip(), self._reasoning, (*self._calls, *calls)
+            _trim(self._content + "".join(pieces), self._spec),
+            self._reasoning,
+            (*self._calls, *calls),
         )
 
     def _finish(self) -> ChatOutput:
@@ -411,7 +429,7 @@ class ChatOutputStream:
             return ChatOutput("", _trim_reasoning(self._thought))
         body = _parse_body(self._tail, self._spec, False, self._at_start)
         return ChatOutput(
-            (self._content + "".join(body.pieces)).strip(),
+            _trim(self._content + "".join(body.pieces), self._spec),
             self._reasoning,
             (*self._calls, *body.calls),
         )

@@ -73,8 +73,12 @@ class Engine:
         draft: Context | None = None,
         ctx_shift: bool = False,
         n_keep: int = 4,
+        step_tokens: int | None = None,
     ) -> None:
         self.ctx = ctx
+        # The context's step budget while choices stream (None: n_batch);
+        # with none streaming, prompts are decoded n_batch at a time.
+        self.step_tokens = step_tokens
         # Context shift (llama-server's --context-shift, by BlinkKV): a
         # prompt over the context keeps its first n_keep tokens and its
         # end; a reply that reaches the context's end is reseeded with the
@@ -101,6 +105,9 @@ class Engine:
         self._active: list[Choice] = []
         self._wake = asyncio.Event()
         self._stepper: asyncio.Task[None] | None = None
+        # The requests whose prompts are being prefilled, each with the
+        # event set when its prompt is in (see ``_start_together``).
+        self._prefilling: set[asyncio.Event] = set()
         self._eog: list[int] | None = None
         # The adapters ``--lora`` loaded, by id (see ``_adapters``).
         self.loras: list[Lora] = []
@@ -311,9 +318,12 @@ class Engine:
         while True:
             self._active = [c for c in self._active if not c.released_if_cancelled()]
             if not self._active:
+                # Nothing streams: prompts go n_batch at a time.
+                self.ctx.step_tokens = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            self.ctx.step_tokens = self.step_tokens
             try:
                 await self._step()
             except Exception as e:  # never leave requests waiting on a dead loop
@@ -476,7 +486,15 @@ class Engine:
         # With context shift a reply may pass the context's end.
         limit = (gen.max_tokens or room) if self.ctx_shift else min(gen.max_tokens or room, room)
         self.metrics.prompt_tokens += len(tokens)
-        branches, reused = await self._branches(tokens, gen)
+        prompt_in = asyncio.Event()
+        self._prefilling.add(prompt_in)
+        try:
+            branches, reused = await self._branches(tokens, gen)
+        finally:
+            self._prefilling.discard(prompt_in)
+            prompt_in.set()
+        # The prompts still being prefilled now: this request starts with them.
+        together = list(self._prefilling)
         cached: int | None = reused
         events: asyncio.Queue[Event] = asyncio.Queue()
         choices: list[Choice] = []
@@ -496,6 +514,8 @@ class Engine:
                 elif k and self.draft is None:
                     c.drafts = Drafts(tokens, k, bias)
                 choices.append(c)
+            if together:
+                await asyncio.gather(*(e.wait() for e in together))
             await self._start(choices)
             finished = 0
             while finished < len(choices):

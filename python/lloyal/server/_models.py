@@ -64,7 +64,6 @@ async def _context(
         deterministic=config.deterministic,
         mmproj=mmproj,
     )
-    ctx.step_tokens = config.step_tokens
     return ctx
 
 

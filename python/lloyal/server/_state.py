@@ -142,6 +142,7 @@ class State:
             draft=draft,
             ctx_shift=config.ctx_shift,
             n_keep=config.n_keep,
+            step_tokens=config.step_tokens,
         )
         self.name = config.model_name or ctx.model_info.name or "lloyal"
         self._embedder: Context | None = None
