@@ -261,9 +261,7 @@ def _first_marker(memo: _Memo, pos: int, markers: tuple[str, ...]) -> tuple[int,
     return best, found
 
 
-def _output(
-    pieces: list[str], reasoning: str, calls: list[ToolCall], spec: _Spec
-) -> ChatOutput:
+def _output(pieces: list[str], reasoning: str, calls: list[ToolCall], spec: _Spec) -> ChatOutput:
     return ChatOutput(_trim("".join(pieces), spec), reasoning, tuple(calls))
 
 
