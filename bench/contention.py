@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -71,7 +72,10 @@ def _lloyal_child(model: str, branches: int, tokens: int, contexts: int) -> dict
     async def main() -> dict[str, Any]:
         ctxs = [
             await lloyal.create_context(
-                model, n_ctx=2048, n_seq_max=max(branches, 1), n_threads=_threads()
+                model,
+                n_ctx=2048,
+                n_seq_max=max(branches, 1),
+                n_threads=int(os.environ.get("LLOYAL_BENCH_THREADS") or _threads()),
             )
             for _ in range(contexts)
         ]
@@ -179,8 +183,7 @@ def _busy(n: int) -> list[subprocess.Popen[bytes]]:
 
 
 def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if s else float("nan")
+    return statistics.median(xs) if xs else float("nan")
 
 
 def _spread(ratios: list[float]) -> str:
@@ -195,6 +198,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--busy", default="0,1,2", help="competing busy processes")
     parser.add_argument("--no-peer", action="store_true", help="lloyal only")
+    parser.add_argument(
+        "--lloyal-threads", type=int, help="lloyal's threads (default: every core, as the peer's)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--branches", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--contexts", type=int, default=1, help=argparse.SUPPRESS)
@@ -211,6 +217,8 @@ def main() -> None:
     from lloyal.models import model_path
 
     model = Path(args.model) if Path(args.model).exists() else model_path(args.model)
+    if args.lloyal_threads:
+        os.environ["LLOYAL_BENCH_THREADS"] = str(args.lloyal_threads)  # the children read it
     peer = None if args.no_peer else llama_cpp_python()
     me = Path(sys.executable)
     loads = [int(b) for b in args.busy.split(",")]

@@ -24,7 +24,9 @@ default) under one system prompt of about 1,500 tokens that defines the
 agents' tools, shared by every client; each turn sends the conversation so
 far (its earlier questions and the answers it streamed) and a new question.
 lloyal forks the shared prompt's cells; llama-server's slots each hold and
-compute their own. Every server gets 2,048 KV cells per slot for it.
+compute their own. Every server gets 2,048 KV cells per slot for it, and
+lloyal's prefix cache one entry per client (``--cache-branches``, with the
+sequences it needs), as llama-server's slots each keep their conversation.
 
 ``--workload echo`` asks each request to copy a passage (greedy, the answer
 as long as the model makes it, counted from ``usage``): the load where
@@ -55,6 +57,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -316,9 +319,11 @@ def start(
             str(model),
             "--port",
             str(port),
-            # One sequence more than slots: the prefix cache keeps one.
+            # One sequence more than slots: the prefix cache keeps one;
+            # with long conversations (agents), one per slot, as
+            # llama-server's slots each keep their own.
             "--n-seq-max",
-            str(slots + 1),
+            str(slots + 1 if per_slot <= 256 else 2 * slots + 1),
             "--n-ctx",
             str(per_slot * (slots + 1)),
             "--threads",
@@ -367,6 +372,8 @@ def start(
     if kind in ("lloyal", "lloyal-spec") and template:
         cmd += ["--template", template]
     if kind in ("lloyal", "lloyal-spec"):
+        if per_slot > 256:
+            cmd += ["--cache-branches", str(slots)]
         cmd += extra or []
     # Each server's output goes to a log of its own (a server that dies
     # says why there).
@@ -599,6 +606,7 @@ def main() -> None:
             proc.wait(timeout=30)
     results: list[Result] = []
     ratios: dict[tuple[str, int], float] = {}
+    spread: dict[tuple[str, int], tuple[float, float]] = {}
     for (kind, c), loads in runs.items():
         results.append(
             Result(
@@ -616,27 +624,30 @@ def main() -> None:
             (a.tokens / a.seconds) / (b.tokens / b.seconds)
             for a, b in zip(mine, loads, strict=False)
         )
-        ratios[kind, c] = paired[len(paired) // 2] if paired else float("nan")
+        ratios[kind, c] = statistics.median(paired) if paired else float("nan")
+        spread[kind, c] = (paired[0], paired[-1]) if paired else (float("nan"),) * 2
     print(
         f"\nmodel: {model.name}; {args.workload} workload; {args.requests} requests per client, "
         f"{args.max_tokens} tokens each; {args.threads} threads; {args.rounds} rounds, "
-        "servers taking turns (tok/s: all rounds; ratio: median of the rounds' ratios)"
+        "servers taking turns (tok/s: all rounds; ratio: median of the rounds' ratios, "
+        "with their min and max)"
     )
     for kind, label in labels.items():
         if any(r.server == kind for r in results):
             print(f"  {kind}: {label}")
     print(
         "\n| server | clients | tok/s | p50 s | p99 s | TTFT p50 ms | ITL p50 ms | ITL p99 ms "
-        "| lloyal / this |"
+        "| lloyal / this | rounds' min-max |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     order = list(servers)
     for r in sorted(results, key=lambda r: (order.index(r.server), r.clients)):
         ratio = ratios[r.server, r.clients]
         print(
             f"| {r.server} | {r.clients} | {r.tok_s:.1f} | {r.pct(0.5):.2f} | {r.pct(0.99):.2f} "
             f"| {1000 * r.pct(0.5, r.first):.0f} | {1000 * r.pct(0.5, r.gaps):.1f} "
-            f"| {1000 * r.pct(0.99, r.gaps):.1f} | {ratio:.2f}x |"
+            f"| {1000 * r.pct(0.99, r.gaps):.1f} | {ratio:.2f}x "
+            f"| {spread[r.server, r.clients][0]:.2f}-{spread[r.server, r.clients][1]:.2f} |"
         )
     for c in counts:
         if ("lloyal-spec", c) in ratios and ("lloyal", c) in runs:
