@@ -75,7 +75,8 @@ def _lloyal_child(model: str, branches: int, tokens: int, contexts: int) -> dict
                 model,
                 n_ctx=2048,
                 n_seq_max=max(branches, 1),
-                n_threads=int(os.environ.get("LLOYAL_BENCH_THREADS") or _threads()),
+                # None: every core, adapted to the load (docs/performance.md).
+                n_threads=int(os.environ.get("LLOYAL_BENCH_THREADS") or 0) or None,
             )
             for _ in range(contexts)
         ]
@@ -91,12 +92,13 @@ def _lloyal_child(model: str, branches: int, tokens: int, contexts: int) -> dict
             started = time.perf_counter()
             made = await asyncio.gather(*(run(c, f) for c, f in zip(ctxs, forks, strict=True)))
             seconds = time.perf_counter() - started
+            threads = ctxs[0].decode_threads
             for f in forks:
                 await f[0].prune_subtree()
         finally:
             for ctx in ctxs:
                 await ctx.aclose()
-        return {"tokens": sum(made), "seconds": seconds}
+        return {"tokens": sum(made), "seconds": seconds, "threads": threads}
 
     return asyncio.run(main())
 
@@ -175,6 +177,8 @@ def _measure(
     if out.returncode != 0:
         raise RuntimeError(f"{kind} failed:\n{out.stderr[-2000:]}")
     data = json.loads(out.stdout.strip().splitlines()[-1])
+    if "threads" in data:  # lloyal's decode threads at the end, on stderr
+        print(f"  {kind}: {data['threads']} decode threads at the end", file=sys.stderr)
     return float(data["tokens"]) / float(data["seconds"])
 
 

@@ -238,6 +238,30 @@ class Context:
         return int(self._native.n_batch)
 
     @property
+    def decode_threads(self) -> int:
+        """The threads its decodes use now. ``n_threads`` when given; for a
+        CPU context created without it (every core), one fewer for each
+        ~100 ms of decoding in which the worker thread waited more than 15%
+        of the time for a core (other processes, or this one's other
+        threads, wanting them), down to 1, and one more again, on
+        probation, once the wait is gone (Linux: the kernel's per-thread
+        run-queue statistics; elsewhere, and with
+        ``LLOYAL_ADAPTIVE_THREADS=0``, always ``n_threads``).
+        docs/performance.md has the measurements.
+
+        >>> import asyncio, lloyal
+        >>> from lloyal.models import model_path
+        >>> async def main():
+        ...     async with await lloyal.create_context(
+        ...         model_path("smollm2"), n_ctx=256, n_threads=2
+        ...     ) as ctx:
+        ...         return ctx.n_threads, ctx.decode_threads
+        >>> asyncio.run(main())
+        (2, 2)
+        """
+        return int(self._native.decode_threads)
+
+    @property
     def step_tokens(self) -> int | None:
         """The most tokens one round of the step scheduler decodes, or
         None (the default): ``n_batch``.

@@ -75,6 +75,7 @@ pub mod sampling;
 pub mod state;
 mod sync;
 mod sysmem;
+mod threads;
 
 /// Entry points of the parsers that read untrusted bytes, for the fuzz
 /// targets (`tests/fuzz.rs`). Not part of the API.

@@ -153,6 +153,11 @@ impl PyContext {
     }
 
     #[getter]
+    fn decode_threads(&self) -> u32 {
+        self.inner.decode_threads()
+    }
+
+    #[getter]
     fn step_tokens(&self) -> Option<u32> {
         self.inner.step_tokens()
     }

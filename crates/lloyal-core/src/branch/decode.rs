@@ -92,7 +92,7 @@ impl Worker<'_> {
     ///   instead, while each piece is in the cache.
     pub(super) fn rows_logits(&mut self, rows: &[(i32, bool)]) -> Vec<(Arc<[f32]>, LogitStats)> {
         self.finish_background();
-        let threads = self.params.effective_threads();
+        let threads = self.threads.now();
         let pool = &mut self.logit_pool;
         let sources: Vec<&[f32]> = rows
             .iter()

@@ -223,6 +223,13 @@ impl Context {
         }
     }
 
+    /// The threads its decodes use now: `n_threads`, or, for a CPU context
+    /// created without it, fewer while the machine has more runnable
+    /// threads than cores (see `threads`).
+    pub fn decode_threads(&self) -> u32 {
+        self.shared.threads.load(Ordering::Relaxed) as u32
+    }
+
     pub fn stats(&self) -> Stats {
         let s = &self.shared.stats;
         Stats {

@@ -55,6 +55,8 @@ pub(crate) struct Shared {
     /// The most tokens a step's round decodes (0: `n_batch`); see
     /// [`Context::set_step_tokens`](crate::Context::set_step_tokens).
     pub(crate) step_tokens: AtomicUsize,
+    /// The threads the worker's decodes use now (see `threads`).
+    pub(crate) threads: AtomicUsize,
     /// The next job panics (`Context::panic_next_job`).
     #[cfg(feature = "testing")]
     pub(crate) panic_next: AtomicBool,

@@ -157,6 +157,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         default_adapters: Mutex::new(Default::default()),
         embeddings: Mutex::new(None),
         step_tokens: AtomicUsize::new(0),
+        threads: AtomicUsize::new(0),
         #[cfg(feature = "testing")]
         panic_next: AtomicBool::new(false),
     });
@@ -179,8 +180,19 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
     // order), so the borrow outlives nothing it points to; `'static` only
     // lets the worker be shared with callers that run inline jobs.
     let ctx = unsafe { std::mem::transmute::<LlamaContext<'_>, LlamaContext<'static>>(ctx) };
+    let cpu = (!params.n_gpu_layers.offloads() || !crate::backend::supports_gpu_offload())
+        .then(crate::omp::CpuContext::open);
+    // Opened here, on the worker thread: it reads this thread's statistics.
+    let threads = crate::threads::Threads::new(
+        params.effective_threads(),
+        params.n_threads.is_none() && cpu.is_some(),
+    );
+    shared
+        .threads
+        .store(threads.now() as usize, Ordering::Relaxed);
     let worker = Worker {
         background: None,
+        threads,
         raw_ctx: crate::adapter::context_pointer(&ctx),
         adapters: Default::default(),
         mtmd: None,
@@ -190,8 +202,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
         // token tree, `branch_prefill_tree`).
         batch: LlamaBatch::new(n_batch, params.n_seq_max as i32),
         n_batch,
-        cpu: (!params.n_gpu_layers.offloads() || !crate::backend::supports_gpu_offload())
-            .then(crate::omp::CpuContext::open),
+        cpu,
         params,
         shared,
         logit_pool: Vec::new(),

@@ -35,6 +35,8 @@ pub(crate) struct Worker<'m> {
     /// (see `branch::decode`'s `rows_logits`), finished before the next one.
     /// Dropped first, on the worker thread (the only one that may end it).
     pub(crate) background: Option<crate::omp::Background>,
+    /// How many threads its decodes use (see `threads`).
+    pub(crate) threads: crate::threads::Threads,
     /// The multimodal projector, once loaded (see `media`); it refers to
     /// the model, so it is declared (and dropped) before it.
     pub(crate) mtmd: Option<llama_cpp_2::mtmd::MtmdContext>,
@@ -81,7 +83,7 @@ impl Worker<'_> {
         if crate::omp::linger().is_zero() {
             return; // another context may want the cores: let the team sleep
         }
-        let threads = self.params.effective_threads();
+        let threads = self.threads.now();
         self.background = Some(crate::omp::Background::start(0, threads, Box::new(|_| {})));
     }
 
@@ -205,10 +207,14 @@ impl Worker<'_> {
     pub(crate) fn llama_decode(&mut self, n_tokens: usize) -> Result<()> {
         self.finish_background();
         DECODED.store(true, Ordering::Relaxed);
+        let clock = self.threads.before();
         let started = Instant::now();
         let mut result = self.ctx.decode(&mut self.batch);
         if matches!(result, Err(DecodeError::NoKvCacheSlot)) && self.purge_tombstones() {
             result = self.ctx.decode(&mut self.batch);
+        }
+        if let Some(n) = self.threads.after(clock, started.elapsed()) {
+            self.set_threads(n);
         }
         let stats = &self.shared.stats;
         stats.decode_calls.fetch_add(1, Ordering::Relaxed);
@@ -228,6 +234,16 @@ impl Worker<'_> {
                 self.ctx.n_ctx()
             ))),
             Err(e) => Err(Error::Decode(e.to_string())),
+        }
+    }
+
+    /// Decode with `n` threads from now on (see `threads`).
+    fn set_threads(&mut self, n: u32) {
+        if let Some(raw) = &self.raw_ctx {
+            let n = i32::try_from(n).unwrap_or(1);
+            // SAFETY: the worker thread owns the context; no decode runs.
+            unsafe { llama_cpp_sys_2::llama_set_n_threads(raw.0.as_ptr(), n, n) };
+            self.shared.threads.store(n as usize, Ordering::Relaxed);
         }
     }
 
