@@ -15,7 +15,6 @@ the event loop. Works under asyncio, uvloop and trio (via anyio).
 True
 """
 
-from lloyal import _omp_env  # noqa: F401 - first: before libgomp loads
 from lloyal._lloyal import PerplexityTracker, supports_gpu_offload
 from lloyal._lloyal import __version__ as __version__
 from lloyal.adapters import Adapters, ControlVector, Lora

@@ -245,8 +245,8 @@ class Context:
         of the time for a core (other processes, or this one's other
         threads, wanting them), down to 1, and one more again, on
         probation, once the wait is gone (Linux: the kernel's per-thread
-        run-queue statistics; elsewhere, and with
-        ``LLOYAL_ADAPTIVE_THREADS=0``, always ``n_threads``).
+        run-queue statistics; elsewhere, with ``deterministic=True``, on a
+        GPU and with ``LLOYAL_ADAPTIVE_THREADS=0``, always ``n_threads``).
         docs/performance.md has the measurements.
 
         >>> import asyncio, lloyal

@@ -271,10 +271,10 @@ impl Drop for Background {
 // decode finding its team asleep. The linger's spin also yields its core
 // between rounds to any other runnable thread (`run_owned`).
 //
-// The other half, the spin inside a decode (libgomp's wait at each of
-// the graph's barriers), is `GOMP_SPINCOUNT`, which the Python package
-// sets before libgomp starts (see `docs/performance.md`); a Rust program
-// sets it in its environment.
+// The other half, a decode's threads on a machine with more runnable
+// threads than cores, is `threads`: fewer of them. (Until 2026-11-29 the
+// Python package set libgomp's `GOMP_SPINCOUNT` to 1,000 instead, which
+// cost 2-10% on an idle machine: docs/performance.md.)
 
 /// Open contexts whose decodes run on the CPU.
 static CPU_CONTEXTS: AtomicUsize = AtomicUsize::new(0);

@@ -21,7 +21,8 @@
 //!   stays busy costs one window every few seconds.
 //!
 //! An explicit `n_threads` is used as given, and so is every thread count
-//! where the kernel has no such statistics (not Linux, or schedstats off).
+//! where the kernel has no such statistics (not Linux, or schedstats off),
+//! on a context that offloads to a GPU, and in the deterministic mode.
 //! `LLOYAL_ADAPTIVE_THREADS=0` turns the adaptation off.
 
 use std::time::Duration;
@@ -214,7 +215,7 @@ mod tests {
         assert!(t.clock.is_none());
         assert_eq!(t.after(None, WINDOW), None); // no clock: nothing changes
         assert_eq!(t.now(), 2);
-        let mut window = |t: &mut Threads, share: f64, took: Duration| {
+        let window = |t: &mut Threads, share: f64, took: Duration| {
             t.since_change += took;
             t.judge(share)
         };

@@ -183,9 +183,11 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
     let cpu = (!params.n_gpu_layers.offloads() || !crate::backend::supports_gpu_offload())
         .then(crate::omp::CpuContext::open);
     // Opened here, on the worker thread: it reads this thread's statistics.
+    // Not in the deterministic mode: a thread count is part of a route
+    // (the split-KV attention of one token merges per-thread results).
     let threads = crate::threads::Threads::new(
         params.effective_threads(),
-        params.n_threads.is_none() && cpu.is_some(),
+        params.n_threads.is_none() && cpu.is_some() && !params.deterministic,
     );
     shared
         .threads
