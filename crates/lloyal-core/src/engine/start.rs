@@ -185,9 +185,11 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
     // Opened here, on the worker thread: it reads this thread's statistics.
     // Not in the deterministic mode: a thread count is part of a route
     // (the split-KV attention of one token merges per-thread results).
+    // And only with the C context at hand: the count is set through it.
+    let raw_ctx = crate::adapter::context_pointer(&ctx);
     let threads = crate::threads::Threads::new(
         params.effective_threads(),
-        params.n_threads.is_none() && cpu.is_some() && !params.deterministic,
+        params.n_threads.is_none() && cpu.is_some() && !params.deterministic && raw_ctx.is_some(),
     );
     shared
         .threads
@@ -195,7 +197,7 @@ fn worker_main(model_path: PathBuf, params: ContextParams, on_ready: &mut Option
     let worker = Worker {
         background: None,
         threads,
-        raw_ctx: crate::adapter::context_pointer(&ctx),
+        raw_ctx,
         adapters: Default::default(),
         mtmd: None,
         ctx,
