@@ -11,13 +11,12 @@ in one ``BranchStore.commit``, so a step costs one decode however many
 requests are running; a choice's last token is not decoded. A request's
 choices join at the next step. What one choice raises while its token is
 chosen, read or committed ends that choice's request with an error and
-touches no other. A new request's
-prompt is prefilled from its own task: the engine's step scheduler decodes
-it in chunks that share decodes with the running commits, at most
-``step_tokens`` a step while choices stream (``Context.step_tokens``). A
-request whose prompt is in waits for the prompts in flight at that moment
-before its first token, so that a burst starts streaming together instead
-of its first streams waiting behind the rest of its prompts.
+touches no other. A new request's prompt is prefilled from its own task:
+the engine's step scheduler decodes it in chunks that share decodes with
+the running commits, at most ``step_tokens`` a step while choices stream
+(``Context.step_tokens``). A request whose prompt is in waits for the
+prompts in flight at that moment before its first token: a burst starts
+streaming together, not its first streams behind the rest of its prompts.
 
 Admission counts KV leases and KV cells: a request waits until its ``n``
 leases and its cells -- the prompt plus ``max_tokens`` per choice
