@@ -120,6 +120,29 @@ fn two_prompts(p: usize, n: usize) -> Vec<Vec<u16>> {
         .collect()
 }
 
+/// A turn of many conversations under one shared prefix: `prefix` cells
+/// every row sees, then `steps` lockstep rounds of `seqs` sequences (each
+/// sequence's cells scattered), then a prompt of `n` tokens per sequence,
+/// one sequence after another; a row sees the prefix, its sequence's
+/// scattered cells and its prompt's tokens up to itself. The tiled kernel
+/// computes it from KV tiles gathered from what the rows see.
+fn turn(prefix: usize, seqs: usize, steps: usize, n: usize) -> Vec<Vec<u16>> {
+    let n_kv = prefix + seqs * (steps + n);
+    let own = prefix + seqs * steps;
+    (0..seqs * n)
+        .map(|r| {
+            let (s, i) = (r / n, r % n);
+            let mut row = vec![NINF; n_kv];
+            row[..prefix].fill(ZERO);
+            for j in 0..steps {
+                row[prefix + j * seqs + s] = ZERO;
+            }
+            row[own + s * n..=own + s * n + i].fill(ZERO);
+            row
+        })
+        .collect()
+}
+
 fn random(rng: &mut Rng, n: usize, n_kv: usize, density_pct: usize) -> Vec<Vec<u16>> {
     (0..n)
         .map(|_| {
@@ -291,6 +314,16 @@ fn cases() -> Vec<Case> {
             two_prompts(130, 70),
             Close,
         ),
+        // a turn of 32 conversations sharing a prefix: tiled, their earlier
+        // tokens gathered into full KV tiles
+        Case::new(
+            "a turn under a shared prefix",
+            SMOL,
+            F16,
+            turn(600, 32, 24, 25),
+            Close,
+        ),
+        Case::new("a turn, head 256", GEMMA, F16, turn(500, 32, 32, 10), Close),
         // random visibility, and rows that see nothing
         Case::new(
             "random 30%",
