@@ -14,21 +14,8 @@
 
 use llama_cpp_sys_2 as sys;
 
-/// A small deterministic generator (xorshift64*), so a failure reproduces.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
+mod common;
+use common::Rng;
 
 /// `W (rows x k, Q4_1) . X (k x cols, f32)`, row-major `cols x rows`.
 fn mul_mat(rows: i64, cols: i64, k: i64, seed: u64, threads: i32, use_ref: bool) -> Vec<f32> {
