@@ -18,8 +18,6 @@
 //! values, per-head masks; head sizes of SmolLM2 (64), 128 and Gemma 3 (256)
 //! with grouped KV heads, logit softcap and attention sinks.
 
-use std::ffi::c_void;
-
 use llama_cpp_sys_2 as sys;
 
 mod common;
@@ -471,20 +469,10 @@ fn compute(case: &Case, rng_seed: u64, threads: i32, use_ref: bool) -> Vec<f32> 
             sd.iter_mut().for_each(|x| *x = rng.unit() * 2.0);
             sys::ggml_flash_attn_ext_add_sinks(out, s);
         }
-        let gf = sys::ggml_new_graph(ctx);
-        sys::ggml_build_forward_expand(gf, out);
-        let mut plan = sys::ggml_graph_plan(gf, threads, std::ptr::null_mut());
-        let mut work = vec![0u8; plan.work_size];
-        plan.work_data = work.as_mut_ptr();
-        plan.use_ref = use_ref;
-        assert_eq!(
-            sys::ggml_graph_compute(gf, &mut plan),
-            sys::GGML_STATUS_SUCCESS
-        );
+        common::compute_on_cpu(ctx, out, threads, use_ref);
         let n = (case.dk * case.heads * case.n_q) as usize;
         let result = std::slice::from_raw_parts(sys::ggml_get_data_f32(out), n).to_vec();
         sys::ggml_free(ctx);
-        let _ = std::hint::black_box(work.as_ptr() as *const c_void);
         result
     }
 }

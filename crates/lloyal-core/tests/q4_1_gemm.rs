@@ -47,16 +47,7 @@ fn mul_mat(rows: i64, cols: i64, k: i64, seed: u64, threads: i32, use_ref: bool)
         let xd = std::slice::from_raw_parts_mut((*x).data as *mut f32, (k * cols) as usize);
         xd.iter_mut().for_each(|v| *v = rng.unit() * 3.0);
         let out = sys::ggml_mul_mat(ctx, w, x);
-        let gf = sys::ggml_new_graph(ctx);
-        sys::ggml_build_forward_expand(gf, out);
-        let mut plan = sys::ggml_graph_plan(gf, threads, std::ptr::null_mut());
-        let mut work = vec![0u8; plan.work_size];
-        plan.work_data = work.as_mut_ptr();
-        plan.use_ref = use_ref;
-        assert_eq!(
-            sys::ggml_graph_compute(gf, &mut plan),
-            sys::GGML_STATUS_SUCCESS
-        );
+        common::compute_on_cpu(ctx, out, threads, use_ref);
         let result =
             std::slice::from_raw_parts(sys::ggml_get_data_f32(out), (rows * cols) as usize)
                 .to_vec();

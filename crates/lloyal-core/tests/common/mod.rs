@@ -31,3 +31,28 @@ impl Rng {
         sd * (-2.0 * a.ln()).sqrt() * (std::f32::consts::TAU * b).cos()
     }
 }
+
+/// Computes the graph of `out` on the CPU with `threads` threads, by ggml's
+/// reference paths (`use_ref`) or its fast ones, as llama.cpp's
+/// test-backend-ops compares them.
+///
+/// # Safety
+/// `ctx` and `out` come from one live ggml context with its data allocated.
+pub unsafe fn compute_on_cpu(
+    ctx: *mut llama_cpp_sys_2::ggml_context,
+    out: *mut llama_cpp_sys_2::ggml_tensor,
+    threads: i32,
+    use_ref: bool,
+) {
+    use llama_cpp_sys_2 as sys;
+    let gf = sys::ggml_new_graph(ctx);
+    sys::ggml_build_forward_expand(gf, out);
+    let mut plan = sys::ggml_graph_plan(gf, threads, std::ptr::null_mut());
+    let mut work = vec![0u8; plan.work_size];
+    plan.work_data = work.as_mut_ptr();
+    plan.use_ref = use_ref;
+    assert_eq!(
+        sys::ggml_graph_compute(gf, &mut plan),
+        sys::GGML_STATUS_SUCCESS
+    );
+}
