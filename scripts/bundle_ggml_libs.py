@@ -15,6 +15,11 @@ wheel's RECORD.
 Further arguments are backend modules built apart from the wheel from the
 same source (``libggml-vulkan.so`` from scripts/build_vulkan_module.sh),
 added the same way.
+
+The Windows wheel (scripts/windows/build_wheel.sh) is bundled the same way:
+``lloyal/_lloyal.pyd``, the DLLs it imports (``llama.dll``, ``ggml.dll``,
+...) and the modules ``ggml-cpu-<variant>.dll``, found beside it by
+Windows' loader and by backend.rs.
 """
 
 from __future__ import annotations
@@ -31,6 +36,16 @@ import zipfile
 
 
 def needed(data_path: str) -> list[str]:
+    """The shared libraries a binary imports: ELF NEEDED entries, or a PE
+    file's imported DLLs."""
+    if data_path.endswith((".dll", ".pyd")):
+        cmd = ["x86_64-w64-mingw32-objdump", "-p", data_path]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        return [
+            line.split("DLL Name:", 1)[1].strip()
+            for line in out.stdout.splitlines()
+            if "DLL Name:" in line
+        ]
     out = subprocess.run(["readelf", "-d", data_path], capture_output=True, text=True, check=True)
     return [
         line.split("[", 1)[1].split("]", 1)[0]
@@ -39,10 +54,15 @@ def needed(data_path: str) -> list[str]:
     ]
 
 
-def sys_out_dir(target_dir: str) -> str:
+# What the extension and llama.cpp's backend modules are called, by platform.
+_LINUX = (".so", "libggml-*.so", "*.so*")
+_WINDOWS = (".pyd", "ggml-*.dll", "*.dll")
+
+
+def sys_out_dir(target_dir: str, modules: str) -> str:
     """The newest llama-cpp-sys-2 build output that has backend modules."""
     dirs = glob.glob(os.path.join(target_dir, "*", "build", "llama-cpp-sys-2-*", "out"))
-    dirs = [d for d in dirs if glob.glob(os.path.join(d, "backends", "libggml-*.so"))]
+    dirs = [d for d in dirs if glob.glob(os.path.join(d, "backends", modules))]
     if not dirs:
         raise SystemExit(f"no dynamic-backends llama-cpp-sys-2 build under {target_dir}")
     return max(dirs, key=lambda d: os.path.getmtime(os.path.join(d, "backends")))
@@ -50,9 +70,10 @@ def sys_out_dir(target_dir: str) -> str:
 
 def main() -> None:
     wheel, target_dir, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
-    out = sys_out_dir(target_dir)
-    search = [os.path.join(out, "lib"), os.path.join(out, "lib64"), os.path.join(out, "build")]
-    built = glob.glob(os.path.join(out, "build", "**", "*.so*"), recursive=True)
+    suffix, modules, libraries = _WINDOWS if wheel.endswith("win_amd64.whl") else _LINUX
+    out = sys_out_dir(target_dir, modules)
+    search = [os.path.join(out, d) for d in ("lib", "lib64", "bin", "build")]
+    built = glob.glob(os.path.join(out, "build", "**", libraries), recursive=True)
     search += [os.path.dirname(p) for p in built]
 
     def find(soname: str) -> str | None:
@@ -64,7 +85,7 @@ def main() -> None:
 
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
-        ext = next(n for n in names if n.startswith("lloyal/_lloyal") and n.endswith(".so"))
+        ext = next(n for n in names if n.startswith("lloyal/_lloyal") and n.endswith(suffix))
         record = next(n for n in names if n.endswith(".dist-info/RECORD"))
         tmp = tempfile.mkdtemp()
         ext_path = zf.extract(ext, tmp)
@@ -78,10 +99,10 @@ def main() -> None:
             continue
         path = find(soname)
         if path is None:
-            continue  # a system library (libstdc++, libgomp, libc, ...)
+            continue  # a system library (libstdc++, libgomp, libc, kernel32, ...)
         libs[soname] = path
         todo += needed(path)
-    for mod in sorted(glob.glob(os.path.join(out, "backends", "libggml-*.so"))):
+    for mod in sorted(glob.glob(os.path.join(out, "backends", modules))):
         libs[os.path.basename(mod)] = os.path.realpath(mod)
     for mod in extra:
         libs[os.path.basename(mod)] = os.path.realpath(mod)

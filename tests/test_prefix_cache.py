@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import resource
+import sys
 from pathlib import Path
 
 import lloyal
@@ -335,6 +335,25 @@ async def test_evicted_entries_go_to_disk_and_come_back(smollm2: Path, tmp_path:
         assert lloyal.BranchStore(ctx).available == 4
 
 
+class _FileSizeLimit:
+    """RLIMIT_FSIZE, lowered for a test and restored (POSIX only)."""
+
+    def __init__(self) -> None:
+        self.limit: tuple[int, int] | None = None
+
+    def set(self, size: int) -> None:
+        import resource
+
+        self.limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, self.limit[1]))
+
+    def restore(self) -> None:
+        if self.limit is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_FSIZE, self.limit)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("failure", ["deleted", "a file", "read-only", "too large"])
 async def test_a_failed_disk_write_loses_no_lease(
@@ -350,7 +369,9 @@ async def test_a_failed_disk_write_loses_no_lease(
         cache = lloyal.PrefixCache(ctx, max_branches=1, disk_dir=folder)
         async with await cache.branch(first):
             pass
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        if sys.platform == "win32" and failure in ("read-only", "too large"):
+            pytest.skip("Windows has no read-only folders for their owner, nor RLIMIT_FSIZE")
+        fsize = _FileSizeLimit()
         try:
             if failure == "deleted":
                 folder.rmdir()
@@ -362,14 +383,14 @@ async def test_a_failed_disk_write_loses_no_lease(
                 if os.access(folder, os.W_OK):
                     pytest.skip("root writes into read-only folders ('too large' fails as root)")
             else:
-                resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
+                fsize.set(4096)
             for _ in range(3):  # each request evicts the one before
                 async with await cache.branch(second) as b:
                     assert b.position == len(second)
                     assert lloyal.BranchStore(ctx).available == 1  # b and the entry
                 first, second = second, first
         finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+            fsize.restore()
             if folder.is_dir():
                 folder.chmod(0o700)
         s = cache.stats

@@ -4,14 +4,16 @@ Every asynchronous native call takes a ``done`` object that the worker
 thread completes exactly once. ``call_native`` turns that into an awaitable
 for whichever event loop is running:
 
-* asyncio / uvloop: each loop gets a :class:`_LoopWaker` -- a pipe the loop
-  watches with ``add_reader`` and a native queue of finished results. The
-  worker appends a result to the queue and writes one byte to the pipe,
-  without taking the GIL; the loop wakes once, and the queue's native
-  ``settle`` (the reader callback) settles the future of every result that
-  arrived meanwhile (one wake-up for a whole batch).
-  A loop without ``add_reader`` (Windows' Proactor loop) is handed each
-  result with ``call_soon_threadsafe`` instead.
+* asyncio / uvloop: each loop gets a :class:`_LoopWaker` -- a socket pair
+  the loop watches with ``add_reader`` and a native queue of finished
+  results. The worker appends a result to the queue and writes one byte to
+  the socket, without taking the GIL; the loop wakes once, and the queue's
+  native ``settle`` (the reader callback) settles the future of every result
+  that arrived meanwhile (one wake-up for a whole batch). A socket pair, not
+  a pipe: Windows' selector loop can watch sockets only.
+  A loop without ``add_reader`` (Windows' default Proactor loop) is handed
+  the results of one engine job with one ``call_soon_threadsafe`` instead
+  (see :func:`_deliver`): the worker takes the GIL for it.
 * trio: the worker hands the results of one job to :func:`_deliver`, which
   reschedules every task waiting on them through one ``run_sync_soon`` of
   their run's ``TrioToken`` (one wake-up for the batch, and the tasks run
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
+import socket
 import weakref
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any
@@ -46,23 +48,24 @@ def _in_trio() -> bool:
 
 
 class _LoopWaker:
-    """The pipe and result queue that complete futures on one asyncio loop.
-    It holds its loop weakly: once the loop is gone, so are the waker and
-    its pipe (the queue owns and closes both ends).
+    """The socket pair and result queue that complete futures on one
+    asyncio loop. It holds its loop weakly: once the loop is gone, so are
+    the waker and its sockets (the queue owns and closes both ends).
 
-    A loop that cannot watch a file descriptor (``add_reader`` raises
+    A loop that cannot watch a socket (``add_reader`` raises
     ``NotImplementedError``: Windows' default Proactor loop, some embedded
-    loops) gets plain callbacks instead: the worker takes the GIL to hand
-    each result to the loop with ``call_soon_threadsafe``."""
+    loops) gets :class:`_LoopDone` callbacks instead."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = weakref.ref(loop)
-        read_fd, wake_fd = os.pipe()
-        os.set_blocking(read_fd, False)
-        os.set_blocking(wake_fd, False)
-        self._queue: _lloyal.ResultQueue | None = _lloyal.ResultQueue(read_fd, wake_fd)
+        read, wake = socket.socketpair()
+        for end in (read, wake):
+            end.setblocking(False)
+        if wake.family in (socket.AF_INET, socket.AF_INET6):  # Windows: a loopback TCP pair
+            wake.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._queue: _lloyal.ResultQueue | None = _lloyal.ResultQueue(read.detach(), wake.detach())
         try:
-            loop.add_reader(read_fd, self._queue.settle)
+            loop.add_reader(self._queue.read_fd, self._queue.settle)
         except NotImplementedError:
             self._queue = None  # closes both ends
 
@@ -70,19 +73,27 @@ class _LoopWaker:
         """The ``done`` object that settles ``fut`` from the worker."""
         if self._queue is not None:
             return _lloyal.Completion(fut, self._queue)
-        loop = fut.get_loop()
-
-        def done(error: BaseException | None, value: Any) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed
-                loop.call_soon_threadsafe(_settle, fut, error, value)
-
-        return done
+        return _LoopDone(fut)
 
     def __del__(self) -> None:
         loop = self._loop()
         with contextlib.suppress(Exception):
             if self._queue is not None and loop is not None and not loop.is_closed():
                 loop.remove_reader(self._queue.read_fd)
+
+
+class _LoopDone:
+    """The ``done`` of a call awaited on a loop that cannot watch a socket:
+    :func:`_deliver` settles the futures of one job on one loop with one
+    ``call_soon_threadsafe``."""
+
+    __slots__ = ("fut",)
+
+    def __init__(self, fut: asyncio.Future[Any]) -> None:
+        self.fut = fut
+
+    def __call__(self, error: BaseException | None, value: Any) -> None:
+        _deliver([(self, error, value)])
 
 
 def _settle(fut: asyncio.Future[Any], error: BaseException | None, value: Any) -> None:
@@ -92,6 +103,11 @@ def _settle(fut: asyncio.Future[Any], error: BaseException | None, value: Any) -
         fut.set_exception(error)
     else:
         fut.set_result(value)
+
+
+def _settle_all(results: list[tuple[asyncio.Future[Any], BaseException | None, Any]]) -> None:
+    for fut, error, value in results:
+        _settle(fut, error, value)
 
 
 _wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker]
@@ -147,13 +163,20 @@ def _deliver(calls: list[tuple[Done, BaseException | None, Any]]) -> None:
     """Complete the callable ``done``s of one engine job (the engine calls
     this once per job, from its thread, with the GIL). Those of a trio run
     are woken by one callback per run, so every task waiting on the job is
-    rescheduled in the same round."""
+    rescheduled in the same round; those of an asyncio loop by one callback
+    per loop."""
     by_run: dict[Any, list[tuple[Callable[[Any], None], Any]]] = {}
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, Any]]] = {}
     for done, error, value in calls:
         if isinstance(done, _TrioDone):
             by_run.setdefault(done.token, []).append((done.wake, _outcome(error, value)))
+        elif isinstance(done, _LoopDone):
+            by_loop.setdefault(done.fut.get_loop(), []).append((done.fut, error, value))
         else:
             done(error, value)
+    for loop, results in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            loop.call_soon_threadsafe(_settle_all, results)
     if not by_run:
         return
     import trio

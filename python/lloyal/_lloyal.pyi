@@ -169,7 +169,7 @@ class Completion:
 
 @final
 class ResultQueue:
-    """Finished calls of one event loop, and the pipe that wakes it."""
+    """Finished calls of one event loop, and the socket pair that wakes it."""
 
     def __new__(cls, read_fd: int, wake_fd: int) -> ResultQueue: ...
     @property

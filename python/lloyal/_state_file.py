@@ -47,11 +47,20 @@ def _digest(*parts: bytes) -> bytes:
 
 def open_regular(path: Path) -> BinaryIO:
     """``path`` opened for reading, if it is a regular file itself;
-    ``OSError`` otherwise (the check is on what was opened: no race)."""
+    ``OSError`` otherwise (the check is on what was opened: no race).
+    Where ``open`` cannot refuse a link (Windows has no ``O_NOFOLLOW``),
+    the file opened must be the very file ``lstat`` saw as a regular one
+    (same volume and file id), so a link swapped in between is refused."""
+    seen = None if hasattr(os, "O_NOFOLLOW") else os.lstat(path)
+    if seen is not None and not stat.S_ISREG(seen.st_mode):
+        raise OSError(f"{path} is not a regular file")
     fd = os.open(path, _OPEN_FLAGS)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
             raise OSError(f"{path} is not a regular file")
+        if seen is not None and (seen.st_dev, seen.st_ino) != (opened.st_dev, opened.st_ino):
+            raise OSError(f"{path} changed while it was opened")
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)

@@ -523,15 +523,34 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
 @contextlib.contextmanager
 def _locked(folder: Path) -> Iterator[None]:
     """One pull at a time into ``folder`` across processes (two would append
-    to one ``.part``). Where there is no ``fcntl`` (Windows), no lock."""
+    to one ``.part``): ``flock`` on the folder, or on Windows a byte-range
+    lock (``msvcrt.locking``) on a ``.lock`` file in it."""
     try:
         import fcntl
     except ImportError:
-        yield
+        with _locked_windows(folder):
+            yield
         return
     fd = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+@contextlib.contextmanager
+def _locked_windows(folder: Path) -> Iterator[None]:
+    import msvcrt
+
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o600)
+    try:
+        while True:
+            try:  # LK_LOCK tries for ten seconds, then raises
+                msvcrt.locking(fd, msvcrt.LK_LOCK, 1)  # type: ignore[attr-defined]
+                break
+            except OSError:
+                continue
         yield
     finally:
         os.close(fd)  # closing releases the lock

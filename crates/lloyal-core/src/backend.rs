@@ -37,16 +37,24 @@ pub fn backend() -> Result<&'static LlamaBackend> {
 }
 
 /// With the `dynamic-backends` feature llama.cpp's compute backends (the CPU
-/// variants, CUDA, ...) are shared modules (`libggml-<name>[-<variant>].so`)
-/// that must be loaded before the backend is initialised. They are looked for
-/// in `LLOYAL_BACKEND_DIR` if set, else next to the shared library this code
-/// is linked into (the Python extension: the wheel ships them beside it),
-/// else in the directory the build left them in (`cargo test`).
+/// variants, CUDA, ...) are shared modules (`libggml-<name>[-<variant>].so`,
+/// `ggml-<name>[-<variant>].dll` on Windows) that must be loaded before the
+/// backend is initialised. They are looked for in `LLOYAL_BACKEND_DIR` if
+/// set, else next to the shared library this code is linked into (the
+/// Python extension: the wheel ships them beside it), else in the directory
+/// the build left them in (`cargo test`).
 #[cfg(feature = "dynamic-backends")]
 mod modules {
-    use std::ffi::{CStr, OsStr, OsString};
-    use std::os::unix::ffi::OsStrExt;
     use std::path::{Path, PathBuf};
+
+    #[cfg(unix)]
+    use unix::{loaded_objects, own_dir};
+    #[cfg(windows)]
+    use windows::{loaded_objects, own_dir};
+
+    /// What llama.cpp's loader names its CPU modules (ggml-backend-reg.cpp).
+    const CPU_MODULE_PREFIX: &str = if cfg!(windows) { "ggml-cpu" } else { "libggml-cpu" };
+    const MODULE_SUFFIX: &str = if cfg!(windows) { ".dll" } else { ".so" };
 
     pub(super) fn load() -> Result<(), String> {
         let candidates: Vec<PathBuf> = std::env::var_os("LLOYAL_BACKEND_DIR")
@@ -58,8 +66,8 @@ mod modules {
             .collect();
         let Some(dir) = candidates.iter().find(|d| has_cpu_module(d)) else {
             return Err(format!(
-                "no llama.cpp CPU backend module (libggml-cpu*.so) in {candidates:?}; \
-                 set LLOYAL_BACKEND_DIR to the directory that holds them"
+                "no llama.cpp CPU backend module ({CPU_MODULE_PREFIX}*{MODULE_SUFFIX}) in \
+                 {candidates:?}; set LLOYAL_BACKEND_DIR to the directory that holds them"
             ));
         };
         // `load_backends_from_path` panics on a non-UTF-8 path: refuse it here.
@@ -75,78 +83,152 @@ mod modules {
         Ok(())
     }
 
+    /// The variant of a CPU module's file name (`libggml-cpu-haswell.so`:
+    /// `haswell`), `""` for a module without one; None for other files.
+    fn cpu_variant(file: &Path) -> Option<&str> {
+        let name = file.file_name()?.to_str()?;
+        let rest = name.strip_prefix(CPU_MODULE_PREFIX)?.strip_suffix(MODULE_SUFFIX)?;
+        match rest {
+            "" => Some(""),
+            _ => rest.strip_prefix('-'),
+        }
+    }
+
     fn has_cpu_module(dir: &Path) -> bool {
         std::fs::read_dir(dir).is_ok_and(|entries| {
-            entries.flatten().any(|e| {
-                let name: OsString = e.file_name();
-                let name = name.as_bytes();
-                name.starts_with(b"libggml-cpu") && name.ends_with(b".so")
-            })
+            entries
+                .flatten()
+                .any(|e| cpu_variant(Path::new(&e.file_name())).is_some())
         })
     }
 
-    /// The directory of the shared object (or executable) holding this code.
-    fn own_dir() -> Option<PathBuf> {
-        // SAFETY: `Dl_info` is plain data (pointers and integers), for which
-        // all-zero is a valid value.
-        let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
-        let addr = own_dir as fn() -> Option<PathBuf> as *const libc::c_void;
-        // SAFETY: dladdr only inspects the address and writes into `info`;
-        // on success `dli_fname` is a NUL-terminated string owned by the
-        // loader that lives as long as the object is loaded (this code's).
-        let found = unsafe { libc::dladdr(addr, &mut info) };
-        if found == 0 || info.dli_fname.is_null() {
-            return None;
-        }
-        // SAFETY: checked non-null above; see dladdr's contract.
-        let file = unsafe { CStr::from_ptr(info.dli_fname) };
-        let path = Path::new(OsStr::from_bytes(file.to_bytes()));
-        path.parent().map(Path::to_path_buf)
-    }
-
     /// The CPU module llama.cpp picked, found among the objects loaded into
-    /// this process (`libggml-cpu-<variant>.so`), and its directory.
+    /// this process, and its directory.
     pub(super) fn loaded_cpu_module() -> (Option<String>, Option<PathBuf>) {
-        let mut found: Option<PathBuf> = None;
-        unsafe extern "C" fn visit(
-            info: *mut libc::dl_phdr_info,
-            _size: libc::size_t,
-            data: *mut libc::c_void,
-        ) -> libc::c_int {
-            // SAFETY: dl_iterate_phdr passes a valid `dl_phdr_info` for each
-            // loaded object, and `data` is the `&mut Option<PathBuf>` below.
-            let (info, found) = unsafe { (&*info, &mut *data.cast::<Option<PathBuf>>()) };
-            if info.dlpi_name.is_null() {
-                return 0;
-            }
-            // SAFETY: non-null, a NUL-terminated path owned by the loader.
-            let name = unsafe { CStr::from_ptr(info.dlpi_name) };
-            let path = Path::new(OsStr::from_bytes(name.to_bytes()));
-            let is_cpu = path.file_name().is_some_and(|f| {
-                let f = f.as_bytes();
-                f.starts_with(b"libggml-cpu") && f.ends_with(b".so")
-            });
-            if is_cpu {
-                *found = Some(path.to_path_buf());
-                return 1; // stop
-            }
-            0
-        }
-        // SAFETY: `visit` only reads what the loader hands it and writes
-        // through `data`, which points at `found` for the whole call.
-        unsafe {
-            libc::dl_iterate_phdr(Some(visit), (&raw mut found).cast());
-        }
-        let Some(path) = found else {
+        let Some(path) = loaded_objects().into_iter().find(|p| cpu_variant(p).is_some()) else {
             return (None, None);
         };
-        let variant = path
-            .file_name()
-            .and_then(|f| f.to_str())
-            .and_then(|f| f.strip_prefix("libggml-cpu-"))
-            .and_then(|f| f.strip_suffix(".so"))
-            .map(str::to_owned);
+        let variant = cpu_variant(&path).filter(|v| !v.is_empty()).map(str::to_owned);
         (variant, path.parent().map(Path::to_path_buf))
+    }
+
+    #[cfg(unix)]
+    mod unix {
+        use std::ffi::{CStr, OsStr};
+        use std::os::unix::ffi::OsStrExt;
+        use std::path::{Path, PathBuf};
+
+        /// The directory of the shared object (or executable) holding this code.
+        pub(super) fn own_dir() -> Option<PathBuf> {
+            // SAFETY: `Dl_info` is plain data (pointers and integers), for which
+            // all-zero is a valid value.
+            let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+            let addr = own_dir as fn() -> Option<PathBuf> as *const libc::c_void;
+            // SAFETY: dladdr only inspects the address and writes into `info`;
+            // on success `dli_fname` is a NUL-terminated string owned by the
+            // loader that lives as long as the object is loaded (this code's).
+            let found = unsafe { libc::dladdr(addr, &mut info) };
+            if found == 0 || info.dli_fname.is_null() {
+                return None;
+            }
+            // SAFETY: checked non-null above; see dladdr's contract.
+            let file = unsafe { CStr::from_ptr(info.dli_fname) };
+            let path = Path::new(OsStr::from_bytes(file.to_bytes()));
+            path.parent().map(Path::to_path_buf)
+        }
+
+        /// The paths of the objects loaded into this process.
+        pub(super) fn loaded_objects() -> Vec<PathBuf> {
+            let mut found: Vec<PathBuf> = Vec::new();
+            unsafe extern "C" fn visit(
+                info: *mut libc::dl_phdr_info,
+                _size: libc::size_t,
+                data: *mut libc::c_void,
+            ) -> libc::c_int {
+                // SAFETY: dl_iterate_phdr passes a valid `dl_phdr_info` for each
+                // loaded object, and `data` is the `&mut Vec<PathBuf>` below.
+                let (info, found) = unsafe { (&*info, &mut *data.cast::<Vec<PathBuf>>()) };
+                if !info.dlpi_name.is_null() {
+                    // SAFETY: non-null, a NUL-terminated path owned by the loader.
+                    let name = unsafe { CStr::from_ptr(info.dlpi_name) };
+                    found.push(PathBuf::from(OsStr::from_bytes(name.to_bytes())));
+                }
+                0
+            }
+            // SAFETY: `visit` only reads what the loader hands it and writes
+            // through `data`, which points at `found` for the whole call.
+            unsafe {
+                libc::dl_iterate_phdr(Some(visit), (&raw mut found).cast());
+            }
+            found
+        }
+    }
+
+    #[cfg(windows)]
+    mod windows {
+        use std::ffi::OsString;
+        use std::os::windows::ffi::OsStringExt;
+        use std::path::{Path, PathBuf};
+
+        use windows_sys::Win32::Foundation::HMODULE;
+        use windows_sys::Win32::System::LibraryLoader::{
+            GetModuleFileNameW, GetModuleHandleExW, GET_MODULE_HANDLE_EX_FLAG_FROM_ADDRESS,
+            GET_MODULE_HANDLE_EX_FLAG_UNCHANGED_REFCOUNT,
+        };
+        use windows_sys::Win32::System::ProcessStatus::K32EnumProcessModules;
+        use windows_sys::Win32::System::Threading::GetCurrentProcess;
+
+        /// A module's file path (None past 32,767 UTF-16 units, the longest
+        /// path Windows has).
+        fn module_path(module: HMODULE) -> Option<PathBuf> {
+            let mut buf = vec![0u16; 32_768];
+            // SAFETY: `buf` is writable for its whole length, which is passed.
+            let n = unsafe { GetModuleFileNameW(module, buf.as_mut_ptr(), buf.len() as u32) };
+            let n = n as usize;
+            (n > 0 && n < buf.len()).then(|| PathBuf::from(OsString::from_wide(&buf[..n])))
+        }
+
+        /// The directory of the DLL (or executable) holding this code.
+        pub(super) fn own_dir() -> Option<PathBuf> {
+            let mut module: HMODULE = std::ptr::null_mut();
+            let addr = own_dir as fn() -> Option<PathBuf> as *const u16;
+            // SAFETY: with FROM_ADDRESS the "name" is an address inside a
+            // module (this function's); UNCHANGED_REFCOUNT takes no reference,
+            // and the handle stays valid while this code is loaded.
+            let ok = unsafe {
+                GetModuleHandleExW(
+                    GET_MODULE_HANDLE_EX_FLAG_FROM_ADDRESS
+                        | GET_MODULE_HANDLE_EX_FLAG_UNCHANGED_REFCOUNT,
+                    addr,
+                    &mut module,
+                )
+            };
+            if ok == 0 {
+                return None;
+            }
+            module_path(module)?.parent().map(Path::to_path_buf)
+        }
+
+        /// The paths of the modules loaded into this process.
+        pub(super) fn loaded_objects() -> Vec<PathBuf> {
+            let mut modules: Vec<HMODULE> = vec![std::ptr::null_mut(); 1024];
+            let mut needed = 0u32;
+            // SAFETY: `modules` is writable for the byte length passed; the
+            // pseudo-handle of the current process needs no closing.
+            let ok = unsafe {
+                K32EnumProcessModules(
+                    GetCurrentProcess(),
+                    modules.as_mut_ptr(),
+                    (modules.len() * size_of::<HMODULE>()) as u32,
+                    &mut needed,
+                )
+            };
+            if ok == 0 {
+                return Vec::new();
+            }
+            let n = (needed as usize / size_of::<HMODULE>()).min(modules.len());
+            modules[..n].iter().filter_map(|&m| module_path(m)).collect()
+        }
     }
 }
 

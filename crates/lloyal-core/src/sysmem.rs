@@ -1,7 +1,21 @@
 //! How much memory the process can still take: the smaller of the kernel's
-//! `MemAvailable` and what the cgroup (a container's limit) leaves.
+//! `MemAvailable` and what the cgroup (a container's limit) leaves; on
+//! Windows, the available physical memory (`GlobalMemoryStatusEx`).
 
 /// Bytes the process can still allocate, where the platform tells.
+#[cfg(windows)]
+pub(crate) fn available_bytes() -> Option<u64> {
+    use windows_sys::Win32::System::SystemInformation::{GlobalMemoryStatusEx, MEMORYSTATUSEX};
+    // SAFETY: MEMORYSTATUSEX is plain data; all-zero is a valid value.
+    let mut status: MEMORYSTATUSEX = unsafe { std::mem::zeroed() };
+    status.dwLength = size_of::<MEMORYSTATUSEX>() as u32;
+    // SAFETY: `status` is writable and its dwLength set, as the call needs.
+    let ok = unsafe { GlobalMemoryStatusEx(&mut status) };
+    (ok != 0).then_some(status.ullAvailPhys)
+}
+
+/// Bytes the process can still allocate, where the platform tells.
+#[cfg(not(windows))]
 pub(crate) fn available_bytes() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
     let system = meminfo.as_deref().and_then(mem_available);
@@ -13,6 +27,7 @@ pub(crate) fn available_bytes() -> Option<u64> {
 }
 
 /// `MemAvailable` from the text of `/proc/meminfo`, in bytes.
+#[cfg_attr(windows, allow(dead_code))] // tested everywhere, used off Windows
 fn mem_available(meminfo: &str) -> Option<u64> {
     let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -20,6 +35,7 @@ fn mem_available(meminfo: &str) -> Option<u64> {
 }
 
 /// cgroup v2: `memory.max - memory.current` of the process's own cgroup.
+#[cfg(not(windows))]
 fn cgroup_left() -> Option<u64> {
     let dir = std::path::Path::new("/sys/fs/cgroup");
     let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();

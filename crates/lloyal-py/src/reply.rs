@@ -5,9 +5,10 @@
 //! future plus the [`ResultQueue`] of its event loop.
 //!
 //! For a `Completion` the worker never takes the GIL: it appends the Rust
-//! result to the queue and writes one byte to the queue's pipe. The event
-//! loop watches the pipe's read end with [`ResultQueue::settle`] as its
-//! reader callback, which converts every queued result to Python objects
+//! result to the queue and writes one byte to the queue's socket pair (a
+//! Unix socket pair, or a loopback TCP pair on Windows: what every event
+//! loop that can watch a handle can watch there). The event loop watches
+//! the read end with [`ResultQueue::settle`] as its reader callback, which converts every queued result to Python objects
 //! and settles the futures, one wake-up for whatever arrived meanwhile.
 //! So the worker cannot stall behind a busy event loop's GIL, and the
 //! loop runs no Python frame of ours to settle a batch. The Python side is
@@ -17,9 +18,7 @@
 //! keep their Python thread state between such replies (see [`attach`]):
 //! creating and destroying one per reply costs tens of microseconds.
 
-use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use lloyal_core::Reply;
@@ -35,13 +34,61 @@ type Convert = Box<dyn FnOnce(Python<'_>) -> (Py<PyAny>, Py<PyAny>) + Send>;
 /// A future and the result to settle it with.
 type Settle = (Py<PyAny>, Convert);
 
+/// The two ends of the wake-up socket pair, owned from the handles Python
+/// hands over (`socket.socketpair()`, then `detach()`).
+#[cfg(unix)]
+mod end {
+    use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+
+    pub type Handle = RawFd;
+    pub type End = std::os::unix::net::UnixStream;
+
+    pub fn valid(handle: Handle) -> bool {
+        handle >= 0
+    }
+
+    /// # Safety
+    /// `handle` is an open socket that nothing else owns or closes.
+    pub unsafe fn own(handle: Handle) -> End {
+        // SAFETY: the caller's contract.
+        unsafe { End::from_raw_fd(handle) }
+    }
+
+    pub fn handle(end: &End) -> Handle {
+        end.as_raw_fd()
+    }
+}
+
+#[cfg(windows)]
+mod end {
+    use std::os::windows::io::{AsRawSocket, FromRawSocket, RawSocket};
+
+    pub type Handle = RawSocket;
+    pub type End = std::net::TcpStream;
+
+    pub fn valid(handle: Handle) -> bool {
+        handle != RawSocket::MAX // INVALID_SOCKET
+    }
+
+    /// # Safety
+    /// `handle` is an open socket that nothing else owns or closes.
+    pub unsafe fn own(handle: Handle) -> End {
+        // SAFETY: the caller's contract.
+        unsafe { End::from_raw_socket(handle) }
+    }
+
+    pub fn handle(end: &End) -> Handle {
+        end.as_raw_socket()
+    }
+}
+
 /// What a [`ResultQueue`] shares with the replies in flight to it: they
-/// keep the pipe open until they have written to it.
+/// keep the socket pair open until they have written to it.
 struct Shared {
     /// `(future, its result)`, oldest first.
     items: Mutex<Vec<Settle>>,
-    read: File,
-    write: File,
+    read: end::End,
+    write: end::End,
 }
 
 impl Shared {
@@ -50,16 +97,16 @@ impl Shared {
         self.items.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Queue results, then poke the pipe once: pushed before poked, so the
-    /// wake-up a poke causes finds every result queued before it.
+    /// Queue results, then poke the socket once: pushed before poked, so
+    /// the wake-up a poke causes finds every result queued before it.
     fn push_all(&self, results: impl IntoIterator<Item = Settle>) {
         self.items().extend(results);
-        // A full pipe (`EAGAIN`) already guarantees a wake-up.
+        // A full socket buffer (`EAGAIN`) already guarantees a wake-up.
         let _ = (&self.write).write(&[1]);
     }
 }
 
-/// Finished calls of one event loop, and the pipe that wakes it.
+/// Finished calls of one event loop, and the socket pair that wakes it.
 #[pyclass(module = "lloyal._lloyal", frozen)]
 pub struct ResultQueue {
     shared: Arc<Shared>,
@@ -67,32 +114,32 @@ pub struct ResultQueue {
 
 #[pymethods]
 impl ResultQueue {
-    /// Takes ownership of a pipe's two non-blocking ends; they are closed
+    /// Takes ownership of a connected socket pair's two non-blocking ends
+    /// (file descriptors, or socket handles on Windows); they are closed
     /// when the queue and every reply in flight to it are gone.
     #[new]
-    fn new(read_fd: RawFd, wake_fd: RawFd) -> PyResult<Self> {
-        if read_fd < 0 || wake_fd < 0 || read_fd == wake_fd {
+    fn new(read_fd: end::Handle, wake_fd: end::Handle) -> PyResult<Self> {
+        if !end::valid(read_fd) || !end::valid(wake_fd) || read_fd == wake_fd {
             return Err(pyo3::exceptions::PyValueError::new_err(
-                "ResultQueue needs the two distinct ends of a pipe",
+                "ResultQueue needs the two distinct ends of a socket pair",
             ));
         }
-        // SAFETY: the caller hands both descriptors over (`_LoopWaker`
-        // creates the pipe and never closes it itself); each is owned once.
-        let (read, write) =
-            unsafe { (OwnedFd::from_raw_fd(read_fd), OwnedFd::from_raw_fd(wake_fd)) };
+        // SAFETY: the caller hands both sockets over (`_LoopWaker` detaches
+        // them from their Python objects); each is owned once.
+        let (read, write) = unsafe { (end::own(read_fd), end::own(wake_fd)) };
         Ok(Self {
             shared: Arc::new(Shared {
                 items: Mutex::new(Vec::new()),
-                read: File::from(read),
-                write: File::from(write),
+                read,
+                write,
             }),
         })
     }
 
-    /// The pipe's read end, for the event loop to watch.
+    /// The read end, for the event loop to watch.
     #[getter]
-    fn read_fd(&self) -> RawFd {
-        self.shared.read.as_raw_fd()
+    fn read_fd(&self) -> end::Handle {
+        end::handle(&self.shared.read)
     }
 
     /// Settle every queued future with its result, oldest first (a future
@@ -101,7 +148,7 @@ impl ResultQueue {
     fn settle(&self, py: Python<'_>) {
         // Read the pokes before taking the results: a result is queued
         // before its poke, so none is left behind. More than 4096 pokes
-        // leave the pipe readable, and the loop calls us again.
+        // leave the socket readable, and the loop calls us again.
         let _ = (&self.shared.read).read(&mut [0u8; 4096]);
         let items = std::mem::take(&mut *self.shared.items());
         for (fut, convert) in items {
@@ -178,7 +225,7 @@ pub fn py_reply<T: Send + 'static>(
             drop(done);
             Reply::new(move |result| {
                 let convert: Convert = Box::new(move |py| to_python(py, result, convert));
-                // No GIL here. The pipe stays open while `queue` is held.
+                // No GIL here. The socket pair stays open while `queue` is held.
                 send_later(Out::Loop(queue, fut, convert));
             })
         }
@@ -193,7 +240,7 @@ pub fn py_reply<T: Send + 'static>(
 enum Out {
     /// An asyncio future, through its loop's queue.
     Loop(Arc<Shared>, Py<PyAny>, Convert),
-    /// A callable `done` (trio; loops that cannot watch a pipe).
+    /// A callable `done` (trio; loops that cannot watch a socket).
     Call(Py<PyAny>, Convert),
 }
 
