@@ -159,7 +159,7 @@ wheel-windows: llama-src venv
 	CARGO_TARGET_DIR=$(WINDOWS_TARGET_DIR) PATH="$(abspath $(VENV))/bin:$$PATH" \
 		DIST=$(DIST) scripts/windows/build_wheel.sh
 
-test-windows:
+test-windows: dev
 	@ls $(DIST)/lloyal-*-win_amd64.whl >/dev/null 2>&1 || $(MAKE) wheel-windows
 	scripts/windows/test.sh $(PYTEST_ARGS)
 

@@ -99,3 +99,9 @@ def llama_cpp_python(extra: str = "") -> Path:
             env=env,
         )
     return python
+
+
+def spread(ratios: list[float]) -> str:
+    """A ratio as the benches print it: the median of the rounds', with their
+    min and max, so the host's noise shows."""
+    return f"{median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import spread
+
 HERE = Path(__file__).resolve()
 PROMPT = "The history of the city begins with a small settlement on the river, where"
 
@@ -190,11 +192,6 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def _spread(ratios: list[float]) -> str:
-    """The median ratio, with the min and max of the rounds'."""
-    return f"{_median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -252,7 +249,7 @@ def main() -> None:
                         ratios.append(got["lloyal"] / got["peer"])
                     print(f"busy={busy} branches={branches} round {r}: {got}", file=sys.stderr)
                 peer_col = f"{_median(theirs):.1f}" if theirs else "-"
-                ratio = _spread(ratios) if ratios else "-"
+                ratio = spread(ratios) if ratios else "-"
                 rows.append(f"| {busy} | {branches} | {_median(mine):.1f} | {peer_col} | {ratio} |")
             alone, two, pair = [], [], []
             for _ in range(args.rounds):
@@ -263,7 +260,7 @@ def main() -> None:
                 pair.append(b / a)
             rows.append(
                 f"| {busy} | two contexts, 1 branch each | {_median(two):.1f} "
-                f"| one alone: {_median(alone):.1f} | {_spread(pair)} |"
+                f"| one alone: {_median(alone):.1f} | {spread(pair)} |"
             )
         finally:
             for p in procs:

@@ -123,6 +123,23 @@ async def test_model_at_a_non_utf8_path(smollm2: Path, tmp_path: Path) -> None:
     shutil.rmtree(tmp_path)
 
 
+async def test_model_at_a_non_ascii_path_with_spaces(smollm2: Path, tmp_path: Path) -> None:
+    """Folders and names beyond ASCII, with spaces (on Windows also a drive
+    letter and backslashes: the path as the OS writes it)."""
+    folder = tmp_path / "modèles de test ☃"
+    folder.mkdir()
+    odd = folder / "petit modèle ☃.gguf"
+    try:
+        os.link(smollm2, odd)
+    except OSError:
+        shutil.copyfile(smollm2, odd)
+    async with await lloyal.create_context(str(odd), n_ctx=256) as ctx:
+        assert ctx.model_info.n_layer == 30
+        assert await ctx.tokenize("hi", add_special=False)
+    with pytest.raises(FileNotFoundError):
+        await lloyal.create_context(folder / "absent ☃.gguf")
+
+
 # -- options bounded before llama.cpp allocates ----------------------------
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import lloyal
 import pytest
 
-from tests._hang import deadline
+from tests._hang import HANG_GUARD_S, deadline
 from tests.conftest import COUNTING
 
 pytestmark = pytest.mark.anyio
@@ -87,3 +87,37 @@ async def _greedy(branch: lloyal.Branch, n: int) -> list[int]:
         out.append((await branch.produce()).token)
         await branch.commit(out[-1])
     return out
+
+
+def test_lloyal_threads_is_the_default_thread_count(smollm2: Path) -> None:
+    """``LLOYAL_THREADS`` sets the thread count of a context created without
+    ``n_threads``; an explicit ``n_threads`` wins, and a value that is not a
+    count is ignored (every core, as unset)."""
+    code = (
+        "import asyncio, lloyal, sys\n"
+        "async def main():\n"
+        "    for kw in ({}, {'n_threads': 2}):\n"
+        "        async with await lloyal.create_context(sys.argv[1], n_ctx=64, **kw) as c:\n"
+        "            print(c.n_threads)\n"
+        "asyncio.run(main())\n"
+    )
+
+    def counts(value: str | None) -> list[int]:
+        env = {k: v for k, v in os.environ.items() if k != "LLOYAL_THREADS"}
+        if value is not None:
+            env["LLOYAL_THREADS"] = value
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(smollm2)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=HANG_GUARD_S,
+        )
+        return [int(x) for x in out.stdout.split()]
+
+    assert counts("1") == [1, 2]
+    assert counts("3") == [3, 2]
+    every = counts(None)[0]  # every core: what the machine allows
+    assert counts("zero") == [every, 2]
+    assert counts("0") == [every, 2]

@@ -982,6 +982,10 @@ async def create_context(
     any other context of the process decodes (or the variable must be set
     at start).
 
+    ``n_threads``: the decode threads; ``None`` (the default) takes the
+    ``LLOYAL_THREADS`` environment variable when it holds a count, else
+    every core, and adapts to a crowded machine (:attr:`Context.decode_threads`).
+
     ``n_gpu_layers``: ``"auto"`` (the default) offloads as many layers as
     fit the GPU's free memory, with this context's KV cache and compute
     buffers counted and ``fit_margin`` bytes (default 1 GiB) left free, as

@@ -75,12 +75,25 @@ if [ "$(cat "$SITE/.stamp" 2>/dev/null)" != "$stamp" ]; then
     echo "$stamp" > "$SITE/.stamp"
 fi
 
+# The Linux build's greedy tokens, which tests/test_windows.py compares with
+# Windows' (the project's venv: `make test-windows` builds it first).
+export LLOYAL_LINUX_GREEDY="$WIN_CACHE/linux-greedy.json"
+"${LINUX_PYTHON:-.venv/bin/python}" tests/test_windows.py "$LLOYAL_LINUX_GREEDY"
+LLOYAL_LINUX_GREEDY="Z:$LLOYAL_LINUX_GREEDY"
+
 # Wine's CPython needs pipes or /dev/null for its standard streams, never
 # files (docs/windows.md); a Z: path is the Linux path seen from Windows.
 export PYTHONPATH="Z:$SITE"
 export PYTHONIOENCODING=utf-8
 export LLOYAL_TEST_WHEEL=1
-[ $# -gt 0 ] || set -- tests --pyargs lloyal
+# One decode thread unless told otherwise: under Wine 8 a 2-thread decode
+# of SmolLM2 takes ~90 ms where one thread takes ~14 ms (Linux: 9 and 13
+# ms), which would make the suite run for hours (docs/windows.md).
+export LLOYAL_THREADS="${LLOYAL_THREADS:-1}"
+# The suite and the installed package's doctests, unless paths are given.
+paths=0
+for arg in "$@"; do case "$arg" in -*) ;; *) paths=1 ;; esac; done
+[ "$paths" = 1 ] || set -- "$@" tests --pyargs lloyal
 set +e
 wine "$PYDIR/python.exe" -m pytest -p no:cacheprovider "$@" </dev/null 2>&1 | cat
 status=${PIPESTATUS[0]}

@@ -190,7 +190,8 @@ pub struct ContextParams {
     pub n_ctx: u32,
     pub n_batch: u32,
     pub n_seq_max: u32,
-    /// `None` uses every core the process may run on.
+    /// `None` uses `LLOYAL_THREADS` if set, else every core the process
+    /// may run on ([`Self::effective_threads`]).
     pub n_threads: Option<u32>,
     pub embeddings: bool,
     pub pooling: Pooling,
@@ -299,12 +300,22 @@ impl ContextParams {
         self.deterministic && self.embeddings && self.pooling == Pooling::Mean
     }
 
-    /// The thread count used when `n_threads` is `None`.
+    /// The thread count used when `n_threads` is `None`: `LLOYAL_THREADS`
+    /// when it holds a count in `[1, MAX_THREADS]` (a machine-wide default
+    /// that needs no code change, as `OMP_NUM_THREADS` is for OpenMP
+    /// programs), else every core.
     pub fn effective_threads(&self) -> u32 {
-        self.n_threads.unwrap_or_else(|| {
+        self.n_threads.or_else(threads_from_env).unwrap_or_else(|| {
             std::thread::available_parallelism()
                 .map(|n| u32::try_from(n.get()).unwrap_or(1))
                 .unwrap_or(1)
         })
     }
+}
+
+/// `LLOYAL_THREADS`, if set to a count in `[1, MAX_THREADS]` (anything
+/// else is ignored, as an unset variable is).
+fn threads_from_env() -> Option<u32> {
+    let n: u32 = std::env::var("LLOYAL_THREADS").ok()?.trim().parse().ok()?;
+    (1..=MAX_THREADS).contains(&n).then_some(n)
 }

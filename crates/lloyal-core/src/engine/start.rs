@@ -34,7 +34,7 @@ fn plain_k_quant_matmuls() -> Result<()> {
              batch size); the environment sets it to {v:?}"
         ))),
         Err(_) if !DECODED.load(Ordering::Relaxed) => {
-            std::env::set_var(VAR, "0");
+            set_for_c(VAR, "0");
             Ok(())
         }
         Err(_) => Err(invalid(format!(
@@ -42,6 +42,30 @@ fn plain_k_quant_matmuls() -> Result<()> {
              llama.cpp reads {VAR} once per process. Open the deterministic context first, \
              or start the process with {VAR}=0"
         ))),
+    }
+}
+
+/// Set an environment variable that llama.cpp reads with C's `getenv`. On
+/// Windows the C runtime keeps a copy of the environment of its own, which
+/// `SetEnvironmentVariableW` (Rust's `set_var`) leaves as it was, so the
+/// runtime's copy is set too (`_putenv_s`: the msvcrt.dll that MinGW's
+/// llama.cpp imports, or the static runtime an MSVC build links in beside
+/// it); without it the deterministic mode was silently off on Windows.
+fn set_for_c(name: &str, value: &str) {
+    std::env::set_var(name, value);
+    #[cfg(windows)]
+    {
+        use std::ffi::{c_char, c_int, CString};
+        extern "C" {
+            fn _putenv_s(name: *const c_char, value: *const c_char) -> c_int;
+        }
+        if let (Ok(n), Ok(v)) = (CString::new(name), CString::new(value)) {
+            // SAFETY: two NUL-terminated strings that outlive the call; the
+            // runtime copies them.
+            unsafe {
+                _putenv_s(n.as_ptr(), v.as_ptr());
+            }
+        }
     }
 }
 
