@@ -4,6 +4,7 @@ every test here over the three)."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 
 import anyio
@@ -114,6 +115,33 @@ def test_a_loop_without_add_reader_is_handed_results_by_callback(smollm2: Path) 
         loop.close()
     assert len(flat) == 1
     assert len(branch) == 3
+
+
+def _decode_on(loop: asyncio.AbstractEventLoop, smollm2: Path) -> tuple[int, bool]:
+    """A greedy token decoded on ``loop``, and whether the socket pair (not
+    the callback fallback) woke it."""
+
+    async def main() -> tuple[int, bool]:
+        async with await lloyal.create_context(smollm2, n_ctx=256) as ctx:
+            await ctx.decode(await ctx.tokenize("1, 2, 3, 4,"), 0)
+            socket_pair = _bridge._wakers[asyncio.get_running_loop()]._queue is not None
+            return ctx.greedy_sample(), socket_pair
+
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+def test_a_selector_loop_is_woken_through_the_socket_pair(smollm2: Path) -> None:
+    """asyncio's selector loop (on Windows too, where it watches sockets
+    only) takes the socket pair; Windows' default Proactor loop, which
+    watches nothing, takes the callbacks, with the same token."""
+    token, socket_pair = _decode_on(asyncio.SelectorEventLoop(), smollm2)
+    assert socket_pair
+    if sys.platform == "win32":
+        proactor = asyncio.ProactorEventLoop()  # type: ignore[attr-defined,unused-ignore]
+        assert _decode_on(proactor, smollm2) == (token, False)
 
 
 async def test_auto_gpu_layers_offload_none_without_a_gpu(model: Path) -> None:

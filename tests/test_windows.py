@@ -24,7 +24,7 @@ from lloyal.models import model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import MODELS, Greedy, greedy_reference  # noqa: E402
+from tests.conftest import MODELS, Greedy, greedy_reference
 
 # Prompts whose greedy continuations have long runs of clear choices on
 # both models (15-16 and 4-7 steps of margin >= ROUTE_NOISE), and one of
