@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import lloyal
@@ -40,7 +41,12 @@ def test_backend_info_describes_this_build() -> None:
         assert info.module_dir is not None
         assert Path(info.module_dir).resolve() == Path(chosen or package).resolve()
         assert info.cpu_variant is not None
-        assert (package / f"libggml-cpu-{info.cpu_variant}.so").is_file()
+        module = (
+            f"ggml-cpu-{info.cpu_variant}.dll"
+            if sys.platform == "win32"
+            else (f"libggml-cpu-{info.cpu_variant}.so")
+        )
+        assert (package / module).is_file()
         if "avx2" in host_flags() and not chosen:
             # The best module for the CPU, not merely one that runs.
             assert info.cpu_variant not in PRE_AVX2, info.cpu_variant

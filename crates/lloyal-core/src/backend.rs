@@ -53,7 +53,11 @@ mod modules {
     use windows::{loaded_objects, own_dir};
 
     /// What llama.cpp's loader names its CPU modules (ggml-backend-reg.cpp).
-    const CPU_MODULE_PREFIX: &str = if cfg!(windows) { "ggml-cpu" } else { "libggml-cpu" };
+    const CPU_MODULE_PREFIX: &str = if cfg!(windows) {
+        "ggml-cpu"
+    } else {
+        "libggml-cpu"
+    };
     const MODULE_SUFFIX: &str = if cfg!(windows) { ".dll" } else { ".so" };
 
     pub(super) fn load() -> Result<(), String> {
@@ -87,7 +91,9 @@ mod modules {
     /// `haswell`), `""` for a module without one; None for other files.
     fn cpu_variant(file: &Path) -> Option<&str> {
         let name = file.file_name()?.to_str()?;
-        let rest = name.strip_prefix(CPU_MODULE_PREFIX)?.strip_suffix(MODULE_SUFFIX)?;
+        let rest = name
+            .strip_prefix(CPU_MODULE_PREFIX)?
+            .strip_suffix(MODULE_SUFFIX)?;
         match rest {
             "" => Some(""),
             _ => rest.strip_prefix('-'),
@@ -105,10 +111,15 @@ mod modules {
     /// The CPU module llama.cpp picked, found among the objects loaded into
     /// this process, and its directory.
     pub(super) fn loaded_cpu_module() -> (Option<String>, Option<PathBuf>) {
-        let Some(path) = loaded_objects().into_iter().find(|p| cpu_variant(p).is_some()) else {
+        let Some(path) = loaded_objects()
+            .into_iter()
+            .find(|p| cpu_variant(p).is_some())
+        else {
             return (None, None);
         };
-        let variant = cpu_variant(&path).filter(|v| !v.is_empty()).map(str::to_owned);
+        let variant = cpu_variant(&path)
+            .filter(|v| !v.is_empty())
+            .map(str::to_owned);
         (variant, path.parent().map(Path::to_path_buf))
     }
 
@@ -227,7 +238,10 @@ mod modules {
                 return Vec::new();
             }
             let n = (needed as usize / size_of::<HMODULE>()).min(modules.len());
-            modules[..n].iter().filter_map(|&m| module_path(m)).collect()
+            modules[..n]
+                .iter()
+                .filter_map(|&m| module_path(m))
+                .collect()
         }
     }
 }
