@@ -48,7 +48,7 @@ def _reexports(path: Path) -> dict[str, Path]:
     """Names a ``mod.rs`` / ``lib.rs`` re-exports from its children, with the
     file each comes from (``pub use handle::{Context, Hold as H}``)."""
     found: dict[str, Path] = {}
-    text = _strip_rust_tests(path.read_text())
+    text = _strip_rust_tests(path.read_text(encoding="utf-8"))
     for child, rest in _REEXPORT.findall(text):
         target = _rust_resolve(path.parent, [child], follow=False)
         if target is None:
@@ -97,7 +97,7 @@ def _strip_rust_tests(text: str) -> str:
 def rust_graph(core: Path = CORE) -> dict[Path, set[Path]]:
     graph: dict[Path, set[Path]] = {}
     for path in sorted(core.rglob("*.rs")):
-        text = _strip_rust_tests(path.read_text())
+        text = _strip_rust_tests(path.read_text(encoding="utf-8"))
         parent_dir = path.parent if path.name != "mod.rs" else path.parent.parent
         refs: list[tuple[str, list[str]]] = []
         for root, group_prefix, items in _GROUP.findall(text):
@@ -130,7 +130,7 @@ def _python_imports(path: Path, pkg: Path) -> set[str]:
     """Every module ``path`` imports, at any depth (type-only and lazy
     imports included)."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom):
             module = node.module or ""
             if node.level:
@@ -227,7 +227,7 @@ def folders(graph: dict[Path, set[Path]], root: Path) -> dict[Path, set[Path]]:
 def too_long(path: Path) -> int | None:
     """``path``'s line count when over the limit with no ``Length:`` reason
     in its module docs."""
-    text = path.read_text()
+    text = path.read_text(encoding="utf-8")
     n = len(text.splitlines())
     if n <= MAX_LINES:
         return None

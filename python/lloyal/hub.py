@@ -524,7 +524,8 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
 def _locked(folder: Path) -> Iterator[None]:
     """One pull at a time into ``folder`` across processes (two would append
     to one ``.part``): ``flock`` on the folder, or on Windows a byte-range
-    lock (``msvcrt.locking``) on a ``.lock`` file in it."""
+    lock (``msvcrt.locking``) on a ``<folder>.lock`` file beside it (in it,
+    it would be a file of the download)."""
     try:
         import fcntl
     except ImportError:
@@ -543,7 +544,8 @@ def _locked(folder: Path) -> Iterator[None]:
 def _locked_windows(folder: Path) -> Iterator[None]:
     import msvcrt
 
-    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o600)
+    lock = folder.with_name(folder.name + ".lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o600)
     try:
         while True:
             try:  # LK_LOCK tries for ten seconds, then raises
