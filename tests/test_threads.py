@@ -34,7 +34,10 @@ async def test_an_explicit_thread_count_is_kept(model: Path) -> None:
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: nothing to adapt")
-@pytest.mark.skipif(not Path("/proc/thread-self/schedstat").exists(), reason="no schedstat")
+@pytest.mark.skipif(
+    sys.platform != "linux" or not Path("/proc/thread-self/schedstat").exists(),
+    reason="the adaptation reads Linux's per-thread schedstat",
+)
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_default_threads_drop_on_a_crowded_machine_and_decode_the_same(
     smollm2: Path,

@@ -79,7 +79,7 @@ def resolve_model(
     """The local file for a model spec: a path as it is; ``hf:...`` or an
     ``http(s)://`` URL pulled into the cache (or found there) by :func:`pull`.
 
-    >>> str(resolve_model("models/tiny.gguf"))
+    >>> resolve_model("models/tiny.gguf").as_posix()
     'models/tiny.gguf'
     """
     if isinstance(spec, str) and _is_remote(spec):
