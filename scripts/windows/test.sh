@@ -83,7 +83,9 @@ LLOYAL_LINUX_GREEDY="Z:$LLOYAL_LINUX_GREEDY"
 
 # Wine's CPython needs pipes or /dev/null for its standard streams, never
 # files (docs/windows.md); a Z: path is the Linux path seen from Windows.
-export PYTHONPATH="Z:$SITE"
+# wine-hooks: every asyncio loop keeps a timer pending, since Wine 8 loses
+# some socket wake-ups (wine-hooks/sitecustomize.py, docs/windows.md).
+export PYTHONPATH="Z:$SITE;Z:$PWD/scripts/windows/wine-hooks"
 export PYTHONIOENCODING=utf-8
 export LLOYAL_TEST_WHEEL=1
 # One decode thread unless told otherwise: under Wine 8 a 2-thread decode
