@@ -208,7 +208,7 @@ def second_best_drafts() -> None:
     """Make the model drafter propose its *second* choice, with its first
     as the sibling: the target's token is then always a sibling's, so tree
     verification has to take the path through the siblings."""
-    drafter = strategies._ModelDrafter
+    drafter = strategies._speculative._ModelDrafter
     propose = drafter.propose
 
     async def swapped(self: Any, history: Any, k: int, *args: Any, **kwargs: Any) -> Any:

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from lloyal.branch import Branch, BranchStore, Produced
 from lloyal.server import ServerConfig, create_app
-from lloyal.server import _app as server_app
+from lloyal.server import _openai as server_openai
 from lloyal.server._choice import Choice
 
 from tests import server_fuzz
@@ -335,14 +335,21 @@ def _fail_inside_the_step(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     else:
 
         async def commit(
-            self: BranchStore, items: list[tuple[Branch, int]], real: Any = BranchStore.commit
-        ) -> None:
+            self: BranchStore,
+            items: list[tuple[Branch, int]],
+            *,
+            return_exceptions: bool = False,
+            real: Any = BranchStore.commit,
+        ) -> Any:
             mine = any(is_doomed(b) for b, _ in items)
             calls["commit"] += mine
             if not mine or calls["commit"] < 3:
-                return await real(self, items)
+                return await real(self, items, return_exceptions=return_exceptions)
             await real(self, [(b, t) for b, t in items if not is_doomed(b)])
-            raise ValueError("injected: a commit that fails alone")
+            error = ValueError("injected: a commit that fails alone")
+            if not return_exceptions:
+                raise error
+            return [error if is_doomed(b) else None for b, _ in items]
 
         monkeypatch.setattr(BranchStore, "commit", commit)
 
@@ -390,7 +397,7 @@ def test_an_unexpected_error_is_a_json_500(smollm2: Path, monkeypatch: pytest.Mo
     def broken(*args: Any) -> Any:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(server_app, "prepare", broken)
+    monkeypatch.setattr(server_openai, "prepare", broken)
 
     async def run() -> None:
         async with _in_process(smollm2) as (c, _):
@@ -644,22 +651,22 @@ def test_prompts_prefilled_together_start_streaming_together(
     the other prompt's chunks; while choices stream, the context's step
     budget is the server's (``--step-tokens``), and with none streaming it
     is back to ``n_batch``."""
-    from lloyal.server._engine import Engine
+    from lloyal.server._engine import Scheduler
     from lloyal.server._state import DEFAULT_STEP_TOKENS
 
     seen: dict[str, list[Any]] = {"pending": [], "budget": []}
-    real_start, real_commit = Engine._start, Engine._commit
+    real_start, real_commit = Scheduler._start, Scheduler._commit
 
-    async def start(self: Engine, choices: list[Choice]) -> None:
+    async def start(self: Scheduler, choices: list[Choice]) -> None:
         seen["pending"].append(len(self._prefilling))
         await real_start(self, choices)
 
-    async def commit(self: Engine, batch: list[tuple[Choice, int]]) -> None:
+    async def commit(self: Scheduler, batch: list[tuple[Choice, int]]) -> None:
         seen["budget"].append(self.ctx.step_tokens)
         await real_commit(self, batch)
 
-    monkeypatch.setattr(Engine, "_start", start)
-    monkeypatch.setattr(Engine, "_commit", commit)
+    monkeypatch.setattr(Scheduler, "_start", start)
+    monkeypatch.setattr(Scheduler, "_commit", commit)
     long = " ".join(f"item {i}," for i in range(150))  # ~600 tokens: two rounds of 512
 
     async def run() -> None:

@@ -104,6 +104,25 @@ async def test_a_pruned_branch_in_a_batch_does_not_sink_the_rest(smollm2: Path) 
         assert kids[0].position == kids[2].position == kids[0].fork_head + 1
 
 
+async def test_commit_returns_each_items_outcome_when_asked(smollm2: Path) -> None:
+    async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=5) as ctx:
+        store = lloyal.BranchStore(ctx)
+        kids = await fan_out(ctx, 3)
+        items = [(k, (await k.produce()).token) for k in kids]
+        await kids[1].prune()
+        before = ctx.stats.decode_calls
+        outcomes = await store.commit(items, return_exceptions=True)
+        assert outcomes[0] is None
+        assert outcomes[2] is None
+        assert isinstance(outcomes[1], lloyal.BranchDisposedError)
+        assert kids[0].position == kids[2].position == kids[0].fork_head + 1
+        assert ctx.stats.decode_calls - before == 1
+        # All well: one None per item.
+        live = [kids[0], kids[2]]
+        items = [(k, (await k.produce()).token) for k in live]
+        assert await store.commit(items, return_exceptions=True) == [None, None]
+
+
 async def test_kv_exhaustion_rolls_back_every_branch(model: Path) -> None:
     async with await lloyal.create_context(model, n_ctx=256, n_batch=32, n_seq_max=8) as ctx:
         store = lloyal.BranchStore(ctx)

@@ -15,6 +15,7 @@ the event loop. Works under asyncio, uvloop and trio (via anyio).
 True
 """
 
+from lloyal._generation import Generation, GenerationStep
 from lloyal._lloyal import PerplexityTracker, supports_gpu_offload
 from lloyal._lloyal import __version__ as __version__
 from lloyal.adapters import Adapters, ControlVector, Lora
@@ -100,6 +101,8 @@ __all__ = [
     "ControlVector",
     "DecodeError",
     "Device",
+    "Generation",
+    "GenerationStep",
     "Grammar",
     "GrammarError",
     "InternalError",

@@ -52,9 +52,10 @@ async def _checkpoint() -> None:
 
 async def submit(
     ctx: Context, items: Sequence[Item], all_rows: bool = False
-) -> list[BaseException | None]:
+) -> list[BaseException | None] | None:
     """Decode ``items`` as one group of this tick's step; the per-item
-    errors (``None`` where an item succeeded). Raises the group's error
+    errors (``None`` where an item succeeded; ``None`` for the list when
+    none failed). Raises the group's error
     (``KVCacheFullError``: nothing in the group happened). Once submitted,
     cancelling the awaiting task does not stop the group: the worker runs
     it to the end, so each branch is wholly before or wholly after it."""
@@ -62,7 +63,7 @@ async def submit(
     joined: list[Group] | None = getattr(local, "tick", None)
     if joined is not None:
         tick = joined
-        errors: list[BaseException | None] = await call_native(
+        errors: list[BaseException | None] | None = await call_native(
             lambda done: tick.append((items, all_rows, done))
         )
         return errors

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from lloyal._tasks import gather
 from lloyal.branch import BranchStore
 from lloyal.session import Session
-from lloyal.strategies._lanes import gather
 
 if TYPE_CHECKING:
     from lloyal.context import Context

@@ -29,14 +29,14 @@ import numpy.typing as npt
 from lloyal import _check, _step
 from lloyal import adapters as _adapters
 from lloyal._bridge import call_native
+from lloyal._generation import Generation
 from lloyal._lloyal import BranchSeed, NativeBranch
 from lloyal.adapters import Adapters, ControlVector, LoraSpec
 from lloyal.context import Base, Context, Logits, _logits_arg, _token_id, _token_list
 from lloyal.errors import LloyalError
 from lloyal.grammar import Grammar, _compile
-from lloyal.media import Media
+from lloyal.media import Media, has_media
 from lloyal.sampling import SamplingParams
-from lloyal.text import TextStream
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ class Branch(NativeBranch):
         ids = _token_list(tokens)
         ctx = self._ctx
         ctx._check_open()
-        if any(t < 0 for t in ids):
+        if has_media(ids):
             if all_rows:
                 raise ValueError('logits="all" is for text tokens: a medium gives no rows')
             await self._prefill_parts(ctx._media.split(ids))
@@ -369,14 +369,11 @@ class Branch(NativeBranch):
         self._accept(_token_id(token))
 
     async def __aiter__(self) -> AsyncIterator[Token]:
-        """Produce and commit until a stop token; yields exact text pieces."""
-        stream = TextStream(self._ctx)
-        while True:
-            p = await self.produce()
-            if p.is_stop:
-                return
-            await self.commit(p.token)
-            yield Token(p.token, stream.push(p.token))
+        """Produce and commit until a stop token; yields exact text pieces
+        (:class:`lloyal.Generation` without limits)."""
+        async for step in Generation(self._ctx).drive(self):
+            if step.token is not None:
+                yield Token(step.token, step.text)
 
     async def save(self) -> bytes:
         """Snapshot this branch: its KV cells, logits snapshot and position,
@@ -663,14 +660,26 @@ class BranchStore:
             pairs.append(item)
         return pairs
 
-    async def commit(self, items: Sequence[tuple[Branch, int]]) -> None:
+    @overload
+    async def commit(
+        self, items: Sequence[tuple[Branch, int]], *, return_exceptions: Literal[False] = False
+    ) -> None: ...
+    @overload
+    async def commit(
+        self, items: Sequence[tuple[Branch, int]], *, return_exceptions: Literal[True]
+    ) -> list[Exception | None]: ...
+    async def commit(
+        self, items: Sequence[tuple[Branch, int]], *, return_exceptions: bool = False
+    ) -> list[Exception | None] | None:
         """Accept and decode one token per branch, in one ``llama_decode``
-        (more only past ``n_batch`` branches, or for 64 and more branches
-        over many KV cells: ``docs/batching.md``). Items that fail alone (a
+        (more only past ``n_batch`` branches, or when the branches decode
+        under different adapter sets: ``docs/batching.md``). Items that fail alone (a
         pruned branch) do not stop the others; the first such error is
-        raised after the rest are committed. When the tokens do not fit the
-        KV cache, every branch is left as it was and
-        :class:`KVCacheFullError` is raised.
+        raised after the rest are committed, or, with
+        ``return_exceptions=True``, each item's outcome is returned in
+        order (``None``: committed; the error: that branch is as it was).
+        When the tokens do not fit the KV cache, every branch is left as it
+        was and :class:`KVCacheFullError` is raised either way.
 
         >>> import asyncio, lloyal
         >>> async def main():
@@ -693,7 +702,16 @@ class BranchStore:
             (self._own(b, f"items[{i}][0]"), _token_id(t))
             for i, (b, t) in enumerate(self._pairs(items, "token"))
         ]
-        _raise_first(await _step.submit(self._ctx, pairs))
+        errors = await _step.submit(self._ctx, pairs)
+        if not return_exceptions:
+            _raise_first(errors)
+            return None
+        out: list[Exception | None] = []
+        for e in errors or [None] * len(pairs):
+            if e is not None and not isinstance(e, Exception):
+                raise e
+            out.append(e)
+        return out
 
     @overload
     async def produce(

@@ -351,6 +351,17 @@ class MediaTable:
         return parts
 
 
+def has_media(tokens: Sequence[int]) -> bool:
+    """Whether ``tokens`` hold media placeholders (negative ids): what a
+    draft model, a context shift or ``logits="all"`` cannot take.
+
+    >>> from lloyal.media import has_media
+    >>> has_media([1, 2, 3]), has_media([1, -1, -1, 2])
+    (False, True)
+    """
+    return any(t < 0 for t in tokens)
+
+
 def whole_media_prefix(ids: Sequence[int], n: int) -> int:
     """The largest ``m <= n`` that does not cut a medium's run of
     placeholders in ``ids`` (a prefix cache's reuse point)."""

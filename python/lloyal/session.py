@@ -15,6 +15,7 @@ the session knows the bytes each of its tokens stands for.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
 import re
@@ -25,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from lloyal._generation import Generation
 from lloyal.branch import Branch
 from lloyal.chat.format import check_messages
 from lloyal.chat.output import ChatOutput
 from lloyal.errors import StateError
 from lloyal.media import MEDIA_MARKER, Media, portable_content
 from lloyal.sampling import SamplingParams
-from lloyal.text import TextStream
 
 if TYPE_CHECKING:
     from lloyal.chat.prompt import ChatPrompt
@@ -228,44 +229,36 @@ class Session:
         branch = self._branch
         if grammar is not None:
             branch.set_grammar(grammar)
-        stop = set(chat.stop_tokens)
         preserved = set(chat.preserved_tokens)
-        budget = chat.reasoning_budget(self._ctx, reasoning_budget)
-        stream = TextStream(self._ctx)
-        pieces: list[str] = []
+        gen = Generation(
+            self._ctx,
+            max_tokens=max_tokens,
+            stop_tokens=set(chat.stop_tokens),
+            preserved=preserved,
+            budget=chat.reasoning_budget(self._ctx, reasoning_budget),
+        )
         # The answer's bytes, joined onto what the branch holds at the end
         # (appending to one bytes object per token would copy it each time).
         held: list[bytes] = []
         at = len(self._held)
         try:
-            for _ in range(max_tokens):
-                p = await branch.produce()
-                token = budget.choose(p.token)
-                if token == p.token and (p.is_stop or token in stop):
-                    break
-                await branch.commit(token)
-                self.tokens_decoded += 1
-                piece = self._ctx.token_bytes(token, render_special=token in preserved)
-                held.append(piece)
-                at += len(piece)
-                self._ends.append(at)
-                text = (
-                    stream.flush() + piece.decode("utf-8", errors="replace")
-                    if token in preserved
-                    else stream.push(token)
-                )
-                if text:
-                    pieces.append(text)
-                    yield text
-            tail = stream.flush()
-            if tail:
-                pieces.append(tail)
-                yield tail
+            async with contextlib.aclosing(gen.drive(branch)) as steps:
+                async for step in steps:
+                    if step.token is not None:
+                        self.tokens_decoded += 1
+                        special = step.token in preserved
+                        piece = self._ctx.token_bytes(step.token, render_special=special)
+                        held.append(piece)
+                        at += len(piece)
+                        self._ends.append(at)
+                    if step.text:
+                        yield step.text
         finally:
             self._held += b"".join(held)
             if grammar is not None:
                 branch.set_grammar(None)
-            await self._close_turn(chat.parse("".join(pieces)))
+            gen.close()  # (left early: the text held back is the answer's too)
+            await self._close_turn(chat.parse(gen.text))
 
     async def reply(
         self, *, max_tokens: int = 512, constrain: bool = True, reasoning_budget: int = -1

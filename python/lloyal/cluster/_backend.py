@@ -9,11 +9,12 @@ from typing import Any
 
 import anyio
 
+from lloyal._tasks import gather
 from lloyal.cluster._pool import ContextPool, RemoteBranch, Worker
 from lloyal.errors import WorkerLostError
 from lloyal.sampling import SamplingParams
 from lloyal.strategies._common import Prompt
-from lloyal.strategies._lanes import Lane, gather, register
+from lloyal.strategies._lanes import Lane, register
 
 __all__ = ["PoolBackend"]
 

@@ -41,11 +41,36 @@ class Pending:
         return stale
 
 
+@dataclass(frozen=True)
+class RemoteError:
+    """An exception as it crosses from a worker to its clients: the name of
+    its type and its message (plain data, so that any client can read it)."""
+
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, e: BaseException) -> RemoteError:
+        return cls(type(e).__name__, str(e))
+
+    def exception(self) -> Exception:
+        """The lloyal exception it names (or the builtin ``ValueError``,
+        ``TypeError``, ``IndexError``); a bare ``LloyalError`` for any
+        other kind."""
+        kind = getattr(errors, self.kind, None)
+        if isinstance(kind, type) and issubclass(kind, LloyalError):
+            return kind(self.message)
+        builtin = {"ValueError": ValueError, "TypeError": TypeError, "IndexError": IndexError}
+        if self.kind in builtin:
+            return builtin[self.kind](self.message)
+        return LloyalError(f"{self.kind}: {self.message}")
+
+
 def settle(f: asyncio.Future[Any], result: Any) -> None:
     if f.done():
         return
-    if isinstance(result, str):
-        f.set_exception(remote_error(result))
+    if isinstance(result, RemoteError):
+        f.set_exception(result.exception())
     else:
         f.set_result(result)
 
@@ -54,17 +79,3 @@ def quiet(f: asyncio.Future[Any]) -> None:
     """Retrieve a future's outcome nobody waits for (no warning)."""
     if not f.cancelled():
         f.exception()
-
-
-def remote_error(message: str) -> Exception:
-    """The worker's "KVCacheFullError: ..." as that lloyal exception (or
-    the builtin ValueError, TypeError, IndexError it names)."""
-    name, _, rest = message.partition(": ")
-    kind = getattr(errors, name, None)
-    if isinstance(kind, type) and issubclass(kind, LloyalError):
-        return kind(rest)
-    if name in ("ValueError", "TypeError", "IndexError"):
-        return {"ValueError": ValueError, "TypeError": TypeError, "IndexError": IndexError}[name](
-            rest
-        )
-    return LloyalError(message)

@@ -13,6 +13,7 @@ import numpy.typing as npt
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+from lloyal._generation import Generation
 from lloyal.branch import Produced, Token
 from lloyal.cluster._calls import Item, Pending, quiet, settle
 from lloyal.cluster._worker import ContextWorker
@@ -235,12 +236,12 @@ class RemoteBranch:
     async def commit(self, token: int) -> None:
         """Write ``token``: one decode, shared with every commit queued on
         the worker in the same tick."""
-        await self._advance(token)
+        await self.advance(token)
 
     async def step(self, token: int) -> Produced:
         """:meth:`commit` ``token`` and :meth:`produce` the next one, in one
         round trip (the worker commits first, as two calls would)."""
-        produced, _ = await self._advance(token, produce=True)
+        produced, _ = await self.advance(token, produce=True)
         assert produced is not None
         return produced
 
@@ -248,17 +249,17 @@ class RemoteBranch:
         """As :meth:`lloyal.Branch.top_logprobs`: the ``k`` most likely next
         tokens and their log-probabilities (nats, the raw distribution).
         The distribution's entropy lands in ``last_entropy``."""
-        tokens, logprobs, _, _ = await self._top(k)
+        tokens, logprobs, _, _ = await self.candidates(k)
         return np.asarray(tokens, dtype=np.int32), np.asarray(logprobs, dtype=np.float64)
 
-    async def _top(self, k: int) -> tuple[list[int], list[float], float, list[bool]]:
+    async def candidates(self, k: int) -> tuple[list[int], list[float], float, list[bool]]:
         """The top-``k`` as plain lists, with the entropy and stop flags."""
         self._check()
         tokens, logprobs, entropy, stops = await self.worker.top(self._bid, int(k))
         self.last_entropy = entropy
         return tokens, logprobs, entropy, stops
 
-    async def _advance(
+    async def advance(
         self, token: int, *, produce: bool = False, top: int = 0
     ) -> tuple[Produced | None, Any]:
         """Commit ``token`` and, in the same round trip, produce and/or take
@@ -312,7 +313,7 @@ class RemoteBranch:
         worker (sharing its KV prefix), or on ``worker`` by the state bytes."""
         if worker is not None and worker is not self.worker:
             self._check()
-            return (await self._copies([worker], [seed]))[0]
+            return (await self.copies([worker], [seed]))[0]
         return (await self.fork_many([seed]))[0]
 
     async def fork_many(self, seeds: Sequence[int | None]) -> list[RemoteBranch]:
@@ -326,7 +327,7 @@ class RemoteBranch:
         if missing:
             try:
                 targets = await self.worker.pool._spread(len(missing), avoid=self.worker)
-                spilled = await self._copies(targets, [seeds[i] for i in missing], elsewhere=True)
+                spilled = await self.copies(targets, [seeds[i] for i in missing], elsewhere=True)
             except BaseException:
                 await asyncio.gather(*(b.prune() for b in out if b is not None))
                 raise
@@ -334,7 +335,7 @@ class RemoteBranch:
                 out[i] = b
         return [b for b in out if b is not None]
 
-    async def _copies(
+    async def copies(
         self, workers: Sequence[Worker], seeds: Sequence[int | None], *, elsewhere: bool = False
     ) -> list[RemoteBranch]:
         """Copies of this branch on ``workers`` by its state bytes (one
@@ -385,7 +386,7 @@ class RemoteBranch:
         self._check()
         if worker is self.worker:
             return
-        (copy,) = await self._copies([worker], [None])
+        (copy,) = await self.copies([worker], [None])
         old, old_bid, old_generation = self.worker, self._bid, self._generation
         self.worker, self._bid, self._generation, self._info = (
             copy.worker,
@@ -401,12 +402,9 @@ class RemoteBranch:
         """Produce and commit until a stop token (texts are per token). Two
         round trips per token, so that leaving the loop leaves the sampler
         where a local branch's would be; loops that go on use :meth:`step`."""
-        while True:
-            p = await self.produce()
-            if p.is_stop:
-                return
-            await self.commit(p.token)
-            yield Token(p.token, p.text)
+        async for step in Generation(None).drive(self):
+            if step.token is not None:
+                yield Token(step.token, step.text)
 
     def __repr__(self) -> str:
         return f"<RemoteBranch worker={self.worker.index} position={self.position}>"

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from lloyal.branch import Branch, BranchStore
+from lloyal.cluster._calls import RemoteError
 from lloyal.context import Context, create_context
 from lloyal.errors import KVCacheFullError, LloyalError, NoLeaseError
 from lloyal.prefix_cache import PrefixCache
@@ -25,10 +26,8 @@ def _info(b: Branch) -> dict[str, Any]:
     return {"position": b.position, "perplexity": b.perplexity}
 
 
-def _message(e: Exception) -> str:
-    """An error as it crosses the wire; the client raises it again as
-    the same lloyal type."""
-    return f"{type(e).__name__}: {e}"
+def _gone(bid: int) -> RemoteError:
+    return RemoteError("LloyalError", f"no branch {bid} here")
 
 
 class ContextWorker:
@@ -156,9 +155,7 @@ class ContextWorker:
         failed = await self._commit(commits)
         done = [failed.get(bid) or _info(self._branches[bid]) for bid, _ in commits]
         made: list[Any] = [
-            failed.get(bid, f"LloyalError: no branch {bid} here")
-            if bid in failed or bid not in self._branches
-            else None
+            failed.get(bid, _gone(bid)) if bid in failed or bid not in self._branches else None
             for bid in produces
         ]
         # Every live branch's token in one native call (slow samplers in
@@ -170,7 +167,7 @@ class ContextWorker:
         for i, p in zip(live, chosen, strict=True):
             b = self._branches[produces[i]]
             if isinstance(p, BaseException):
-                made[i] = _message(p)
+                made[i] = RemoteError.of(p)
                 continue
             try:
                 made[i] = (
@@ -181,12 +178,12 @@ class ContextWorker:
                     b.model_entropy(),
                 )
             except Exception as e:
-                made[i] = _message(e)
+                made[i] = RemoteError.of(e)
         top: list[Any] = []
         for bid, k in tops:
             held = self._branches.get(bid)
             if held is None or bid in failed:
-                top.append(failed.get(bid, f"LloyalError: no branch {bid} here"))
+                top.append(failed.get(bid, _gone(bid)))
                 continue
             try:
                 tokens, logprobs = held.top_logprobs(k)
@@ -195,35 +192,41 @@ class ContextWorker:
                 stops = [self._ctx.is_stop_token(t) for t in ids]
                 top.append((ids, logprobs.tolist(), held.model_entropy(), stops))
             except Exception as e:
-                top.append(_message(e))
+                top.append(RemoteError.of(e))
         return done, made, top
 
-    async def _commit(self, commits: list[tuple[int, int]]) -> dict[int, str]:
+    async def _commit(self, commits: list[tuple[int, int]]) -> dict[int, RemoteError]:
         """Commit in one decode; the error message of each that failed.
         When the KV cache cannot take them all (the batch is all or
         nothing), the prefix cache is dropped and the commits are sent again
         as separate groups of one step: the ones that fit land, the rest
         fail with KVCacheFullError (see docs/batching.md)."""
-        failed = {bid: f"LloyalError: no branch {bid} here" for bid, _ in commits}
+        failed = {bid: _gone(bid) for bid, _ in commits}
         live = [(bid, t) for bid, t in commits if bid in self._branches]
         for bid, _ in live:
             del failed[bid]
         if not live:
             return failed
         try:
-            await self._store.commit([(self._branches[b], t) for b, t in live])
-            return failed
+            errors = await self._store.commit(
+                [(self._branches[b], t) for b, t in live], return_exceptions=True
+            )
         except KVCacheFullError:
             await self._cache.clear()
-        except LloyalError as e:
-            return failed | {bid: _message(e) for bid, _ in live}
+        except LloyalError as e:  # the whole call: none was committed
+            return failed | {bid: RemoteError.of(e) for bid, _ in live}
+        else:
+            for (bid, _), error in zip(live, errors, strict=True):
+                if error is not None:  # this one alone: the others are in
+                    failed[bid] = RemoteError.of(error)
+            return failed
         # Separate groups in one step: the engine lands the ones that fit.
         outcomes = await asyncio.gather(
             *(self._branches[b].commit(t) for b, t in live), return_exceptions=True
         )
         for (bid, _), outcome in zip(live, outcomes, strict=True):
             if isinstance(outcome, LloyalError):
-                failed[bid] = _message(outcome)
+                failed[bid] = RemoteError.of(outcome)
             elif isinstance(outcome, BaseException):
                 raise outcome
         return failed

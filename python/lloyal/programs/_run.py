@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any, TextIO, cast
 import anyio
 
 from lloyal import _check
+from lloyal._tasks import gather
 from lloyal.branch import Branch, BranchStore
 from lloyal.programs._state import ProgramState
 from lloyal.sampling import SamplingParams
-from lloyal.strategies._lanes import gather
 
 if TYPE_CHECKING:
     from lloyal.cluster import ContextPool

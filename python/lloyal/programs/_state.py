@@ -3,17 +3,18 @@ on one branch, forked into siblings that share its KV prefix."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lloyal import _check
+from lloyal._generation import Generation
 from lloyal.branch import Branch
 from lloyal.errors import StateError
 from lloyal.programs._roles import Chat, Turn
 from lloyal.programs._select import choose
 from lloyal.sampling import SamplingParams
-from lloyal.text import TextStream
 
 if TYPE_CHECKING:
     from lloyal.context import Context
@@ -246,51 +247,34 @@ class ProgramState:
         # Where a stop string cuts every generated token off, the branch
         # goes back to here, logits and all.
         logits_at_start = branch.logits if stops else None
-        stream = TextStream(self._ctx)
-        text, ends, tokens, shown = "", [], [], 0
-        hold = max((len(s) for s in stops), default=1) - 1
-        cut: int | None = None
+        gen = Generation(self._ctx, max_tokens=max_tokens, stop=stops)
+        final = ""
         try:
-            for k in range(max_tokens):
-                produced = await branch.produce()
-                if produced.is_stop:
-                    break
-                last = k == max_tokens - 1
-                if last:
-                    branch.accept(produced.token)  # decoded by the next flush
-                else:
-                    await branch.commit(produced.token)
-                tokens.append(produced.token)
-                before = len(text)
-                text += stream.push(produced.token)
-                ends.append(len(text))
-                cut = _find_stop(text, stops, before)
-                if cut is not None:
-                    break
-                if last:
-                    self._deferred = produced.token
-                safe = len(text) - hold
-                if safe > shown:
-                    yield text[shown:safe]
-                    shown = safe
-            if cut is not None:
+            async with contextlib.aclosing(gen.drive(branch, last=branch.accept)) as steps:
+                async for step in steps:
+                    if step.finish == "length" and step.token is not None:
+                        self._deferred = step.token  # decoded by the next flush
+                    if step.finish is not None:
+                        final = step.text  # shown once the branch holds the text
+                        break
+                    if step.text:
+                        yield step.text
+            if gen.cut is not None:
                 # Keep the tokens wholly before the stop string, the last of
                 # them undecoded (as after any generation, so the branch has
                 # logits to go on from); the rest of the text before the stop
-                # is appended again as text.
-                keep = sum(1 for e in ends if e <= cut)
+                # is appended again as text. (The token that completed the
+                # stop string was never decoded.)
+                keep = gen.kept
                 if keep == 0:
                     if branch.position > start:
                         await branch.truncate(start, logits=logits_at_start)
                 elif branch.position > start + keep:
                     await branch.truncate(start + keep - 1)
-                    self._deferred = tokens[keep - 1]
-                self._pending += text[(ends[keep - 1] if keep else 0) : cut]
-            else:
-                text += stream.flush()
-                cut = len(text)
-            if cut > shown:
-                yield text[shown:cut]
+                    self._deferred = gen.tokens[keep - 1]
+                self._pending += gen.text[(gen.ends[keep - 1] if keep else 0) : gen.cut]
+            if final:
+                yield final
         finally:
             if grammar is not None:
                 branch.set_grammar()
@@ -298,10 +282,8 @@ class ProgramState:
                 branch.set_sampler_params(changed)
             # Also when the stream is closed early or a step fails: the
             # text is what the branch holds.
-            if cut is None:
-                text += stream.flush()
-                cut = len(text)
-            out = text[:cut]
+            gen.close()
+            out = gen.output
             self._text += out
             self._chat.append_text(out)
             if name is not None:
@@ -461,13 +443,6 @@ def _stops(stop: str | Sequence[str] | None) -> list[str]:
         if not isinstance(s, str) or not s:
             raise ValueError("stop must be a non-empty string or a sequence of them")
     return items
-
-
-def _find_stop(text: str, stops: list[str], since: int) -> int | None:
-    """Where the first stop string in ``text`` starts (searching from a
-    little before ``since``, the text new this step), or None."""
-    found = [at for s in stops if (at := text.find(s, max(0, since - len(s) + 1))) >= 0]
-    return min(found) if found else None
 
 
 def _grammar(

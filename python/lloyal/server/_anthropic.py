@@ -1,15 +1,16 @@
 """Anthropic's Messages API (``POST /v1/messages`` and
 ``/v1/messages/count_tokens``) over the same engine as the OpenAI routes.
 
-A request is translated into an OpenAI chat request: the system prompt is
-a system message; ``tool_use`` blocks become ``tool_calls``; each
-``tool_result`` becomes a ``tool`` message; base64 images become
-``image_url`` parts; ``tools`` with ``input_schema``, ``tool_choice``
-(``auto``, ``any``, ``tool``, ``none``), ``stop_sequences``, ``thinking``
-(its ``budget_tokens`` as the reasoning budget). It then goes through the
-same checks, template, grammar and step loop. The reply comes back as
-content blocks (``thinking``, ``text``, ``tool_use``), streamed with
-Anthropic's events. Errors use Anthropic's body:
+A request is parsed into the server's one chat request (``ChatRequest``):
+the system prompt is a system message; ``tool_use`` blocks become the
+assistant's tool calls; each ``tool_result`` becomes a ``tool`` message;
+base64 images become image parts; ``tools`` with ``input_schema``,
+``tool_choice`` (``auto``, ``any``, ``tool``, ``none``), ``stop_sequences``,
+``thinking`` (its ``budget_tokens`` as the reasoning budget). It then goes
+through the same checks, template, grammar and step loop as every chat
+request. The reply's typed deltas are written as content blocks
+(``thinking``, ``text``, ``tool_use``), streamed with Anthropic's events.
+Errors use Anthropic's body:
 ``{"type": "error", "error": {"type": ..., "message": ...}}``.
 """
 
@@ -23,10 +24,34 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from lloyal.server._chat import ChatChoice, chat_events, chat_prompt, prepare, prompt_tokens
-from lloyal.server._engine import Event
+from lloyal.server._chat import (
+    CallArguments,
+    CallStart,
+    ChatChoice,
+    Delta,
+    ReasoningDelta,
+    Reply,
+    TextDelta,
+    chat_events,
+    chat_prompt,
+    prepare,
+    prompt_tokens,
+)
+from lloyal.server._engine import ChoiceEvent
 from lloyal.server._http import event_stream, primed, sse_json, until_disconnect
-from lloyal.server._protocol import ApiError, chat_request, parse_json
+from lloyal.server._protocol import (
+    ApiError,
+    ChatRequest,
+    RequestOptions,
+    checked_messages,
+    checked_tools,
+    flag_field,
+    integer_field,
+    parse_json,
+    sampling,
+    stop_strings,
+    tool_choice,
+)
 from lloyal.server._state import State
 
 _ERROR_TYPES = {
@@ -140,9 +165,10 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
     return message
 
 
-def _tools(body: dict[str, Any]) -> dict[str, Any]:
-    """``tools`` and ``tool_choice`` as OpenAI's fields."""
-    out: dict[str, Any] = {}
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, Any, bool]:
+    """``tools``, ``tool_choice`` and whether calls may be parallel, in the
+    chat layer's form."""
+    functions = None
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
@@ -159,8 +185,10 @@ def _tools(body: dict[str, Any]) -> dict[str, Any]:
             if isinstance(t.get("description"), str):
                 fn["description"] = t["description"]
             functions.append({"type": "function", "function": fn})
-        out["tools"] = functions
+    checked = checked_tools(functions)
     choice = body.get("tool_choice")
+    value: Any = "auto"
+    parallel = True
     if choice is not None:
         if not isinstance(choice, dict) or choice.get("type") not in (
             "auto",
@@ -171,16 +199,15 @@ def _tools(body: dict[str, Any]) -> dict[str, Any]:
             raise ApiError("tool_choice.type must be auto, any, tool or none", param="tool_choice")
         kind = choice["type"]
         if kind == "tool":
-            out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+            value = {"type": "function", "function": {"name": choice.get("name")}}
         else:
-            out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
-        if choice.get("disable_parallel_tool_use"):
-            out["parallel_tool_calls"] = False
-    return out
+            value = {"auto": "auto", "any": "required", "none": "none"}[kind]
+        parallel = not choice.get("disable_parallel_tool_use")
+    return checked, tool_choice(value, checked), parallel
 
 
-def to_openai(raw: object, *, need_max_tokens: bool = True) -> dict[str, Any]:
-    """An Anthropic Messages request as an OpenAI chat request body."""
+def messages_request(raw: object, *, vocab_size: int, need_max_tokens: bool = True) -> ChatRequest:
+    """An Anthropic Messages request as the server's chat request."""
     if not isinstance(raw, dict):
         raise ApiError("the body must be a JSON object")
     body: dict[str, Any] = raw
@@ -199,21 +226,36 @@ def to_openai(raw: object, *, need_max_tokens: bool = True) -> dict[str, Any]:
             chat += _user(m.get("content"), where)
         else:
             chat.append(_assistant(m.get("content"), where))
-    out: dict[str, Any] = {"messages": chat, **_tools(body)}
-    max_tokens = body.get("max_tokens")
+    tools, choice, parallel = _tools(body)
+    max_tokens = integer_field(body, "max_tokens", None, 1, 1 << 20)
     if need_max_tokens and max_tokens is None:
         raise ApiError("max_tokens is required", param="max_tokens")
-    if max_tokens is not None:
-        out["max_tokens"] = max_tokens
-    for key in ("temperature", "top_p", "top_k", "stream"):
-        if key in body:
-            out[key] = body[key]
-    if body.get("stop_sequences") is not None:
-        out["stop"] = body["stop_sequences"]
+    # Anthropic's sampling fields (the rest keep the server's defaults).
+    params, _ = sampling(
+        {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}, vocab_size
+    )
+    budget = None
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") == "enabled":
-        out["reasoning_budget"] = thinking.get("budget_tokens")
-    return out
+        budget = integer_field(thinking, "budget_tokens", None, -1, 1 << 20)
+    options = RequestOptions(
+        n=1,
+        max_tokens=max_tokens,
+        params=params,
+        seed=None,
+        stop=stop_strings(body.get("stop_sequences"), "stop_sequences"),
+        stream=flag_field(body, "stream", False),
+        include_usage=False,
+        logprobs=None,
+        reasoning_budget=budget,
+    )
+    return ChatRequest(
+        messages=checked_messages(chat),
+        generation=options,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+    )
 
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -234,39 +276,30 @@ def _input(arguments: str) -> Any:
         return {}
 
 
-def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """An OpenAI assistant message as Anthropic content blocks."""
+def _blocks(reply: Reply) -> list[dict[str, Any]]:
+    """A finished reply as content blocks."""
     blocks: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
+    if reply.reasoning:
+        blocks.append({"type": "thinking", "thinking": reply.reasoning, "signature": ""})
+    if reply.content:
+        blocks.append({"type": "text", "text": reply.content})
+    for call in reply.calls:
         blocks.append(
-            {"type": "thinking", "thinking": message["reasoning_content"], "signature": ""}
-        )
-    if message.get("content"):
-        blocks.append({"type": "text", "text": message["content"]})
-    for call in message.get("tool_calls", []):
-        fn = call["function"]
-        blocks.append(
-            {
-                "type": "tool_use",
-                "id": call["id"],
-                "name": fn["name"],
-                "input": _input(fn["arguments"]),
-            }
+            {"type": "tool_use", "id": call.id, "name": call.name, "input": _input(call.arguments)}
         )
     return blocks
 
 
 async def count_tokens(request: Request, state: State) -> Response:
     """``{"input_tokens": n}``: the prompt a Messages request would decode."""
-    body = to_openai(parse_json(await request.body()), need_max_tokens=False)
-    req = chat_request(body, vocab_size=state.ctx.vocab_size)
+    raw = parse_json(await request.body())
+    req = messages_request(raw, vocab_size=state.ctx.vocab_size, need_max_tokens=False)
     prompt = chat_prompt(state.ctx, state.config.template, req)
     return JSONResponse({"input_tokens": len(await prompt_tokens(state.ctx, prompt))})
 
 
 async def messages(request: Request, state: State) -> Response:
-    body = to_openai(parse_json(await request.body()))
-    req = chat_request(body, vocab_size=state.ctx.vocab_size)
+    req = messages_request(parse_json(await request.body()), vocab_size=state.ctx.vocab_size)
     gen = req.generation
     prompt, grammar, tokens = await prepare(state, req)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
@@ -282,7 +315,7 @@ async def messages(request: Request, state: State) -> Response:
             "output_tokens": choice.tokens,
         }
 
-    async def events() -> AsyncGenerator[Event, None]:
+    async def events() -> AsyncGenerator[ChoiceEvent, None]:
         nonlocal cached
         async for event in chat_events(state, tokens, gen, prompt, grammar):
             cached = event.cached if event.cached is not None else cached
@@ -309,12 +342,12 @@ async def messages(request: Request, state: State) -> Response:
                 finish, stop = event.finish, event.stop
             else:
                 choice.text += event.text
-        message, finish = choice.final(finish)
+        reply = choice.final(finish)
         return JSONResponse(
             {
                 **head,
-                "content": _blocks(message),
-                **_stop_reason(finish, stop),
+                "content": _blocks(reply),
+                **_stop_reason(reply.finish, stop),
                 "usage": usage(),
             }
         )
@@ -335,9 +368,9 @@ async def _stream(
     finish, stop = "stop", None
     async for event in source:
         if event.finish is not None:
-            for out in blocks.feed(choice.closing_delta()):
+            for out in blocks.feed(choice.closing()):
                 yield out
-            _, finish = choice.final(event.finish)
+            finish = choice.final(event.finish).finish
             stop = event.stop
         else:
             for out in blocks.feed(choice.delta(event.text)):
@@ -353,14 +386,14 @@ async def _stream(
 
 
 class _Blocks:
-    """OpenAI-style deltas (``ChatChoice.delta``) as Anthropic's content
-    block events: one block open at a time, a new one when the kind
-    changes."""
+    """A reply's typed deltas as Anthropic's content block events: one
+    block open at a time, a new one when the kind changes."""
 
     def __init__(self) -> None:
         self.index = -1
-        self.open: str | None = None  # "thinking", "text", or a call's index
+        self.open: str | None = None  # "thinking", "text", or a call's key
         self.calls = 0
+        self._started: dict[int, CallStart] = {}
 
     def _start(self, key: str, block: dict[str, Any]) -> list[dict[str, Any]]:
         out = self.close()
@@ -371,34 +404,34 @@ class _Blocks:
     def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
         return {"type": "content_block_delta", "index": self.index, "delta": delta}
 
-    def feed(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+    def feed(self, deltas: list[Delta]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        if delta.get("reasoning_content"):
-            if self.open != "thinking":
-                out += self._start("thinking", {"type": "thinking", "thinking": ""})
-            out.append(
-                self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]})
-            )
-        if delta.get("content"):
-            if self.open != "text":
-                out += self._start("text", {"type": "text", "text": ""})
-            out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-        for call in delta.get("tool_calls", []):
-            key = f"call{call['index']}"
-            fn = call.get("function", {})
-            if self.open != key:
-                self.calls += 1
-                block = {
-                    "type": "tool_use",
-                    "id": call.get("id", ""),
-                    "name": fn.get("name", ""),
-                    "input": {},
-                }
-                out += self._start(key, block)
-            if fn.get("arguments"):
-                out.append(
-                    self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
-                )
+        for d in deltas:
+            if isinstance(d, ReasoningDelta):
+                if self.open != "thinking":
+                    out += self._start("thinking", {"type": "thinking", "thinking": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": d.text}))
+            elif isinstance(d, TextDelta):
+                if self.open != "text":
+                    out += self._start("text", {"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": d.text}))
+            elif isinstance(d, CallStart):
+                self._started[d.index] = d
+                out += self._call(d, d.arguments)
+            elif isinstance(d, CallArguments):
+                out += self._call(self._started[d.index], d.arguments)
+        return out
+
+    def _call(self, call: CallStart, arguments: str) -> list[dict[str, Any]]:
+        """More of a call: in its open block, or a new block for it (the
+        call's arguments resumed after other text)."""
+        out: list[dict[str, Any]] = []
+        if self.open != f"call{call.index}":
+            self.calls += 1
+            block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+            out += self._start(f"call{call.index}", block)
+        if arguments:
+            out.append(self._delta({"type": "input_json_delta", "partial_json": arguments}))
         return out
 
     def close(self) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
-"""A chat choice's reply as OpenAI shapes it: the deltas of a stream (each
-token's piece parsed once, by :class:`~lloyal.ChatOutputStream`) and the
-final message with its tool calls."""
+"""A chat choice's reply as typed deltas, whatever the API: each token's
+piece parsed once (by :class:`~lloyal.ChatOutputStream`) into text,
+reasoning, and tool-call starts and arguments, and the final reply. Each
+API writes them in its own shape (``_openai.py``, ``_anthropic.py``)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,68 @@ from lloyal.chat.prompt import ChatPrompt
 from lloyal.context import Context
 from lloyal.errors import ChatTemplateError, GrammarError, MediaError
 from lloyal.grammar import Grammar
-from lloyal.server._engine import Event
-from lloyal.server._protocol import ApiError, ChatRequest, Generation
+from lloyal.server._choice import Ending
+from lloyal.server._engine import ChoiceEvent
+from lloyal.server._protocol import ApiError, ChatRequest, RequestOptions
 from lloyal.server._state import State
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TextDelta:
+    """More of the reply's content."""
+
+    text: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    """More of the reply's reasoning."""
+
+    text: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallStart:
+    """A tool call begins: its id, the function's name, and the arguments
+    so far (JSON text, possibly partial)."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallArguments:
+    """More of call ``index``'s arguments."""
+
+    index: int
+    arguments: str
+
+
+Delta = TextDelta | ReasoningDelta | CallStart | CallArguments
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Call:
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reply:
+    """A finished reply. ``finish``: ``"stop"``, ``"length"`` or
+    ``"tool_calls"`` (it stopped after calling)."""
+
+    content: str
+    reasoning: str
+    calls: tuple[Call, ...]
+    finish: str
+
+
 class ChatChoice:
-    """One chat choice's text, parsed as it grows into OpenAI deltas."""
+    """One chat choice's text, parsed as it grows into typed deltas."""
 
     def __init__(self, prompt: ChatPrompt, *, split_reasoning: bool = True) -> None:
         self.prompt = prompt
@@ -32,17 +88,20 @@ class ChatChoice:
         # piece can change.
         self.stream = ChatOutputStream(prompt.chat_format, thinking_started=prompt.thinking_started)
         self.seen = ChatOutput(content="")
+        # Each call's id, from its start on (the model's, or one made here).
+        self._ids: list[str] = []
         self.logprobs: list[dict[str, Any]] = []
         self.tokens = 0
 
-    def delta(self, more: str) -> dict[str, Any]:
+    def delta(self, more: str) -> list[Delta]:
+        """What ``more`` text adds to the reply."""
         return self._since_seen(self.stream.feed(more))
 
-    def closing_delta(self) -> dict[str, Any]:
+    def closing(self) -> list[Delta]:
         """What the final parse has that the deltas did not send: text held
         back as a possible marker's start, a call cut by ``max_tokens``
         (the stream then ends as the whole reply would)."""
-        return self._since_seen(self.stream.finish()) if self.stream.text else {}
+        return self._since_seen(self.stream.finish()) if self.stream.text else []
 
     def _view(self, out: ChatOutput) -> ChatOutput:
         """``out`` as the request asked for it (see ``split_reasoning``)."""
@@ -56,52 +115,41 @@ class ChatChoice:
             out, content=head + out.reasoning + tail + out.content, reasoning=""
         )
 
-    def _since_seen(self, now: ChatOutput) -> dict[str, Any]:
+    def _id(self, j: int, given: str | None) -> str:
+        while len(self._ids) <= j:
+            self._ids.append("")
+        if not self._ids[j]:
+            self._ids[j] = given or f"call_{uuid.uuid4().hex[:24]}"
+        return self._ids[j]
+
+    def _since_seen(self, now: ChatOutput) -> list[Delta]:
         now = self._view(now)
-        out: dict[str, Any] = {}
-        if now.content.startswith(self.seen.content) and len(now.content) > len(self.seen.content):
-            out["content"] = now.content[len(self.seen.content) :]
-        if now.reasoning.startswith(self.seen.reasoning) and len(now.reasoning) > len(
-            self.seen.reasoning
-        ):
-            out["reasoning_content"] = now.reasoning[len(self.seen.reasoning) :]
-        calls = []
+        seen = self.seen
+        out: list[Delta] = []
+        if now.reasoning.startswith(seen.reasoning) and len(now.reasoning) > len(seen.reasoning):
+            out.append(ReasoningDelta(now.reasoning[len(seen.reasoning) :]))
+        if now.content.startswith(seen.content) and len(now.content) > len(seen.content):
+            out.append(TextDelta(now.content[len(seen.content) :]))
         for j, call in enumerate(now.tool_calls):
-            before = self.seen.tool_calls[j] if j < len(self.seen.tool_calls) else None
+            before = seen.tool_calls[j] if j < len(seen.tool_calls) else None
             if before is None:
-                calls.append(
-                    {
-                        "index": j,
-                        "id": call.id or f"call_{uuid.uuid4().hex[:24]}",
-                        "type": "function",
-                        "function": {"name": call.name, "arguments": call.arguments},
-                    }
-                )
+                out.append(CallStart(j, self._id(j, call.id), call.name, call.arguments))
             elif len(call.arguments) > len(before.arguments):
-                extra = call.arguments[len(before.arguments) :]
-                calls.append({"index": j, "function": {"arguments": extra}})
-        if calls:
-            out["tool_calls"] = calls
+                out.append(CallArguments(j, call.arguments[len(before.arguments) :]))
         self.seen = now
         return out
 
-    def final(self, finish: str) -> tuple[dict[str, Any], str]:
+    def final(self, finish: str) -> Reply:
+        """The whole reply (``finish``: why generation ended; a reply with
+        calls that stopped finishes with ``"tool_calls"``)."""
         out = self.stream.finish() if self.stream.text else self.prompt.parse(self.text)
         out = self._view(out)
-        message: dict[str, Any] = {"role": "assistant", "content": out.content or None}
-        if out.reasoning:
-            message["reasoning_content"] = out.reasoning
-        if out.tool_calls:
-            message["tool_calls"] = [
-                {
-                    "id": c.id or f"call_{uuid.uuid4().hex[:24]}",
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments},
-                }
-                for c in out.tool_calls
-            ]
-            finish = "tool_calls" if finish == "stop" else finish
-        return message, finish
+        calls = tuple(
+            Call(self._id(j, c.id), c.name, c.arguments) for j, c in enumerate(out.tool_calls)
+        )
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        return Reply(out.content, out.reasoning, calls, finish)
 
 
 def chat_prompt(ctx: Context, template: str | None, req: ChatRequest) -> ChatPrompt:
@@ -166,22 +214,20 @@ def chat_grammar(ctx: Context, req: ChatRequest, prompt: ChatPrompt) -> Grammar 
 async def chat_events(
     state: State,
     tokens: list[int],
-    gen: Generation,
+    gen: RequestOptions,
     prompt: ChatPrompt,
     grammar: Grammar | None,
-) -> AsyncGenerator[Event, None]:
+) -> AsyncGenerator[ChoiceEvent, None]:
     """A chat request's events, once admitted (its reasoning budget: the
     request's, else the server's)."""
     async with state.engine.admitted(tokens, gen):
         limit = state.config.reasoning_budget
         if gen.reasoning_budget is not None:
             limit = gen.reasoning_budget
-        async for event in state.engine.generate(
-            tokens,
-            gen,
-            grammar=grammar,
-            stop_tokens=prompt.stop_tokens,
-            preserved=prompt.preserved_tokens,
-            budget=(lambda: prompt.reasoning_budget(state.ctx, limit)) if limit >= 0 else None,
-        ):
+        ending = Ending(
+            frozenset(prompt.stop_tokens),
+            frozenset(prompt.preserved_tokens),
+            (lambda: prompt.reasoning_budget(state.ctx, limit)) if limit >= 0 else None,
+        )
+        async for event in state.engine.generate(tokens, gen, grammar=grammar, ending=ending):
             yield event

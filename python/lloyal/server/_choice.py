@@ -8,22 +8,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
+from lloyal._generation import Generation
 from lloyal.branch import Branch, Produced
 from lloyal.chat.budget import ReasoningBudget
 from lloyal.context import Context
 from lloyal.errors import LloyalError
-from lloyal.server._protocol import Generation
+from lloyal.server._protocol import RequestOptions
 from lloyal.server._speculation import Drafts
-from lloyal.text import TextStream
 
 log = logging.getLogger("lloyal.server")
 
 
 @dataclass(frozen=True)
-class Event:
+class ChoiceEvent:
     """A step of one choice: text to send (stop strings already cut), the
     token it came with and its log-probabilities, or the end."""
 
@@ -57,6 +57,17 @@ class Metrics:
     started: float = field(default_factory=time.time)
 
 
+@dataclass(frozen=True)
+class Ending:
+    """What ends a request's choices besides its options: the chat's stop
+    tokens, the tokens shown as written (its preserved tokens), and a
+    reasoning budget for each choice."""
+
+    stop_tokens: frozenset[int] = frozenset()
+    preserved: frozenset[int] = frozenset()
+    budget: Callable[[], ReasoningBudget] | None = None
+
+
 class Choice:
     """One choice's state between steps: its text, stop strings, limit."""
 
@@ -66,12 +77,11 @@ class Choice:
         metrics: Metrics,
         index: int,
         branch: Branch,
-        gen: Generation,
+        gen: RequestOptions,
         limit: int,
         start: int,
-        stop_tokens: set[int],
-        preserved: set[int],
-        events: asyncio.Queue[Event],
+        events: asyncio.Queue[ChoiceEvent],
+        ending: Ending,
     ) -> None:
         self.ctx = ctx
         self.metrics = metrics
@@ -80,21 +90,26 @@ class Choice:
         self.gen = gen
         self.limit = limit
         self.start = start  # the branch's position after the prompt
-        # Positions a context shift dropped (``Engine._shift``): the branch
+        # Positions a context shift dropped (``Scheduler._shift``): the branch
         # holds start + len(committed) - dropped tokens.
         self.dropped = 0
-        self.stop_tokens = stop_tokens
-        self.preserved = preserved
         self.events = events
-        self.stream = TextStream(ctx)
-        self.held = ""  # text that may be the start of a stop string
-        self.made = 0
+        # The reasoning budget of a chat request that has one.
+        self.budget = ending.budget() if ending.budget is not None else None
+        # Stop tokens and strings, what is shown, when it ends.
+        self.generation = Generation(
+            ctx,
+            max_tokens=limit,
+            stop=gen.stop,
+            stop_tokens=ending.stop_tokens,
+            preserved=ending.preserved,
+            budget=self.budget,
+            ignore_eos=gen.ignore_eos,
+        )
         # The tokens decoded into the branch after the prompt.
         self.committed: list[int] = []
-        # A token chosen but not committed yet (see ``Engine._start``).
+        # A token chosen but not committed yet (see ``Scheduler._start``).
         self.next: int | None = None
-        # The reasoning budget of a chat request that has one.
-        self.budget: ReasoningBudget | None = None
         self.joined = False
         self.cancelled = False
         self.failed = False
@@ -115,6 +130,11 @@ class Choice:
             self.released.set()
         return self.cancelled
 
+    @property
+    def made(self) -> int:
+        """How many tokens the choice has produced."""
+        return len(self.generation.tokens)
+
     def decide(
         self, p: Produced, lp: tuple[float, list[int], list[float]] | None = None
     ) -> int | None:
@@ -123,69 +143,37 @@ class Choice:
         it is chosen, and the last one is never decoded (nothing would
         read its logits): what llama-server does too. ``lp`` is the token's
         logprob entry when the request asked for logprobs (see
-        ``Engine._decide``)."""
-        forced = False
-        if self.budget is not None:
-            token = self.budget.choose(p.token)
-            if token != p.token:  # the end of the reasoning, written for the model
-                # (No logprob entry: the model did not choose it.)
-                p, lp, forced = Produced(token, "", False), None, True
-        ends = (p.is_stop or p.token in self.stop_tokens) and not forced
-        if ends and not self.gen.ignore_eos:
-            self.end("stop")
+        ``Scheduler._decide``)."""
+        step = self.generation.feed(p.token, p.is_stop)
+        if step.token is None:  # a stop token
+            self._finish(step.text, "stop", None)
             return None
         logprob: float | None = None
         top: tuple[tuple[int, float], ...] = ()
-        if lp is not None:
+        if lp is not None and not step.forced:  # (the model did not choose a forced token)
             logprob, ids, lps = lp
             top = tuple(zip(ids, lps, strict=True))
-        event = Event(self.index, "", p.token, logprob, top)
         self.metrics.completion_tokens += 1
-        self.made += 1
-        ctx = self.ctx
-        if p.token in self.preserved:
-            piece = self.stream.flush() + ctx.token_to_text(p.token, render_special=True)
-        else:
-            piece = self.stream.push(p.token)
-        self.held += piece
-        stops = self.gen.stop
-        cut = _first_stop(self.held, stops)
-        if cut is not None:
-            self.events.put_nowait(replace(event, text=self.held[:cut]))
-            matched = _stop_at(self.held, stops, cut)
-            self.held = ""
-            self.end("stop", matched)
+        self.events.put_nowait(ChoiceEvent(self.index, step.text, step.token, logprob, top))
+        if step.finish is not None:
+            self._finish("", step.finish, step.stop)
             return None
-        keep = _partial_stop(self.held, stops)
-        ready, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
-        self.events.put_nowait(replace(event, text=ready))
-        if self.made >= self.limit:
-            self.end("length")
-            return None
-        return p.token
+        return step.token
 
     def expected_position(self) -> int:
         """Where the branch is when every committed token is in it."""
         return self.start + len(self.committed) - self.dropped
 
-    def position(self) -> int:
-        """The branch's position; -1 once it cannot be read."""
-        try:
-            return self.branch.position
-        except Exception:
-            return -1
+    def end(self, finish: str) -> None:
+        """End now (``finish``: why), sending the text held back; release
+        the branch."""
+        step = self.generation.close(finish)
+        self._finish(step.text, step.finish or finish, step.stop)
 
-    def end(self, finish: str, stop: str | None = None) -> None:
-        """Send what is held back and the finish (``stop``: the stop string
-        that ended it); release the branch."""
-        text = self.held + self.stream.flush()
-        self.held = ""
-        cut = _first_stop(text, self.gen.stop)
-        if cut is not None:
-            finish, stop = "stop", _stop_at(text, self.gen.stop, cut)
+    def _finish(self, text: str, finish: str, stop: str | None) -> None:
         if text:
-            self.events.put_nowait(Event(self.index, text if cut is None else text[:cut]))
-        self.events.put_nowait(Event(self.index, finish=finish, stop=stop))
+            self.events.put_nowait(ChoiceEvent(self.index, text))
+        self.events.put_nowait(ChoiceEvent(self.index, finish=finish, stop=stop))
         self._release()
 
     def fail(self, error: BaseException, what: str = "generation failed for this request") -> None:
@@ -194,7 +182,7 @@ class Choice:
         if not isinstance(error, LloyalError):  # not the model's or grammar's doing: a bug
             log.error("a request failed in the step loop", exc_info=error)
         self.failed = True
-        self.events.put_nowait(Event(self.index, text=f"{what}: {error}", finish="error"))
+        self.events.put_nowait(ChoiceEvent(self.index, text=f"{what}: {error}", finish="error"))
         self._release()
 
     def _release(self) -> None:
@@ -215,24 +203,3 @@ class Choice:
             self._holding = False
             if self._release_due:
                 self.released.set()
-
-
-def _first_stop(text: str, stops: Sequence[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _stop_at(text: str, stops: Sequence[str], cut: int) -> str:
-    """The stop string found at ``cut`` (:func:`_first_stop`'s answer)."""
-    return next(s for s in stops if s and text.startswith(s, cut))
-
-
-def _partial_stop(text: str, stops: Sequence[str]) -> int:
-    """How many trailing characters of ``text`` could begin a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best

@@ -7,7 +7,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from lloyal.infill import NoFimError, fim_prompt
-from lloyal.server._engine import Event
+from lloyal.server._engine import ChoiceEvent
 from lloyal.server._protocol import ApiError, CompletionRequest
 from lloyal.server._state import State
 
@@ -23,7 +23,7 @@ def usage_body(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     }
 
 
-class Completion:
+class CompletionRun:
     """One prompt's choices of a completions request, as they grow."""
 
     def __init__(self, state: State, req: CompletionRequest, offset: int) -> None:
@@ -71,7 +71,7 @@ class Completion:
             raise ApiError(str(e), param=param) from None
         self.prompt_text = prefix
 
-    def record(self, event: Event) -> None:
+    def record(self, event: ChoiceEvent) -> None:
         i = event.index
         if event.cached is not None:
             self.cached = event.cached
@@ -89,7 +89,7 @@ class Completion:
     def usage(self) -> dict[str, Any]:
         return usage_body(len(self.tokens), sum(self.counts), self.cached)
 
-    async def events(self) -> AsyncGenerator[Event, None]:
+    async def events(self) -> AsyncGenerator[ChoiceEvent, None]:
         engine = self.state.engine
         async with engine.admitted(self.tokens, self.gen):
             async for event in engine.generate(self.tokens, self.gen):

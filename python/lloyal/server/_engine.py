@@ -35,22 +35,22 @@ import dataclasses
 import logging
 import os
 import random
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from lloyal.adapters import Lora
 from lloyal.branch import Branch, BranchStore, Produced
-from lloyal.chat.budget import ReasoningBudget
 from lloyal.context import Context
 from lloyal.errors import KVCacheFullError, LloyalError, NoLeaseError
 from lloyal.grammar import Grammar
+from lloyal.media import has_media
 from lloyal.prefix_cache import PrefixCache
 from lloyal.server._adapters import request_set
-from lloyal.server._choice import Choice, Event, Metrics
-from lloyal.server._protocol import ApiError, Generation
-from lloyal.server._speculation import Drafts, ModelDrafts, has_media, speculates
+from lloyal.server._choice import Choice, ChoiceEvent, Ending, Metrics
+from lloyal.server._protocol import ApiError, RequestOptions
+from lloyal.server._speculation import drafting
 
-__all__ = ["DEFAULT_RESERVE", "Engine", "Event", "Metrics"]
+__all__ = ["DEFAULT_RESERVE", "ChoiceEvent", "Metrics", "Scheduler"]
 
 _Logprobs = tuple[float, list[int], list[float]]
 log = logging.getLogger("lloyal.server")
@@ -61,7 +61,7 @@ request may generate past it while cells are free; under pressure it ends
 with ``finish_reason: "length"`` once it has."""
 
 
-class Engine:
+class Scheduler:
     """One context serving many requests (see the module docs)."""
 
     def __init__(
@@ -126,12 +126,12 @@ class Engine:
         over the context keeps its first ``n_keep`` tokens and its last
         half context less those (a prompt with media is never cut)."""
         n_ctx = self.ctx.n_ctx
-        if not self.ctx_shift or len(tokens) < n_ctx or any(t < 0 for t in tokens):
+        if not self.ctx_shift or len(tokens) < n_ctx or has_media(tokens):
             return tokens
         keep = min(self.n_keep, n_ctx // 4)
         return tokens[:keep] + tokens[len(tokens) - (n_ctx // 2 - keep) :]
 
-    def cells_needed(self, tokens: Sequence[int], gen: Generation) -> int:
+    def cells_needed(self, tokens: Sequence[int], gen: RequestOptions) -> int:
         """The KV cells a request reserves: its prompt, and ``max_tokens``
         (``DEFAULT_RESERVE`` without it) for each choice, at most the whole
         cache."""
@@ -140,7 +140,7 @@ class Engine:
         return min(len(tokens) + gen.n * per_choice, self.ctx.n_ctx)
 
     @asynccontextmanager
-    async def admitted(self, tokens: Sequence[int], gen: Generation) -> AsyncIterator[None]:
+    async def admitted(self, tokens: Sequence[int], gen: RequestOptions) -> AsyncIterator[None]:
         """Hold ``gen.n`` leases and the request's cells (see
         :meth:`cells_needed`) for a request: wait while they do not fit
         beside the admitted requests', 429 past ``max_queue`` waiting."""
@@ -187,7 +187,7 @@ class Engine:
                 self.metrics.active -= 1
                 self._turn.notify_all()
 
-    async def _branches(self, tokens: list[int], gen: Generation) -> tuple[list[Branch], int]:
+    async def _branches(self, tokens: list[int], gen: RequestOptions) -> tuple[list[Branch], int]:
         """The prompt decoded (through the prefix cache) and ``n`` branches
         on it; how many prompt tokens the cache gave."""
         params = gen.params
@@ -410,7 +410,7 @@ class Engine:
         history = [*c.prompt, *c.committed]
         keep = min(self.n_keep, n_ctx // 4)
         tail = n_ctx // 2 - keep
-        if any(t < 0 for t in c.prompt):
+        if has_media(c.prompt):
             c.end("length")
         else:
             try:
@@ -432,7 +432,7 @@ class Engine:
         items = [(c.branch, t) for c, t in batch]
         while True:
             try:
-                await self._store.commit(items)
+                outcomes = await self._store.commit(items, return_exceptions=True)
                 break
             except KVCacheFullError:
                 # Cached prefixes hold the cells nobody reserved: give them
@@ -443,18 +443,17 @@ class Engine:
                     c.end("length")
                     self._active.remove(c)
                 return
-            except Exception as e:
-                # An item that fails alone is raised after the others are
-                # committed: a branch one token further on was committed.
-                for c, t in batch:
-                    if c.position() == c.expected_position() + 1:
-                        c.committed.append(t)
-                    else:
-                        c.fail(e)
-                        self._active.remove(c)
+            except Exception as e:  # the whole call: nothing was committed
+                for c, _ in batch:
+                    c.fail(e)
+                    self._active.remove(c)
                 return
-        for c, t in batch:
-            c.committed.append(t)
+        for (c, t), error in zip(batch, outcomes, strict=True):
+            if error is None:
+                c.committed.append(t)
+            else:  # this branch alone is as it was
+                c.fail(error)
+                self._active.remove(c)
 
     async def aclose(self) -> None:
         if self._stepper is not None:
@@ -466,13 +465,11 @@ class Engine:
     async def generate(
         self,
         tokens: list[int],
-        gen: Generation,
+        gen: RequestOptions,
         *,
         grammar: Grammar | None = None,
-        stop_tokens: Sequence[int] = (),
-        preserved: Sequence[int] = (),
-        budget: Callable[[], ReasoningBudget] | None = None,
-    ) -> AsyncIterator[Event]:
+        ending: Ending = Ending(),  # noqa: B008 (frozen)
+    ) -> AsyncIterator[ChoiceEvent]:
         """Events of all ``gen.n`` choices as they come. Leaving the loop
         early (a client gone) takes the choices out of the step loop and
         frees their branches."""
@@ -499,23 +496,15 @@ class Engine:
         # The prompts still being prefilled now: this request starts with them.
         together = list(self._prefilling)
         cached: int | None = reused
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
         choices: list[Choice] = []
         try:
             for i, b in enumerate(branches):
                 if grammar is not None:
                     b.set_grammar(grammar)
-                stops, keep = set(stop_tokens), set(preserved)
-                c = Choice(
-                    self.ctx, self.metrics, i, b, gen, limit, len(tokens), stops, keep, events
-                )
-                c.budget = budget() if budget is not None else None
-                k = speculates(gen, grammar, c.budget is not None, self.spec_k)
-                bias = gen.params.logit_bias
-                if k and self.draft is not None and not has_media(tokens):
-                    c.drafts = ModelDrafts(tokens, k, bias, self.draft)
-                elif k and self.draft is None:
-                    c.drafts = Drafts(tokens, k, bias)
+                c = Choice(self.ctx, self.metrics, i, b, gen, limit, len(tokens), events, ending)
+                thinks = c.budget is not None
+                c.drafts = drafting(tokens, gen, grammar, thinks, self.spec_k, self.draft)
                 choices.append(c)
             if together:
                 await asyncio.gather(*(e.wait() for e in together))

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lloyal.errors import ChatTemplateError, GrammarError, LloyalError
-from lloyal.server._engine import Event
+from lloyal.server._engine import ChoiceEvent
 from lloyal.server._models import Models
 from lloyal.server._protocol import ApiError, parse_json
 from lloyal.server._state import State
@@ -165,7 +165,7 @@ class ClientGone(Exception):
     it never sees)."""
 
 
-async def primed(events: AsyncGenerator[Event, None], request: Request) -> Primed:
+async def primed(events: AsyncGenerator[ChoiceEvent, None], request: Request) -> Primed:
     """``events`` with its first item already taken, so that admission,
     the prompt and the first token happen before the response starts and
     their errors get a status code of their own (429, 503, 400). A client
@@ -181,7 +181,7 @@ async def primed(events: AsyncGenerator[Event, None], request: Request) -> Prime
                 state: State = request.state.lloyal
                 state.engine.metrics.disconnects += 1
                 raise ClientGone()
-        first: Event | None = first_item.result()
+        first: ChoiceEvent | None = first_item.result()
     except StopAsyncIteration:
         first = None
     except BaseException:
@@ -193,14 +193,14 @@ async def primed(events: AsyncGenerator[Event, None], request: Request) -> Prime
 
 
 class Primed:
-    def __init__(self, first: Event | None, rest: AsyncGenerator[Event, None]) -> None:
+    def __init__(self, first: ChoiceEvent | None, rest: AsyncGenerator[ChoiceEvent, None]) -> None:
         self._first = first
         self._rest = rest
 
     def __aiter__(self) -> Primed:
         return self
 
-    async def __anext__(self) -> Event:
+    async def __anext__(self) -> ChoiceEvent:
         if self._first is not None:
             first, self._first = self._first, None
             return first

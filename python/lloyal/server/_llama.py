@@ -13,8 +13,8 @@ from starlette.responses import JSONResponse, Response
 from lloyal._lloyal import LLAMA_CPP_2_VERSION
 from lloyal.rerank import Rerank
 from lloyal.server._chat import chat_prompt
-from lloyal.server._completion import Completion
-from lloyal.server._engine import Event
+from lloyal.server._completion import CompletionRun
+from lloyal.server._engine import ChoiceEvent
 from lloyal.server._http import event_stream, primed, until_disconnect
 from lloyal.server._protocol import ApiError, chat_request, completion_request, parse_json
 from lloyal.server._state import State
@@ -194,7 +194,7 @@ async def infill(request: Request, state: State) -> Response:
     req = completion_request({**rest, "prompt": "-"}, vocab_size=state.ctx.vocab_size)
     if req.generation.n != 1:
         raise ApiError("infill makes one reply", param="n")
-    run = Completion(state, req, 0)
+    run = CompletionRun(state, req, 0)
     await run.prepare_fim(
         texts["input_prefix"], texts["input_suffix"], middle=texts["prompt"], files=files
     )
@@ -214,7 +214,7 @@ async def infill(request: Request, state: State) -> Response:
             "tokens_cached": run.cached,
         }
 
-    async def events() -> AsyncGenerator[Event, None]:
+    async def events() -> AsyncGenerator[ChoiceEvent, None]:
         async for event in run.events():
             if event.finish is not None:
                 finish.update(finish=event.finish, stop=event.stop)

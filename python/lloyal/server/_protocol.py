@@ -1,4 +1,5 @@
-"""The OpenAI request bodies lloyal serves, checked into plain data.
+"""The requests lloyal serves, checked into plain data: the internal
+request types, OpenAI's bodies, and the checks every API's parser shares.
 
 Anything malformed is an :class:`ApiError` with status 400 and the name of
 the offending field, before any work starts: every value that reaches the
@@ -22,7 +23,7 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "EmbeddingRequest",
-    "Generation",
+    "RequestOptions",
     "parse_json",
 ]
 
@@ -67,7 +68,7 @@ class ApiError(Exception):
 
 
 @dataclass(frozen=True)
-class Generation:
+class RequestOptions:
     """What both completion endpoints share. (``model`` is checked to be
     a string and otherwise ignored: the server has one model.)"""
 
@@ -93,7 +94,7 @@ class Generation:
 @dataclass(frozen=True)
 class ChatRequest:
     messages: list[dict[str, Any]]
-    generation: Generation
+    generation: RequestOptions
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
@@ -107,7 +108,7 @@ class ChatRequest:
 @dataclass(frozen=True)
 class CompletionRequest:
     prompts: tuple[str | list[int], ...]
-    generation: Generation
+    generation: RequestOptions
     echo: bool = False
     # Text after the cursor: each prompt is the text before it, and the
     # reply fills the middle (models with FIM tokens only).
@@ -185,7 +186,9 @@ def _finite(value: object) -> bool:
     return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
 
 
-def _integer(body: dict[str, Any], name: str, default: int | None, lo: int, hi: int) -> int | None:
+def integer_field(
+    body: dict[str, Any], name: str, default: int | None, lo: int, hi: int
+) -> int | None:
     value = body.get(name, default)
     if value is None:
         return default
@@ -196,7 +199,7 @@ def _integer(body: dict[str, Any], name: str, default: int | None, lo: int, hi: 
     return value
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+def flag_field(body: dict[str, Any], name: str, default: bool) -> bool:
     value = body.get(name, default)
     if value is None:
         return default
@@ -221,7 +224,7 @@ def lora_field(value: object, *, param: str = "lora") -> tuple[tuple[int, float]
                 f'each {param} entry must be {{"id": int, "scale": number}}', param=param
             )
         try:
-            i = _integer(item, "id", None, 0, MAX_LORAS - 1)
+            i = integer_field(item, "id", None, 0, MAX_LORAS - 1)
             scale = _number(item, "scale", 1.0, -100.0, 100.0)
         except ApiError as e:
             raise ApiError(f"{param}: {e}", param=param) from None
@@ -233,38 +236,50 @@ def lora_field(value: object, *, param: str = "lora") -> tuple[tuple[int, float]
     return tuple(pairs)
 
 
-def _generation(body: dict[str, Any], *, logprobs: int | None, vocab_size: int) -> Generation:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError("model must be a string", param="model")
-    stop = body.get("stop")
-    if stop is None:
+def stop_strings(value: object, param: str = "stop") -> tuple[str, ...]:
+    """Stop strings: one string or a list of at most 4, none empty."""
+    if value is None:
         stops: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stops = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
-        stops = tuple(stop)
+    elif isinstance(value, str):
+        stops = (value,)
+    elif isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= 4:
+        stops = tuple(value)
     else:
-        raise ApiError("stop must be a string or a list of at most 4 strings", param="stop")
+        raise ApiError(f"{param} must be a string or a list of at most 4 strings", param=param)
     if any(not s for s in stops):
-        raise ApiError("stop strings must not be empty", param="stop")
+        raise ApiError(f"{param} strings must not be empty", param=param)
     if any(len(s) > MAX_STOP_CHARS for s in stops):
-        raise ApiError(f"stop strings may have at most {MAX_STOP_CHARS} characters", param="stop")
+        raise ApiError(f"{param} strings may have at most {MAX_STOP_CHARS} characters", param=param)
+    return stops
+
+
+def sampling(body: dict[str, Any], vocab_size: int) -> tuple[SamplingParams, int | None]:
+    """The sampling fields of a body, and its seed (both APIs name them
+    alike): OpenAI's, plus llama-server's top_k and min_p with its
+    defaults (40 and 0.05): a full-vocabulary sort per token would cost
+    milliseconds on a 262k vocabulary."""
     pairs = _logit_bias(body.get("logit_bias"), vocab_size)
-    seed = _integer(body, "seed", None, -(2**63), 2**64 - 1)
-    # OpenAI's fields, plus llama-server's top_k and min_p with its
-    # defaults (40 and 0.05): a full-vocabulary sort per token would cost
-    # milliseconds on a 262k vocabulary.
+    seed = integer_field(body, "seed", None, -(2**63), 2**64 - 1)
+    seed = None if seed is None else seed % 2**32
     params = SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-        top_k=_integer(body, "top_k", 40, 0, 1 << 20) or 0,
+        top_k=integer_field(body, "top_k", 40, 0, 1 << 20) or 0,
         min_p=_number(body, "min_p", 0.05, 0.0, 1.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        seed=None if seed is None else seed % 2**32,
+        seed=seed,
         logit_bias=pairs,
     )
+    return params, seed
+
+
+def _generation(body: dict[str, Any], *, logprobs: int | None, vocab_size: int) -> RequestOptions:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError("model must be a string", param="model")
+    stops = stop_strings(body.get("stop"))
+    params, seed = sampling(body, vocab_size)
     options = body.get("stream_options")
     if options is None:
         options = {}
@@ -273,21 +288,21 @@ def _generation(body: dict[str, Any], *, logprobs: int | None, vocab_size: int) 
     include_usage = options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise ApiError("stream_options.include_usage must be true or false", param="stream_options")
-    max_tokens = _integer(body, "max_completion_tokens", None, 1, 1 << 20)
+    max_tokens = integer_field(body, "max_completion_tokens", None, 1, 1 << 20)
     if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", None, 1, 1 << 20)
-    return Generation(
-        n=_integer(body, "n", 1, 1, MAX_N) or 1,
+        max_tokens = integer_field(body, "max_tokens", None, 1, 1 << 20)
+    return RequestOptions(
+        n=integer_field(body, "n", 1, 1, MAX_N) or 1,
         max_tokens=max_tokens,
         params=params,
-        seed=None if seed is None else seed % 2**32,
+        seed=seed,
         stop=stops,
-        stream=_flag(body, "stream", False),
+        stream=flag_field(body, "stream", False),
         include_usage=bool(include_usage),
         logprobs=logprobs,
-        ignore_eos=_flag(body, "ignore_eos", False),
+        ignore_eos=flag_field(body, "ignore_eos", False),
         lora=lora_field(body.get("lora")),
-        reasoning_budget=_integer(body, "reasoning_budget", None, -1, 1 << 20),
+        reasoning_budget=integer_field(body, "reasoning_budget", None, -1, 1 << 20),
         speculative=_speculative(body),
     )
 
@@ -302,7 +317,7 @@ def _speculative(body: dict[str, Any]) -> int | None:
         return 0
     if body.get("speculative") not in (None, True):
         raise ApiError("speculative must be true or false", param="speculative")
-    return _integer(body, "speculative.n_max", None, 0, MAX_DRAFT)
+    return integer_field(body, "speculative.n_max", None, 0, MAX_DRAFT)
 
 
 def _logit_bias(bias: object, vocab_size: int) -> list[tuple[int, float]]:
@@ -326,8 +341,8 @@ def _logit_bias(bias: object, vocab_size: int) -> list[tuple[int, float]]:
     return pairs
 
 
-def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> Any:
-    choice = body.get("tool_choice")
+def tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> Any:
+    """A checked ``tool_choice`` for the chat layer (``"auto"`` when None)."""
     if choice is None:
         return "auto"
     named = isinstance(choice, dict) and isinstance(choice.get("function"), dict)
@@ -380,9 +395,9 @@ def _parts(content: list[Any], where: str) -> str | list[dict[str, Any]]:
     return [dict(p) for p in content]
 
 
-def chat_request(raw: object, *, vocab_size: int) -> ChatRequest:
-    body = _object(raw)
-    messages = body.get("messages")
+def checked_messages(messages: object) -> list[dict[str, Any]]:
+    """Chat messages in the chat layer's form (``role``, ``content`` as a
+    string or parts, ``tool_calls``...), checked (400 naming the message)."""
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list", param="messages")
     for i, m in enumerate(messages):
@@ -397,12 +412,11 @@ def chat_request(raw: object, *, vocab_size: int) -> ChatRequest:
         check_messages(messages)
     except ValueError as e:
         raise ApiError(str(e), param="messages") from None
-    top: int | None = None
-    if _flag(body, "logprobs", False):
-        top = _integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
-    elif body.get("top_logprobs") is not None:
-        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
-    tools = body.get("tools")
+    return messages
+
+
+def checked_tools(tools: object) -> list[dict[str, Any]] | None:
+    """Function tools in the chat layer's form, checked; None for none."""
     if tools is not None and (
         not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
     ):
@@ -411,7 +425,20 @@ def chat_request(raw: object, *, vocab_size: int) -> ChatRequest:
         check_tools(tools, "auto")
     except (TypeError, ValueError) as e:
         raise ApiError(str(e), param="tools") from None
-    tool_choice = _tool_choice(body, tools)
+    return tools or None
+
+
+def chat_request(raw: object, *, vocab_size: int) -> ChatRequest:
+    """An OpenAI chat completion request."""
+    body = _object(raw)
+    messages = checked_messages(body.get("messages"))
+    top: int | None = None
+    if flag_field(body, "logprobs", False):
+        top = integer_field(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    elif body.get("top_logprobs") is not None:
+        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    tools = checked_tools(body.get("tools"))
+    choice = tool_choice(body.get("tool_choice"), tools)
     schema: Mapping[str, Any] | bool | None = None
     fmt = body.get("response_format")
     if fmt is not None:
@@ -437,9 +464,9 @@ def chat_request(raw: object, *, vocab_size: int) -> ChatRequest:
     return ChatRequest(
         messages=messages,
         generation=_generation(body, logprobs=top, vocab_size=vocab_size),
-        tools=tools or None,
-        tool_choice=tool_choice,
-        parallel_tool_calls=_flag(body, "parallel_tool_calls", True),
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=flag_field(body, "parallel_tool_calls", True),
         json_schema=schema,
         reasoning_effort=_effort(body.get("reasoning_effort")),
         reasoning_format=reasoning_format(body.get("reasoning_format")),
@@ -503,19 +530,19 @@ def completion_request(raw: object, *, vocab_size: int) -> CompletionRequest:
                 "prompt must be a non-empty string, a list of token ids, or a list of those",
                 param="prompt",
             )
-    if len(checked) > 1 and _flag(body, "stream", False):
+    if len(checked) > 1 and flag_field(body, "stream", False):
         raise ApiError("a streamed request takes one prompt", param="prompt")
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise ApiError("suffix must be a string", param="suffix")
     if suffix and not all(isinstance(p, str) for p in checked):
         raise ApiError("a suffix goes with text prompts, not token ids", param="suffix")
-    top = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    top = integer_field(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     generation = _generation(body, logprobs=top, vocab_size=vocab_size)
     return CompletionRequest(
         prompts=tuple(checked),
         generation=generation,
-        echo=_flag(body, "echo", False),
+        echo=flag_field(body, "echo", False),
         suffix=suffix or None,
     )
 
@@ -543,7 +570,7 @@ def embedding_request(raw: object, *, vocab_size: int) -> EmbeddingRequest:
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise ApiError("encoding_format must be 'float' or 'base64'", param="encoding_format")
-    dimensions = _integer(body, "dimensions", None, 1, 1 << 20)
+    dimensions = integer_field(body, "dimensions", None, 1, 1 << 20)
     return EmbeddingRequest(inputs=list(inputs), base64=encoding == "base64", dimensions=dimensions)
 
 

@@ -1,6 +1,6 @@
 """Prompt lookup speculation in the server's step loop (``lloyal serve
 --spec prompt-lookup``): which choices speculate, and their drafting; the
-verification is the engine's (``Engine._step``).
+verification is the engine's (``Scheduler._step``).
 
 A choice that speculates proposes up to ``k`` tokens after the one it just
 chose, by finding its last few tokens earlier in its prompt and reply
@@ -32,12 +32,14 @@ from lloyal.branch import Branch
 from lloyal.context import Context
 from lloyal.errors import NoLeaseError
 from lloyal.grammar import Grammar
+from lloyal.media import has_media
 from lloyal.sampling import GREEDY
-from lloyal.server._protocol import Generation
-from lloyal.strategies import PromptLookup, _common_prefix, _same_vocabulary
+from lloyal.server._protocol import RequestOptions
+from lloyal.strategies import PromptLookup
+from lloyal.strategies._speculative import _common_prefix, _same_vocabulary
 
 
-def speculates(gen: Generation, grammar: Grammar | None, budget: bool, default_k: int) -> int:
+def speculates(gen: RequestOptions, grammar: Grammar | None, budget: bool, default_k: int) -> int:
     """How many drafts a round of this request may verify (0: it does not
     speculate)."""
     p = gen.params
@@ -55,10 +57,24 @@ def speculates(gen: Generation, grammar: Grammar | None, budget: bool, default_k
     return k if greedy and plain else 0
 
 
-def has_media(prompt: Sequence[int]) -> bool:
-    """Whether a prompt holds media placeholders (a draft model cannot
-    read them)."""
-    return any(t < 0 for t in prompt)
+def drafting(
+    prompt: list[int],
+    gen: RequestOptions,
+    grammar: Grammar | None,
+    budget: bool,
+    default_k: int,
+    draft: Context | None,
+) -> Drafts | None:
+    """The drafting of one choice of a request, if it speculates: prompt
+    lookup, or the draft model (``draft``) where the prompt has no media."""
+    k = speculates(gen, grammar, budget, default_k)
+    if not k:
+        return None
+    if draft is None:
+        return Drafts(prompt, k, gen.params.logit_bias)
+    if has_media(prompt):
+        return None
+    return ModelDrafts(prompt, k, gen.params.logit_bias, draft)
 
 
 class Drafts:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lloyal.context import Context, create_context
-from lloyal.server._engine import Engine
+from lloyal.server._engine import Scheduler
 
 DEFAULT_STEP_TOKENS = 128
 """The server's step budget (``--step-tokens``): a step of streams and
@@ -132,7 +132,7 @@ class State:
         self.ctx = ctx
         self.draft = draft
         self._token_info: dict[int, tuple[str, list[int]]] = {}
-        self.engine = Engine(
+        self.engine = Scheduler(
             ctx,
             prefix_cache=config.prefix_cache,
             cache_branches=config.cache_branches,

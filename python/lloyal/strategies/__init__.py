@@ -29,41 +29,18 @@ the same context at the same time is counted too).
 
 from __future__ import annotations
 
-# Besides the public names: the type aliases and the private helpers, which
-# were names of this module when it was one file; they stay reachable here
-# for tests and tools that use or patch them (tests/determinism_child.py
-# patches _ModelDrafter.propose). `x as x` marks them as re-exported.
+# The public names, and the type aliases their signatures use (`x as x`
+# marks those as re-exported).
 from lloyal.strategies._beam_search import BeamSearch, beam_search
-from lloyal.strategies._beam_search import _Beam as _Beam
 from lloyal.strategies._best_of_n import BestOfN, best_of_n
-from lloyal.strategies._common import _F64 as _F64
 from lloyal.strategies._common import Continuation
 from lloyal.strategies._common import Progress as Progress
 from lloyal.strategies._common import Prompt as Prompt
 from lloyal.strategies._common import Score as Score
-from lloyal.strategies._common import _check_positive as _check_positive
-from lloyal.strategies._common import _entropy as _entropy
-from lloyal.strategies._common import _log_softmax as _log_softmax
-from lloyal.strategies._common import _need_leases as _need_leases
-from lloyal.strategies._common import _Output as _Output
-from lloyal.strategies._common import _prompt_tokens as _prompt_tokens
-from lloyal.strategies._common import _prune_all as _prune_all
-from lloyal.strategies._common import _Recorder as _Recorder
-from lloyal.strategies._common import _softmax as _softmax
-from lloyal.strategies._common import _stopper as _stopper
-from lloyal.strategies._common import _top as _top
 from lloyal.strategies._generate import Generated, generate
 from lloyal.strategies._mcts import MCTS, mcts
 from lloyal.strategies._speculative import PromptLookup, Speculative, speculative_decode
-from lloyal.strategies._speculative import _add_siblings as _add_siblings
-from lloyal.strategies._speculative import _common_prefix as _common_prefix
-from lloyal.strategies._speculative import _keep_path as _keep_path
-from lloyal.strategies._speculative import _ModelDrafter as _ModelDrafter
-from lloyal.strategies._speculative import _same_vocabulary as _same_vocabulary
 from lloyal.strategies._tree import SampledTree, TreeNode, sample_tree
-from lloyal.strategies._tree import _choose as _choose
-from lloyal.strategies._tree import _expand as _expand
-from lloyal.strategies._tree import _Node as _Node
 
 __all__ = [
     "MCTS",

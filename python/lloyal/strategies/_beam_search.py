@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lloyal._tasks import gather
 from lloyal.context import Context
 from lloyal.errors import WorkerLostError
 from lloyal.sampling import GREEDY
@@ -26,7 +27,6 @@ from lloyal.strategies._lanes import (
     Top,
     backend_of,
     begin,
-    gather,
 )
 
 
@@ -158,7 +158,7 @@ async def _beam_search(
         roots = await backend.roots(tokens, GREEDY, used)
         held.update(roots)
         peak = len(held)
-        first = await roots[0]._top(2 * width)
+        first = await roots[0].candidates(2 * width)
         beams = [_Beam(roots[0], _Recorder(), 0.0, first, {r.worker: r for r in roots[1:]})]
         for step in range(max_tokens):
             options = []
@@ -192,7 +192,7 @@ async def _beam_search(
             peak = max(peak, len(held) + backend.deferred())
             new_beams: list[_Beam] = []
             # One decode (per worker) for every beam's token.
-            tops = await gather(*(b._advance(t, top=2 * width) for b, t, *_ in pending))
+            tops = await gather(*(b.advance(t, top=2 * width) for b, t, *_ in pending))
             for (branch, _, score, rec), outcome in zip(pending, tops, strict=True):
                 if isinstance(outcome, WorkerLostError):
                     lost += 1
@@ -350,7 +350,7 @@ async def _make(plan: list[tuple[str, Any]]) -> list[Lane | BaseException]:
         made: Sequence[Any]
         try:
             targets = [plan[ci][1][1] for ci in cis]
-            made = await source._copies(targets, [None] * len(cis), elsewhere=True)
+            made = await source.copies(targets, [None] * len(cis), elsewhere=True)
         except Exception as e:
             made = [e] * len(cis)
         for ci, b in zip(cis, made, strict=True):

@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from lloyal._tasks import gather
 from lloyal.context import Context
 from lloyal.errors import WorkerLostError
 from lloyal.sampling import SamplingParams
@@ -17,7 +18,7 @@ from lloyal.strategies._common import (
     _Output,
     _Recorder,
 )
-from lloyal.strategies._lanes import Backend, Lane, Pool, backend_of, begin, gather, record
+from lloyal.strategies._lanes import Backend, Lane, Pool, backend_of, begin, record
 
 
 @dataclass(frozen=True)

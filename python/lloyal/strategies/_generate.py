@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from lloyal._generation import Generation
 from lloyal.branch import Branch
 from lloyal.context import Context
 from lloyal.sampling import GREEDY, SamplingParams
@@ -19,7 +20,6 @@ from lloyal.strategies._common import (
     _prompt_tokens,
     _prune_all,
     _Recorder,
-    _stopper,
 )
 
 
@@ -62,20 +62,22 @@ async def generate(
     """
     _check_positive(max_tokens=max_tokens)
     tokens = await _prompt_tokens(ctx, prompt)
-    is_stop = _stopper(ctx, stop)
+    gen = Generation(ctx, max_tokens=max_tokens, stop_tokens=frozenset(int(t) for t in stop))
     calls, started = ctx.stats.decode_calls, time.perf_counter()
     rec = _Recorder()
     branch = Branch.create(ctx, params=params)
     try:
         await branch.prefill(tokens)
-        while len(rec.tokens) < max_tokens:
+        while gen.finish is None:
             p = await branch.produce()
-            if p.is_stop or is_stop(p.token):
+            step = gen.feed(p.token, p.is_stop)
+            if step.token is None:
                 rec.stopped = True
                 break
-            rec.add(p.token, branch.model_surprisal(p.token), branch.model_entropy())
-            if len(rec.tokens) < max_tokens:
-                await branch.commit(p.token)
+            # The numbers read the logits the token was chosen from.
+            rec.add(step.token, branch.model_surprisal(step.token), branch.model_entropy())
+            if step.finish is None:  # the last token is never decoded
+                await branch.commit(step.token)
     finally:
         await _prune_all(branch)
     out = await rec.finish(ctx)

@@ -18,10 +18,8 @@ pool's workers one round trip's.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
-
-import anyio
 
 from lloyal.branch import Branch, BranchStore, Produced
 from lloyal.context import Context
@@ -53,9 +51,11 @@ class Lane(Protocol):
         """Commit ``token`` and produce the next one."""
         ...
 
-    async def _top(self, k: int) -> Top: ...
+    async def candidates(self, k: int) -> Top:
+        """The ``k`` most likely next tokens (:data:`Top`)."""
+        ...
 
-    async def _advance(
+    async def advance(
         self, token: int, *, produce: bool = False, top: int = 0
     ) -> tuple[Produced | None, Any]:
         """Commit ``token``, then produce and/or take the top ``top``."""
@@ -65,7 +65,7 @@ class Lane(Protocol):
 
     async def fork_many(self, seeds: Sequence[int | None]) -> Sequence[Lane]: ...
 
-    async def _copies(
+    async def copies(
         self, workers: Sequence[Any], seeds: Sequence[int | None], *, elsewhere: bool = False
     ) -> Sequence[Lane]:
         """Copies on other workers (a pool's lanes only)."""
@@ -142,24 +142,6 @@ def record(rec: _Recorder, produced: Produced, lane: Lane, extra: frozenset[int]
     return True
 
 
-async def gather(*aws: Awaitable[Any]) -> list[Any]:
-    """Run ``aws`` concurrently (under asyncio or trio); each one's result,
-    or the ``Exception`` it raised (``asyncio.gather`` with
-    ``return_exceptions=True``). A cancellation is not caught."""
-    results: list[Any] = [None] * len(aws)
-
-    async def one(i: int, aw: Awaitable[Any]) -> None:
-        try:
-            results[i] = await aw
-        except Exception as e:
-            results[i] = e
-
-    async with anyio.create_task_group() as tg:
-        for i, aw in enumerate(aws):
-            tg.start_soon(one, i, aw)
-    return results
-
-
 class LocalLane:
     """A :class:`~lloyal.Branch` as a :class:`Lane`."""
 
@@ -185,19 +167,19 @@ class LocalLane:
         await self.branch.commit(token)
         return await self.produce()
 
-    async def _top(self, k: int) -> Top:
+    async def candidates(self, k: int) -> Top:
         tokens, logprobs = self.branch.top_logprobs(k)
         self.last_entropy = self.branch.model_entropy()
         ctx = self._backend.ctx
         ids = tokens.tolist()
         return ids, logprobs.tolist(), self.last_entropy, [ctx.is_stop_token(t) for t in ids]
 
-    async def _advance(
+    async def advance(
         self, token: int, *, produce: bool = False, top: int = 0
     ) -> tuple[Produced | None, Any]:
         await self.branch.commit(token)
         produced = await self.produce() if produce else None
-        return produced, await self._top(top) if top else None
+        return produced, await self.candidates(top) if top else None
 
     async def fork(self, *, seed: int | None = None) -> LocalLane:
         child = await self.branch.fork()
@@ -208,7 +190,7 @@ class LocalLane:
     async def fork_many(self, seeds: Sequence[int | None]) -> list[LocalLane]:
         return [await self.fork(seed=s) for s in seeds]
 
-    async def _copies(
+    async def copies(
         self, workers: Sequence[Any], seeds: Sequence[int | None], *, elsewhere: bool = False
     ) -> list[LocalLane]:
         raise AssertionError("one context has no other worker to copy a branch to")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from lloyal._tasks import gather
 from lloyal.context import Context
 from lloyal.errors import WorkerLostError
 from lloyal.sampling import SamplingParams
@@ -22,7 +23,7 @@ from lloyal.strategies._common import (
     _Output,
     _Recorder,
 )
-from lloyal.strategies._lanes import Backend, Lane, Pool, backend_of, begin, gather, record
+from lloyal.strategies._lanes import Backend, Lane, Pool, backend_of, begin, record
 from lloyal.strategies._tree import TreeNode, _frozen, _Node
 
 
@@ -206,7 +207,7 @@ async def _mcts(
         child whose worker dies is marked dead."""
         assert leaf.branch is not None
         if leaf.top is None:
-            leaf.top = await leaf.branch._top(width)
+            leaf.top = await leaf.branch.candidates(width)
         toks, logps, ent, stops = leaf.top
         kids = [
             _Node(t, leaf.log_prob + lp, -lp, ent, parent=leaf, terminal=st or t in extra)
@@ -245,7 +246,7 @@ async def _mcts(
         await gather(*(src.prune() for src in unused))
         moving = [k for k in live if k.branch is not None]
         # One decode (per worker) moves every child onto its token.
-        tops = await gather(*(k.branch._advance(k.token, top=width) for k in moving))
+        tops = await gather(*(k.branch.advance(k.token, top=width) for k in moving))
         for kid, outcome in zip(moving, tops, strict=True):
             if isinstance(outcome, WorkerLostError):
                 kid.dead = True
