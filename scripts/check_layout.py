@@ -1,7 +1,7 @@
 """Check the source layout rules of CONTRIBUTING.md, as a reader sees the code:
 
-- no import circle among the core crate's modules or among
-  ``python/lloyal``'s modules, file by file;
+- no import circle among the core crate's modules, the bindings crate's
+  (``lloyal-py``) or ``python/lloyal``'s, file by file;
 - no circle among their folders either: each top-level folder (``engine/``,
   ``branch/``, ``server/``, ...) counts as one module, so two folders that
   use each other through different files are a circle too;
@@ -28,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "crates" / "lloyal-core" / "src"
+BINDINGS = ROOT / "crates" / "lloyal-py" / "src"
 PYPKG = ROOT / "python" / "lloyal"
 MAX_LINES = 600
 _LENGTH_REASON = re.compile(r"^\s*(?://!|#|)\s*Length:", re.MULTILINE)
@@ -242,11 +243,13 @@ def _show(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def problems(core: Path = CORE, pkg: Path = PYPKG) -> list[str]:
-    """Every rule broken in the crate at ``core`` and the package at ``pkg``."""
+def problems(core: Path = CORE, pkg: Path = PYPKG, bindings: Path = BINDINGS) -> list[str]:
+    """Every rule broken in the crates at ``core`` and ``bindings`` and the
+    package at ``pkg``."""
     found = []
     for what, graph, root in (
         ("core", rust_graph(core), core),
+        ("bindings", rust_graph(bindings), bindings),
         ("python", python_graph(pkg), pkg),
     ):
         for component in cycles(graph):

@@ -143,3 +143,19 @@ def test_files_over_the_limit_need_a_written_reason(
     assert layout.problems(core, pkg) == []
     target.write_text(line * limit)
     assert layout.problems(core, pkg) == []
+
+
+def test_the_bindings_crate_is_checked_too(layout: ModuleType, tmp_path: Path) -> None:
+    # branch.rs <-> context.rs in the PyO3 crate: a circle like any other.
+    bindings = _tree(
+        tmp_path / "py" / "src",
+        {
+            "lib.rs": "mod branch;\nmod context;\n",
+            "branch.rs": "use crate::context::f32_slice;\npub struct Registry;\n",
+            "context.rs": "use crate::branch::Registry;\npub fn f32_slice() {}\n",
+        },
+    )
+    core = _tree(tmp_path / "core" / "src", {"lib.rs": ""})
+    found = layout.problems(core, _empty_pkg(tmp_path), bindings)
+    assert len(found) == 1, found
+    assert found[0].startswith("bindings: import circle")

@@ -7,8 +7,9 @@ use lloyal_core::{Adapters, ControlVector, Lora};
 use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
 
+use crate::arrays::f32_slice;
 use crate::branch::PyBranch;
-use crate::context::{f32_slice, PyContext};
+use crate::context::PyContext;
 use crate::errors::IntoPyResult;
 use crate::reply::py_reply;
 

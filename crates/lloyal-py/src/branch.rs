@@ -9,36 +9,20 @@
 //! Every object is in its context's [`Registry`], weakly, so `parent` and
 //! `children` return the objects the caller holds.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use lloyal_core::{Base, Branch, BranchId, Grammar, Reply};
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::{PyResourceWarning, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyTuple, PyWeakrefMethods, PyWeakrefReference};
+use pyo3::types::{PyBytes, PyDict, PyTuple, PyWeakrefReference};
 
-use crate::context::f32_slice;
+use crate::arrays::f32_slice;
 use crate::errors::IntoPyResult;
 use crate::grammar::PyGrammar;
+use crate::registry::Registry;
 use crate::reply::{none, py_reply};
 use crate::sampling::{params_from_py, PySamplingParams};
-
-/// The live object of each branch of a context, held weakly.
-#[derive(Default)]
-pub struct Registry(Mutex<HashMap<BranchId, Py<PyWeakrefReference>>>);
-
-impl Registry {
-    fn lock(&self) -> MutexGuard<'_, HashMap<BranchId, Py<PyWeakrefReference>>> {
-        // An insert or remove cannot leave the map half-written.
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The object of branch `id`, if it has a live one.
-    fn object<'py>(&self, py: Python<'py>, id: BranchId) -> Option<Bound<'py, PyAny>> {
-        self.lock().get(&id).and_then(|w| w.bind(py).upgrade())
-    }
-}
 
 /// A branch on its way to a Python object; what a reply carries.
 pub struct Seedling(pub Branch, pub Arc<Registry>);

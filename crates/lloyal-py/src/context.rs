@@ -10,8 +10,9 @@ use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::branch::Registry;
+use crate::arrays::f32_slice;
 use crate::errors::IntoPyResult;
+use crate::registry::Registry;
 use crate::reply::{none, py_reply};
 use crate::sampling::params_from_py;
 
@@ -49,12 +50,6 @@ fn wrap_context(py: Python<'_>, ctx: Context) -> PyResult<Py<PyAny>> {
         },
     )?
     .into_any())
-}
-
-/// A contiguous float32 array as a slice (the Python side makes it contiguous).
-pub(crate) fn f32_slice<'a>(a: &'a PyReadonlyArray1<'_, f32>) -> PyResult<&'a [f32]> {
-    a.as_slice()
-        .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
 }
 
 impl PyContext {

@@ -2,6 +2,7 @@
 //! Users import `lloyal`; this module is its native half.
 
 mod adapter;
+mod arrays;
 mod backend;
 mod branch;
 mod context;
@@ -10,6 +11,7 @@ mod errors;
 mod grammar;
 mod kv;
 mod media;
+mod registry;
 mod reply;
 mod sampling;
 mod store;
