@@ -149,7 +149,15 @@ class Generation:
     def feed(self, token: int, is_stop: bool = False, *, text: str | None = None) -> GenerationStep:
         """Take the next produced token (``is_stop``: the model's own end
         of generation; ``text``: its text, where the generation has no
-        context to detokenize with)."""
+        context to detokenize with).
+
+        >>> import lloyal
+        >>> gen = lloyal.Generation(None, stop=["\\n\\n"])  # text given with each token
+        >>> [gen.feed(t, text=s).text for t, s in enumerate(["Hi", "\\n", "\\nmore"])]
+        ['Hi', '', '']
+        >>> gen.finish, gen.output, gen.kept
+        ('stop', 'Hi', 1)
+        """
         if self.finish is not None:
             raise RuntimeError(f"the generation has ended ({self.finish})")
         forced = False
@@ -174,7 +182,16 @@ class Generation:
     def close(self, finish: str = "stop") -> GenerationStep:
         """End the generation now (``finish``: why, unless a stop string
         turns up in the text still held); the step carries that text. Once
-        ended, an empty step."""
+        ended, an empty step.
+
+        >>> import lloyal
+        >>> gen = lloyal.Generation(None, stop=["END"])
+        >>> gen.feed(1, text="the E").text  # "E" could begin "END"
+        'the '
+        >>> step = gen.close("length")  # a client gone, say
+        >>> step.text, step.finish, gen.output
+        ('E', 'length', 'the E')
+        """
         if self.finish is not None:
             return GenerationStep(None, "", self.finish, self.stop)
         return self._end(finish, None)
@@ -191,7 +208,20 @@ class Generation:
         (``"decode"``), left (``"skip"``: nothing reads its logits) or
         given to ``last`` (``branch.accept``: recorded as chosen, decoded
         later with what comes next). Leaving the loop early leaves every
-        yielded token decoded."""
+        yielded token decoded.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await b.prefill(prompt)
+        ...         gen = lloyal.Generation(ctx, max_tokens=3)
+        ...         steps = [s async for s in gen.drive(b, last="skip")]
+        ...         return len(steps), gen.finish, b.position - len(prompt)
+        >>> asyncio.run(main())
+        (3, 'length', 2)
+        """
         while self.finish is None:
             p = await branch.produce()
             step = self.feed(p.token, p.is_stop, text=None if self._ctx else p.text)

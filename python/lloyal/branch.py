@@ -365,7 +365,19 @@ class Branch(NativeBranch):
 
     def accept(self, token: int) -> None:
         """Record ``token`` as chosen (penalties, perplexities) without
-        decoding it."""
+        decoding it.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await b.prefill(await ctx.tokenize("The capital of France is"))
+        ...         before = b.position
+        ...         b.accept((await b.produce()).token)  # in the perplexity, not decoded
+        ...         return b.position == before, b.perplexity > 1
+        >>> asyncio.run(main())
+        (True, True)
+        """
         self._accept(_token_id(token))
 
     async def __aiter__(self) -> AsyncIterator[Token]:
@@ -399,7 +411,20 @@ class Branch(NativeBranch):
         cls, ctx: Context, data: bytes, params: SamplingParams | None = None
     ) -> Branch:
         """A new root branch (with its own lease) from :meth:`save` bytes.
-        Corrupt or foreign data raises :class:`StateError`."""
+        Corrupt or foreign data raises :class:`StateError`.
+
+        (See :meth:`save`.)
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         try:
+        ...             await lloyal.Branch.restore(ctx, b"not a branch")
+        ...         except lloyal.StateError:
+        ...             return "refused"
+        >>> asyncio.run(main())
+        'refused'
+        """
         _check_context(ctx)
         ctx._check_open()
         if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -413,11 +438,40 @@ class Branch(NativeBranch):
 
     async def prune(self) -> None:
         """Free this branch's KV lease. Refuses (``ValueError``) while it has
-        live children: prune them first, or use :meth:`prune_subtree`."""
+        live children: prune them first, or use :meth:`prune_subtree`.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
+        ...         root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await root.prefill(await ctx.tokenize("Hello"))
+        ...         child = await root.fork()
+        ...         try:
+        ...             await root.prune()  # a live child shares its cells
+        ...         except ValueError:
+        ...             pass
+        ...         await child.prune()
+        ...         await root.prune()
+        ...         return root.disposed, lloyal.BranchStore(ctx).available
+        >>> asyncio.run(main())
+        (True, 2)
+        """
         await self._dispose(cascade=False)
 
     async def prune_subtree(self) -> None:
-        """Prune this branch and every descendant."""
+        """Prune this branch and every descendant.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=3) as ctx:
+        ...         root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await root.prefill(await ctx.tokenize("Hello"))
+        ...         kids = [await root.fork(), await root.fork()]
+        ...         await root.prune_subtree()
+        ...         return [k.disposed for k in kids], lloyal.BranchStore(ctx).available
+        >>> asyncio.run(main())
+        ([True, True], 3)
+        """
         await self._dispose(cascade=True)
 
     async def _dispose(self, cascade: bool) -> None:
@@ -469,7 +523,21 @@ class Branch(NativeBranch):
     def set_sampler_state(self, state: bytes) -> None:
         """Continue sampling from :meth:`sampler_state` bytes (of a branch
         with the same parameters). Bad bytes raise ``ValueError`` and change
-        nothing."""
+        nothing.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
+        ...         params = lloyal.SamplingParams(temperature=1.0, seed=7)
+        ...         a = lloyal.Branch.create(ctx, params)
+        ...         await a.prefill(await ctx.tokenize("Once upon a time"))
+        ...         b = await a.fork()
+        ...         b.reseed_sampler(99)
+        ...         b.set_sampler_state(a.sampler_state())  # back on a's random stream
+        ...         return (await a.produce()).token == (await b.produce()).token
+        >>> asyncio.run(main())
+        True
+        """
         if not isinstance(state, (bytes, bytearray, memoryview)):
             raise TypeError(f"state must be bytes, got {type(state).__name__}")
         self._set_sampler_state(bytes(state))
@@ -487,7 +555,18 @@ class Branch(NativeBranch):
         starts fresh: it constrains what this branch produces next, not the
         text already in its KV. Children forked earlier keep theirs. With
         ``triggers=``, the grammar is lazy: it applies from the first
-        trigger word the branch produces (see :mod:`lloyal.grammar`)."""
+        trigger word the branch produces (see :mod:`lloyal.grammar`).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await b.prefill(await ctx.tokenize("Is the sky blue? Answer:"))
+        ...         b.set_grammar(lark='start: " yes" | " no"')
+        ...         return "".join([t.text async for t in b])
+        >>> asyncio.run(main()) in (" yes", " no")
+        True
+        """
         compiled = _compile(self._ctx, grammar, json_schema, lark, triggers)
         self._set_grammar(None if compiled is None else compiled._native)
 
@@ -497,7 +576,17 @@ class Branch(NativeBranch):
         """Decode under these LoRA adapters (with scales) and control vector
         from now on; with no arguments, under the base model. Forks made
         after inherit the set. The KV this branch already holds stays as it
-        was computed. See :mod:`lloyal.adapters`."""
+        was computed. See :mod:`lloyal.adapters`.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         b.set_adapters()  # the base model (lloyal.fixtures makes test LoRAs)
+        ...         return b.adapters == lloyal.Adapters()
+        >>> asyncio.run(main())
+        True
+        """
         self._set_adapters(*_adapters.split(loras, control_vector))
 
     @property
@@ -508,17 +597,56 @@ class Branch(NativeBranch):
     def set_logits(self, logits: npt.ArrayLike) -> None:
         """Replace the logits snapshot (e.g. after custom scoring). Entries
         are numbers below +inf, -inf masking a token; a NaN or +inf is a
-        ``ValueError`` (samplers would pick an arbitrary token)."""
+        ``ValueError`` (samplers would pick an arbitrary token).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await b.prefill(await ctx.tokenize("The capital of France is"))
+        ...         logits = b.logits.copy()
+        ...         logits[:] = -float("inf")
+        ...         logits[42] = 0.0  # only token 42 is left
+        ...         b.set_logits(logits)
+        ...         return (await b.produce()).token
+        >>> asyncio.run(main())
+        42
+        """
         arr = _logits_arg(logits)
         assert arr is not None
         self._set_logits(arr)
 
     def steer(self, biases: Mapping[int, float]) -> None:
-        """Biases for this branch only (forks do not inherit them)."""
+        """Biases for this branch only (forks do not inherit them).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await b.prefill(await ctx.tokenize("The capital of France is"))
+        ...         paris = (await b.produce()).token
+        ...         b.steer({paris: -100.0})  # this branch only, this step only
+        ...         return (await b.produce()).token != paris
+        >>> asyncio.run(main())
+        True
+        """
         self._steer(_biases(biases))
 
     def set_logit_bias(self, biases: Mapping[int, float]) -> None:
-        """Biases added before sampling, inherited by forks."""
+        """Biases added before sampling, inherited by forks.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await b.prefill(await ctx.tokenize("The capital of France is"))
+        ...         paris = (await b.produce()).token
+        ...         b.set_logit_bias({paris: -100.0})
+        ...         child = await b.fork()  # inherits the bias
+        ...         return (await child.produce()).token != paris
+        >>> asyncio.run(main())
+        True
+        """
         self._set_logit_bias(_biases(biases))
 
     def top_logprobs(self, k: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float64]]:
@@ -547,10 +675,37 @@ class Branch(NativeBranch):
     def logprobs(self, tokens: Sequence[int]) -> npt.NDArray[np.float64]:
         """Log-probabilities in nats of ``tokens`` as the next token under
         the model's distribution (the raw logits snapshot), one per token.
-        ``-model_surprisal(t)`` for each, in one call."""
+        ``-model_surprisal(t)`` for each, in one call.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await b.prefill(await ctx.tokenize("The capital of France is"))
+        ...         paris = (await b.produce()).token
+        ...         lp = b.logprobs([paris, 0])
+        ...         return bool(lp[0] > lp[1]), bool(abs(lp[0] + b.model_surprisal(paris)) < 1e-9)
+        >>> asyncio.run(main())
+        (True, True)
+        """
         return self._logprobs(_token_list(tokens))
 
     def model_surprisal(self, token: int, base: Base = "nats") -> float:
+        """How surprising ``token`` is as the next token under the model's
+        distribution (the raw logits snapshot): ``-log p``, in nats or
+        bits.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await b.prefill(await ctx.tokenize("The capital of France is"))
+        ...         paris = (await b.produce()).token
+        ...         nats, bits = b.model_surprisal(paris), b.model_surprisal(paris, "bits")
+        ...         return bool(abs(bits * 0.6931471805599453 - nats) < 1e-9)
+        >>> asyncio.run(main())
+        True
+        """
         return self._surprisal(_token_id(token), base)
 
     def __repr__(self) -> str:
@@ -887,7 +1042,20 @@ class BranchStore:
 
     async def retain_only(self, winner: Branch) -> None:
         """Keep ``winner``'s KV and prune every other branch (one pass over
-        the cache). ``winner`` becomes a root."""
+        the cache). ``winner`` becomes a root.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=4) as ctx:
+        ...         store = lloyal.BranchStore(ctx)
+        ...         root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await root.prefill(await ctx.tokenize("Once upon a time"))
+        ...         kids = [await root.fork() for _ in range(3)]
+        ...         await store.retain_only(kids[1])
+        ...         return kids[1].parent is None, root.disposed, kids[0].disposed, store.available
+        >>> asyncio.run(main())
+        (True, True, True, 3)
+        """
         self._own(winner, "winner")
         native = self._ctx._native
         await call_native(lambda done: native.branch_retain_only(winner, done))

@@ -102,7 +102,17 @@ class Session:
     ) -> Session:
         """A session starting from ``messages`` (decoded now, if any), on a
         new root branch with ``params``. ``template``, ``tools`` and the
-        rest are passed to :meth:`Context.format_chat` on every turn."""
+        rest are passed to :meth:`Context.format_chat` on every turn.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         history = [{"role": "system", "content": "Be brief."}]
+        ...         async with await lloyal.Session.create(ctx, history) as chat:
+        ...             return [m["role"] for m in chat.messages], chat.branch.position > 0
+        >>> asyncio.run(main())
+        (['system'], True)
+        """
         options: dict[str, Any] = {
             "template": template,
             "tools": list(tools) if tools else None,
@@ -140,7 +150,18 @@ class Session:
         return held.decode("utf-8", errors="replace")
 
     def render(self, *, add_generation_prompt: bool = True) -> ChatPrompt:
-        """The whole chat rendered now (what the branch is synced to)."""
+        """The whole chat rendered now (what the branch is synced to).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         async with await lloyal.Session.create(ctx) as chat:
+        ...             await chat.add_user("Hi")
+        ...             prompt = chat.render().prompt  # what the branch holds
+        ...             return prompt.endswith("assistant\\n"), chat.text == prompt
+        >>> asyncio.run(main())
+        (True, True)
+        """
         return self._ctx.format_chat(
             self._messages,
             add_generation_prompt=add_generation_prompt,
@@ -153,7 +174,17 @@ class Session:
         """Append a user message and decode it with the assistant's turn
         opener, ready for :meth:`generate`. ``content`` is text, or content
         parts holding images and audio (see :mod:`lloyal.media`; the
-        context needs a projector)."""
+        context needs a projector).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         async with await lloyal.Session.create(ctx) as chat:
+        ...             await chat.add_user("What is 2 + 2?")
+        ...             return chat.messages[-1], chat.last_delta > 0
+        >>> asyncio.run(main())
+        ({'role': 'user', 'content': 'What is 2 + 2?'}, True)
+        """
         if isinstance(content, str):
             await self.extend([{"role": "user", "content": content}])
             return
@@ -167,7 +198,18 @@ class Session:
     async def add_assistant(
         self, content: str | None = None, *, tool_calls: Sequence[Mapping[str, Any]] | None = None
     ) -> None:
-        """Append an assistant message written elsewhere (not generated)."""
+        """Append an assistant message written elsewhere (not generated).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         async with await lloyal.Session.create(ctx) as chat:
+        ...             await chat.add_user("Say hi.")
+        ...             await chat.add_assistant("Hi!")  # a turn written for the model
+        ...             return [m["role"] for m in chat.messages]
+        >>> asyncio.run(main())
+        ['user', 'assistant']
+        """
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = [dict(c) for c in tool_calls]
@@ -176,7 +218,21 @@ class Session:
     async def add_tool_result(
         self, content: str, *, tool_call_id: str | None = None, name: str | None = None
     ) -> None:
-        """Append the result of a tool call, then the assistant's opener."""
+        """Append the result of a tool call, then the assistant's opener.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         async with await lloyal.Session.create(ctx) as chat:
+        ...             await chat.add_user("Is it sunny?")
+        ...             call = {"id": "c1", "type": "function",
+        ...                     "function": {"name": "weather", "arguments": "{}"}}
+        ...             await chat.add_assistant(tool_calls=[call])
+        ...             await chat.add_tool_result("sunny", tool_call_id="c1")
+        ...             return [m["role"] for m in chat.messages]
+        >>> asyncio.run(main())
+        ['user', 'assistant', 'tool']
+        """
         message: dict[str, Any] = {"role": "tool", "content": _text(content)}
         if tool_call_id is not None:
             message["tool_call_id"] = tool_call_id
@@ -191,7 +247,20 @@ class Session:
         text). The generation prompt is added unless the last message is
         the assistant's. On an error the session is unchanged: a malformed
         message is refused (:func:`lloyal.chat.check_messages`)
-        before anything is rendered."""
+        before anything is rendered.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         async with await lloyal.Session.create(ctx) as chat:
+        ...             await chat.extend([{"role": "user", "content": "Hi"},
+        ...                                {"role": "assistant", "content": "Hello!"}])
+        ...             # The last message is the assistant's: no generation prompt.
+        ...             return len(chat.messages), chat.text == chat.render(
+        ...                 add_generation_prompt=False).prompt
+        >>> asyncio.run(main())
+        (2, True)
+        """
         check_messages(messages)
         # Media as parts JSON can carry (the messages are saved as JSON).
         new = [{**m, "content": portable_content(m.get("content"))} for m in messages]
@@ -220,7 +289,18 @@ class Session:
         content and tool calls, and the turn is closed in the KV.
         ``reasoning_budget``: at most that many tokens of reasoning, then
         the end-of-thinking marker is written for the model
-        (:class:`lloyal.ReasoningBudget`; negative: no limit)."""
+        (:class:`lloyal.ReasoningBudget`; negative: no limit).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         async with await lloyal.Session.create(ctx, params=lloyal.GREEDY) as chat:
+        ...             await chat.add_user("Count to three.")
+        ...             pieces = [p async for p in chat.generate(max_tokens=8)]
+        ...             return len(pieces) > 0, chat.messages[-1]["role"]
+        >>> asyncio.run(main())
+        (True, 'assistant')
+        """
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         chat = self.render()
@@ -263,7 +343,18 @@ class Session:
     async def reply(
         self, *, max_tokens: int = 512, constrain: bool = True, reasoning_budget: int = -1
     ) -> ChatOutput:
-        """:meth:`generate` to the end; returns the parsed answer."""
+        """:meth:`generate` to the end; returns the parsed answer.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         async with await lloyal.Session.create(ctx, params=lloyal.GREEDY) as chat:
+        ...             await chat.add_user("Name a colour.")
+        ...             out = await chat.reply(max_tokens=8)
+        ...             return out.content == chat.messages[-1]["content"], len(out.tool_calls)
+        >>> asyncio.run(main())
+        (True, 0)
+        """
         async for _ in self.generate(
             max_tokens=max_tokens, constrain=constrain, reasoning_budget=reasoning_budget
         ):
@@ -293,7 +384,19 @@ class Session:
 
     async def fork(self) -> Session:
         """An independent session continuing from here: it shares this
-        session's KV prefix and diverges on its own."""
+        session's KV prefix and diverges on its own.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
+        ...         async with await lloyal.Session.create(ctx, params=lloyal.GREEDY) as chat:
+        ...             await chat.add_user("Name a colour.")
+        ...             async with await chat.fork() as other:
+        ...                 await other.reply(max_tokens=4)
+        ...                 return len(chat.messages), len(other.messages)
+        >>> asyncio.run(main())
+        (1, 2)
+        """
         child = await self._branch.fork()
         twin = Session(
             self._ctx,
@@ -307,7 +410,19 @@ class Session:
 
     async def save(self) -> bytes:
         """The session as bytes: messages, options and the branch's state
-        (:meth:`Branch.save`). Tools and messages must be JSON-serialisable."""
+        (:meth:`Branch.save`). Tools and messages must be JSON-serialisable.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         async with await lloyal.Session.create(ctx) as chat:
+        ...             await chat.add_user("Hi")
+        ...             data = await chat.save()
+        ...         async with await lloyal.Session.load(ctx, data) as again:
+        ...             return again.messages, again.text == chat.text
+        >>> asyncio.run(main())
+        ([{'role': 'user', 'content': 'Hi'}], True)
+        """
         meta = json.dumps(
             {
                 "messages": self._messages,
@@ -320,7 +435,20 @@ class Session:
         return _MAGIC + struct.pack("<QI", len(meta), zlib.crc32(meta)) + meta + state
 
     async def save_file(self, path: str | os.PathLike[str]) -> None:
-        """:meth:`save` to a file."""
+        """:meth:`save` to a file.
+
+        >>> import asyncio, lloyal, os, tempfile
+        >>> async def main():
+        ...     path = os.path.join(tempfile.mkdtemp(), "chat.session")
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         async with await lloyal.Session.create(ctx) as chat:
+        ...             await chat.add_user("Hi")
+        ...             await chat.save_file(path)
+        ...         async with await lloyal.Session.load_file(ctx, path) as again:
+        ...             return len(again.messages)
+        >>> asyncio.run(main())
+        1
+        """
         data = await self.save()
         await anyio.Path(path).write_bytes(data)
 
@@ -329,7 +457,18 @@ class Session:
         cls, ctx: Context, data: bytes, *, params: SamplingParams | None = None
     ) -> Session:
         """A session from :meth:`save` bytes, on a new branch of ``ctx``
-        (same model). Damaged or foreign data raises :class:`StateError`."""
+        (same model). Damaged or foreign data raises :class:`StateError`.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         try:
+        ...             await lloyal.Session.load(ctx, b"not a session")
+        ...         except lloyal.StateError as e:
+        ...             return str(e)
+        >>> asyncio.run(main())
+        'not a saved lloyal session'
+        """
         raw = bytes(data)
         head = len(_MAGIC) + 12
         if len(raw) < head or not raw.startswith(_MAGIC):
@@ -355,11 +494,36 @@ class Session:
     async def load_file(
         cls, ctx: Context, path: str | os.PathLike[str], *, params: SamplingParams | None = None
     ) -> Session:
-        """:meth:`load` from a file written by :meth:`save_file`."""
+        """:meth:`load` from a file written by :meth:`save_file`.
+
+        (See :meth:`save_file`.)
+
+        >>> import asyncio, lloyal, os, tempfile
+        >>> async def main():
+        ...     path = os.path.join(tempfile.mkdtemp(), "empty.session")
+        ...     open(path, "wb").close()
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         try:
+        ...             await lloyal.Session.load_file(ctx, path)
+        ...         except lloyal.StateError:
+        ...             return "refused"
+        >>> asyncio.run(main())
+        'refused'
+        """
         return await cls.load(ctx, await anyio.Path(path).read_bytes(), params=params)
 
     async def aclose(self) -> None:
-        """Prune the trunk branch (its lease goes back)."""
+        """Prune the trunk branch (its lease goes back).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         chat = await lloyal.Session.create(ctx)
+        ...         await chat.aclose()  # what leaving ``async with`` does
+        ...         return chat.branch.disposed
+        >>> asyncio.run(main())
+        True
+        """
         if not self._branch.disposed:
             await self._branch.prune()
 
