@@ -140,3 +140,30 @@ def test_every_docs_page_is_linked(index: Path, prefix: str) -> None:
     pages = sorted(p.name for p in DOCS.glob("*.md") if p.name != "README.md")
     missing = [p for p in pages if f"]({prefix}{p}" not in text]
     assert not missing, f"{index.relative_to(ROOT)} links no page {missing}"
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        lloyal.Context,
+        lloyal.Branch,
+        lloyal.BranchStore,
+        lloyal.Session,
+        lloyal.ProgramState,
+        lloyal.Generation,
+    ],
+    ids=lambda c: c.__name__,
+)
+def test_every_public_method_has_a_runnable_example(cls: type) -> None:
+    """The core classes' public methods each carry a docstring example
+    (which the doctest run executes)."""
+    import inspect
+
+    missing = []
+    for name, obj in vars(cls).items():
+        if name.startswith("_") or isinstance(obj, property):
+            continue
+        fn = obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
+        if callable(fn) and ">>>" not in (inspect.getdoc(fn) or ""):
+            missing.append(name)
+    assert not missing, f"{cls.__name__} methods without an example: {missing}"

@@ -186,13 +186,31 @@ class Context:
 
     async def aclose(self) -> None:
         """Close the context. Queued operations fail with
-        :class:`ContextClosedError`; closing twice is a no-op."""
+        :class:`ContextClosedError`; closing twice is a no-op.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     ctx = await lloyal.create_context(MODEL)
+        ...     await ctx.aclose()  # what leaving ``async with`` does
+        ...     try:
+        ...         await ctx.tokenize("hi")
+        ...     except lloyal.ContextClosedError:
+        ...         return "closed"
+        >>> asyncio.run(main())
+        'closed'
+        """
         if self._native.closed:
             return
         await call_native(self._native.close)
 
     def close(self) -> None:
-        """Close and wait for the worker thread (blocking; prefer ``aclose``)."""
+        """Close and wait for the worker thread (blocking; prefer ``aclose``).
+
+        >>> import asyncio, lloyal
+        >>> ctx = asyncio.run(lloyal.create_context(MODEL))
+        >>> ctx.close()  # from code that is not async
+        >>> ctx.close()  # twice is a no-op
+        """
         self._native.close_sync()
 
     async def __aenter__(self) -> Context:
@@ -338,7 +356,15 @@ class Context:
         return self._native.chat_template
 
     def metadata(self, key: str) -> str | None:
-        """A GGUF metadata value as a string, e.g. ``"general.architecture"``."""
+        """A GGUF metadata value as a string, e.g. ``"general.architecture"``.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         return ctx.metadata("general.architecture"), ctx.metadata("no.such.key")
+        >>> asyncio.run(main())
+        ('llama', None)
+        """
         return self._native.meta(key)
 
     # -- text ----------------------------------------------------------------
@@ -348,7 +374,16 @@ class Context:
     ) -> list[int]:
         """Tokenize without awaiting. ``add_special=None`` follows the model's
         BOS flag; ``parse_special`` turns ``<|im_start|>``-style text into
-        special tokens."""
+        special tokens.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         return ctx.tokenize_sync("Hello", add_special=False) == await ctx.tokenize(
+        ...             "Hello", add_special=False)
+        >>> asyncio.run(main())
+        True
+        """
         self._check_open()
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
@@ -414,7 +449,16 @@ class Context:
 
     async def detokenize(self, tokens: Sequence[int], *, render_special: bool = False) -> str:
         """Text of ``tokens``. Special tokens are omitted unless
-        ``render_special``; a character cut off at the end becomes U+FFFD."""
+        ``render_special``; a character cut off at the end becomes U+FFFD.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         tokens = await ctx.tokenize("Hello, world", add_special=False)
+        ...         return await ctx.detokenize(tokens)
+        >>> asyncio.run(main())
+        'Hello, world'
+        """
         self._check_open()
         ids = _token_list(tokens)
         if len(ids) <= _INLINE_TOKENIZE_CHARS // 4:
@@ -422,20 +466,47 @@ class Context:
         return str(await anyio.to_thread.run_sync(self._native.detokenize, ids, render_special))
 
     def token_bytes(self, token: int, *, render_special: bool = False) -> bytes:
-        """The raw bytes of one token (may be part of a UTF-8 character)."""
+        """The raw bytes of one token (may be part of a UTF-8 character).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         token = (await ctx.tokenize("é", add_special=False))[0]
+        ...         return ctx.token_bytes(token)
+        >>> asyncio.run(main())
+        b'\\xc3\\xa9'
+        """
         self._check_open()
         return bytes(self._native.token_bytes(_token_id(token), render_special))
 
     def token_to_text(self, token: int, *, render_special: bool = False) -> str:
         """Text of one token. Never raises on partial UTF-8 (bytes that are
         not a whole character become U+FFFD); use :class:`TextStream` to
-        stream text exactly."""
+        stream text exactly.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         token = (await ctx.tokenize(" Paris", add_special=False))[0]
+        ...         return ctx.token_to_text(token), ctx.token_to_text(ctx.eog_token) == ""
+        >>> asyncio.run(main())
+        (' Paris', True)
+        """
         return self.token_bytes(token, render_special=render_special).decode(
             "utf-8", errors="replace"
         )
 
     def is_stop_token(self, token: int) -> bool:
-        """Whether ``token`` ends generation (any end-of-generation token)."""
+        """Whether ``token`` ends generation (any end-of-generation token).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         word = (await ctx.tokenize("hello", add_special=False))[0]
+        ...         return ctx.is_stop_token(ctx.eog_token), ctx.is_stop_token(word)
+        >>> asyncio.run(main())
+        (True, False)
+        """
         self._check_open()
         return bool(self._native.is_stop_token(_token_id(token)))
 
@@ -593,7 +664,15 @@ class Context:
 
     @staticmethod
     def validate_chat_template(template: str) -> bool:
-        """Whether ``template`` parses as a Jinja chat template."""
+        """Whether ``template`` parses as a Jinja chat template.
+
+        >>> import lloyal
+        >>> good = "{% for m in messages %}{{ m.content }}{% endfor %}"
+        >>> lloyal.Context.validate_chat_template(good)
+        True
+        >>> lloyal.Context.validate_chat_template("{% for m in messages %}")
+        False
+        """
         return bool(_lloyal.validate_chat_template(template))
 
     # -- the flat decode loop ------------------------------------------------
@@ -606,6 +685,17 @@ class Context:
         inputs longer than ``n_batch`` are split across several
         ``llama_decode`` calls. If the KV cache fills up, what this call added
         is removed again and :class:`KVCacheFullError` is raised.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await ctx.decode(prompt, 0)
+        ...         token = ctx.greedy_sample()
+        ...         await ctx.decode([token], len(prompt))  # positions continue the sequence
+        ...         return ctx.token_to_text(token), ctx.kv_seq_pos_max() == len(prompt)
+        >>> asyncio.run(main())
+        (' Paris', True)
         """
         self._check_open()
         ids = _token_list(tokens)
@@ -613,12 +703,34 @@ class Context:
         await call_native(lambda done: self._native.decode(ids, p, seq, done))
 
     def kv_seq_pos_max(self, seq_id: int = 0) -> int:
-        """Largest position held for ``seq_id``; ``-1`` when it is empty."""
+        """Largest position held for ``seq_id``; ``-1`` when it is empty.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await ctx.decode(prompt, 0)
+        ...         return ctx.kv_seq_pos_max() == len(prompt) - 1, ctx.kv_seq_pos_max(1)
+        >>> asyncio.run(main())
+        (True, -1)
+        """
         return int(self._native.kv_seq_pos_max(_check.integer(seq_id, "seq_id")))
 
     def get_logits(self) -> Logits:
         """The last decoded token's logits: a read-only float32 copy of shape
-        ``(vocab_size,)`` that stays valid after later decodes."""
+        ``(vocab_size,)`` that stays valid after later decodes.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await ctx.decode(prompt, 0)
+        ...         logits = ctx.get_logits()
+        ...         best = int(logits.argmax()) == ctx.greedy_sample()
+        ...         return logits.shape == (ctx.vocab_size,), best
+        >>> asyncio.run(main())
+        (True, True)
+        """
         self._check_open()
         arr: Logits = self._native.get_logits()
         arr.flags.writeable = False
@@ -633,39 +745,117 @@ class Context:
         random stream persist across calls (changing ``params`` keeps the
         history; a new ``seed`` restarts the stream). The sampled token is
         recorded in that history.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await ctx.decode(prompt, 0)
+        ...         logits = ctx.get_logits().copy()
+        ...         logits[ctx.greedy_sample()] = -float("inf")  # not the best one
+        ...         return ctx.sample(lloyal.GREEDY, logits=logits) != ctx.greedy_sample()
+        >>> asyncio.run(main())
+        True
         """
         self._check_open()
         return int(self._native.sample(params or SamplingParams(), _logits_arg(logits)))
 
     def greedy_sample(self) -> int:
-        """The most likely next token (no penalties, no history)."""
+        """The most likely next token (no penalties, no history).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await ctx.decode(prompt, 0)
+        ...         return ctx.token_to_text(ctx.greedy_sample())
+        >>> asyncio.run(main())
+        ' Paris'
+        """
         self._check_open()
         return int(self._native.greedy_sample())
 
     def reset_sampler(self) -> None:
-        """Forget the flat loop's penalty history and random stream."""
+        """Forget the flat loop's penalty history and random stream.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await ctx.decode(prompt, 0)
+        ...         params = lloyal.SamplingParams(temperature=1.0, seed=3)
+        ...         first = ctx.sample(params)
+        ...         ctx.reset_sampler()  # the random stream starts over
+        ...         return ctx.sample(params) == first
+        >>> asyncio.run(main())
+        True
+        """
         self._native.reset_sampler()
 
     def model_entropy(self, base: Base = "nats", logits: npt.ArrayLike | None = None) -> float:
-        """Entropy of the next-token distribution (last logits or ``logits``)."""
+        """Entropy of the next-token distribution (last logits or ``logits``).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await ctx.decode(prompt, 0)
+        ...         nats, bits = ctx.model_entropy(), ctx.model_entropy("bits")
+        ...         return nats > 0, abs(bits * 0.6931471805599453 - nats) < 1e-6
+        >>> asyncio.run(main())
+        (True, True)
+        """
         self._check_open()
         return float(self._native.model_entropy(base, _logits_arg(logits)))
 
     def model_surprisal(
         self, token: int, base: Base = "nats", logits: npt.ArrayLike | None = None
     ) -> float:
-        """``-log p(token)`` under the last logits (or ``logits``)."""
+        """``-log p(token)`` under the last logits (or ``logits``).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await ctx.decode(prompt, 0)
+        ...         best = ctx.greedy_sample()
+        ...         worst = int(ctx.get_logits().argmin())
+        ...         return ctx.model_surprisal(best) < ctx.model_surprisal(worst)
+        >>> asyncio.run(main())
+        True
+        """
         self._check_open()
         return float(self._native.model_surprisal(_token_id(token), base, _logits_arg(logits)))
 
     # -- KV cache --------------------------------------------------------------
 
     def kv_cache_size(self, seq_id: int = 0) -> int:
-        """Tokens held by ``seq_id`` (``kv_seq_pos_max(seq_id) + 1``)."""
+        """Tokens held by ``seq_id`` (``kv_seq_pos_max(seq_id) + 1``).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await ctx.decode(prompt, 0)
+        ...         return ctx.kv_cache_size() == len(prompt)
+        >>> asyncio.run(main())
+        True
+        """
         return int(self._native.kv_cache_size(_check.integer(seq_id, "seq_id")))
 
     async def kv_cache_remove(self, seq_id: int, start: int, end: int = -1) -> None:
-        """Remove positions ``[start, end)`` of ``seq_id`` (``end=-1``: to the end)."""
+        """Remove positions ``[start, end)`` of ``seq_id`` (``end=-1``: to the end).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await ctx.decode(prompt, 0)
+        ...         await ctx.kv_cache_remove(0, 2)  # keep the first two positions
+        ...         return ctx.kv_cache_size()
+        >>> asyncio.run(main())
+        2
+        """
         self._check_open()
         native = self._native
         await call_native(lambda done: native.kv_cache_remove(seq_id, start, end, done))
@@ -673,18 +863,54 @@ class Context:
     def kv_seq_copy(self, src: int, dst: int) -> None:
         """Share ``src``'s cells with ``dst`` (unified KV: metadata only, no
         tensor copy). Queued on the worker: it takes effect before any later
-        operation on this context."""
+        operation on this context.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await ctx.decode(prompt, 0)
+        ...         ctx.kv_seq_copy(0, 1)  # sequence 1 shares the cells
+        ...         # ... so a token can follow them in sequence 1:
+        ...         await ctx.decode([ctx.greedy_sample()], len(prompt), seq_id=1)
+        ...         return ctx.kv_cache_size(1) == len(prompt) + 1
+        >>> asyncio.run(main())
+        True
+        """
         self._check_open()
         self._native.kv_seq_copy(int(src), int(dst))
 
     def kv_seq_keep(self, seq_id: int) -> None:
         """Drop every cell that ``seq_id`` does not hold. Queued like
-        :meth:`kv_seq_copy`; refused while branches hold KV."""
+        :meth:`kv_seq_copy`; refused while branches hold KV.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
+        ...         await ctx.decode(await ctx.tokenize("One"), 0)
+        ...         await ctx.decode(await ctx.tokenize("Two"), 0, seq_id=1)
+        ...         ctx.kv_seq_keep(1)
+        ...         await ctx.decode(await ctx.tokenize("Three"), 0)  # sequence 0 starts over
+        ...         return ctx.kv_cache_size(1) > 0
+        >>> asyncio.run(main())
+        True
+        """
         self._check_open()
         self._native.kv_seq_keep(_check.integer(seq_id, "seq_id"))
 
     async def kv_cache_clear(self) -> None:
-        """Clear every sequence (refused while branches hold KV)."""
+        """Clear every sequence (refused while branches hold KV).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await ctx.decode(prompt, 0)
+        ...         await ctx.kv_cache_clear()
+        ...         return ctx.kv_cache_size()
+        >>> asyncio.run(main())
+        0
+        """
         self._check_open()
         await call_native(self._native.kv_cache_clear)
 
@@ -717,7 +943,20 @@ class Context:
         :class:`StateError` and leaves the sequence empty.
 
         A state holds KV cells, not logits: to continue generating, save
-        before decoding the last token and decode it after loading."""
+        before decoding the last token and decode it after loading.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await ctx.decode(prompt, 0)
+        ...         data = await ctx.kv_cache_save(0, prompt)
+        ...         await ctx.kv_cache_clear()
+        ...         tokens = await ctx.kv_cache_load(0, data)
+        ...         return tokens == prompt, ctx.kv_cache_size() == len(prompt)
+        >>> asyncio.run(main())
+        (True, True)
+        """
         self._check_open()
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data must be bytes, got {type(data).__name__}")
@@ -728,14 +967,44 @@ class Context:
     async def kv_cache_write_file(
         self, seq_id: int, path: str | os.PathLike[str], tokens: Sequence[int]
     ) -> int:
-        """Save ``seq_id`` (with ``tokens``) to a file; returns bytes written."""
+        """Save ``seq_id`` (with ``tokens``) to a file; returns bytes written.
+
+        >>> import asyncio, lloyal, os, tempfile
+        >>> async def main():
+        ...     path = os.path.join(tempfile.mkdtemp(), "seq0.kv")
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await ctx.decode(prompt, 0)
+        ...         written = await ctx.kv_cache_write_file(0, path, prompt)
+        ...         await ctx.kv_cache_clear()
+        ...         tokens = await ctx.kv_cache_read_file(0, path)
+        ...         return written == os.path.getsize(path), tokens == prompt
+        >>> asyncio.run(main())
+        (True, True)
+        """
         data = await self.kv_cache_save(seq_id, tokens)
         await anyio.Path(path).write_bytes(data)
         return len(data)
 
     async def kv_cache_read_file(self, seq_id: int, path: str | os.PathLike[str]) -> list[int]:
         """Load ``seq_id`` from a file written by :meth:`kv_cache_write_file`;
-        returns the tokens saved with it."""
+        returns the tokens saved with it.
+
+        (See :meth:`kv_cache_write_file`.)
+
+        >>> import asyncio, lloyal, os, tempfile
+        >>> async def main():
+        ...     path = os.path.join(tempfile.mkdtemp(), "junk.kv")
+        ...     with open(path, "wb") as f:
+        ...         f.write(b"junk")
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         try:
+        ...             await ctx.kv_cache_read_file(0, path)
+        ...         except lloyal.StateError:
+        ...             return "refused"
+        >>> asyncio.run(main())
+        'refused'
+        """
         data = await anyio.Path(path).read_bytes()
         return await self.kv_cache_load(seq_id, data)
 
@@ -745,7 +1014,18 @@ class Context:
         """BlinkKV streaming past ``n_ctx``: clear ``seq_id``, then decode
         ``sinks + tail`` at contiguous positions from 0 (the next position is
         ``len(sinks) + len(tail)``). The flat sampler's penalty history is
-        kept; the last logits are those of the tail's last token."""
+        kept; the last logits are those of the tail's last token.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         tokens = await ctx.tokenize("word " * 100)
+        ...         await ctx.decode(tokens, 0)
+        ...         await ctx.clear_and_reseed(tokens[:4], tokens[-32:])  # sinks, then the tail
+        ...         return ctx.kv_cache_size()
+        >>> asyncio.run(main())
+        36
+        """
         self._check_open()
         s, t = _token_list(sinks), _token_list(tail)
         native = self._native
@@ -775,7 +1055,17 @@ class Context:
     async def encode(self, tokens: Sequence[int]) -> None:
         """Run ``tokens`` through an embedding context (``embeddings=True``)
         and keep their embeddings for :meth:`get_embeddings`. Uses a free KV
-        sequence for the call and clears it afterwards."""
+        sequence for the call and clears it afterwards.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, embeddings=True) as ctx:
+        ...         await ctx.encode(await ctx.tokenize("a cat"))
+        ...         vector = ctx.get_embeddings()
+        ...         return vector.shape == (ctx.embedding_dim,), round(float((vector**2).sum()), 3)
+        >>> asyncio.run(main())
+        (True, 1.0)
+        """
         self._check_open()
         ids = _token_list(tokens)
         native = self._native
@@ -784,7 +1074,21 @@ class Context:
     def get_embeddings(self, normalize: bool = True) -> npt.NDArray[np.float32]:
         """The last :meth:`encode`'s embeddings: shape ``(dim,)`` when the
         context pools, ``(n_tokens, dim)`` with ``pooling="none"``. Rows are
-        L2-normalized unless ``normalize=False``."""
+        L2-normalized unless ``normalize=False``.
+
+        (See :meth:`encode`.)
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     opts = {"embeddings": True, "pooling": "none"}
+        ...     async with await lloyal.create_context(MODEL, **opts) as ctx:
+        ...         tokens = await ctx.tokenize("a cat")
+        ...         await ctx.encode(tokens)
+        ...         rows = ctx.get_embeddings(normalize=False)  # one per token
+        ...         return rows.shape == (len(tokens), ctx.embedding_dim)
+        >>> asyncio.run(main())
+        True
+        """
         self._check_open()
         rows: npt.NDArray[np.float32] = self._native.get_embeddings()
         if normalize and not self.ranks:
@@ -876,7 +1180,20 @@ class Context:
 
     async def load_lora(self, path: str | os.PathLike[str]) -> Lora:
         """Load a LoRA adapter (GGUF) into this context's model, checked
-        against it first; the same file again gives the same adapter."""
+        against it first; the same file again gives the same adapter.
+
+        >>> import asyncio, lloyal
+        >>> from lloyal import fixtures
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         lora = await ctx.load_lora(fixtures.lora("random"))  # a test LoRA
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         b.set_adapters({lora: 0.5})
+        ...         return b.adapters.loras == ((lora, 0.5),), lora == await ctx.load_lora(
+        ...             fixtures.lora("random"))
+        >>> asyncio.run(main())
+        (True, True)
+        """
         self._check_open()
         p = Path(os.fspath(path))
         return await call_native(lambda done: self._native.load_lora(p, done))  # type: ignore[no-any-return]
@@ -891,7 +1208,20 @@ class Context:
         """A control vector from an ``(n_layer, n_embd)`` array, row ``i``
         added to layer ``i``'s output (row 0 must be zero: llama.cpp has
         none there), times ``scale``, in layers ``layers`` (first, last;
-        default every layer from 1)."""
+        default every layer from 1).
+
+        >>> import asyncio, lloyal, numpy as np
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         n_layer = int(ctx.metadata("llama.block_count"))
+        ...         directions = np.zeros((n_layer, ctx.model_info.n_embd), np.float32)
+        ...         directions[1:, 0] = 0.1
+        ...         cv = ctx.control_vector(directions, scale=2.0)
+        ...         ctx.set_adapters(control_vector=cv)
+        ...         return ctx.adapters.control_vector is not None
+        >>> asyncio.run(main())
+        True
+        """
         data = np.ascontiguousarray(directions, dtype=np.float32).reshape(-1)
         return self._native.control_vector(data, float(scale), layers)
 
@@ -903,7 +1233,19 @@ class Context:
         layers: tuple[int, int] | None = None,
     ) -> ControlVector:
         """Read a control vector file (``cvector-generator``'s GGUF); see
-        :meth:`control_vector` for ``scale`` and ``layers``."""
+        :meth:`control_vector` for ``scale`` and ``layers``.
+
+        >>> import asyncio, lloyal
+        >>> from lloyal import fixtures
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         cv = ctx.load_control_vector(fixtures.control_vector(), scale=0.5)
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         b.set_adapters(control_vector=cv)
+        ...         return b.adapters.control_vector is not None
+        >>> asyncio.run(main())
+        True
+        """
         return self._native.load_control_vector(Path(os.fspath(path)), float(scale), layers)
 
     def set_adapters(
@@ -911,7 +1253,19 @@ class Context:
     ) -> None:
         """The default adapter set: what new branches start with and what
         the flat API and embeddings decode under. Branches made before keep
-        theirs."""
+        theirs.
+
+        >>> import asyncio, lloyal
+        >>> from lloyal import fixtures
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         lora = await ctx.load_lora(fixtures.lora("zero"))
+        ...         ctx.set_adapters({lora: 1.0})
+        ...         b = lloyal.Branch.create(ctx, lloyal.GREEDY)  # starts with the default set
+        ...         return b.adapters == ctx.adapters
+        >>> asyncio.run(main())
+        True
+        """
         self._native.set_default_adapters(*_adapters.split(loras, control_vector))
 
     @property
@@ -926,7 +1280,17 @@ class Context:
         model) for this context's model, replacing any loaded before.
         Raises ``FileNotFoundError`` for a missing file and
         :class:`ProjectorLoadError <lloyal.ProjectorLoadError>` for one
-        that is not a projector for this model (nothing changes then)."""
+        that is not a projector for this model (nothing changes then).
+
+        >>> import asyncio, lloyal
+        >>> from lloyal import fixtures
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         info = await ctx.load_projector(fixtures.mmproj())  # a test projector
+        ...         return info.vision, info.audio, ctx.projector == info
+        >>> asyncio.run(main())
+        (True, False, True)
+        """
         self._check_open()
         p = Path(os.fspath(path))
         info = await call_native(lambda done: self._native.load_projector(p, done))
@@ -939,7 +1303,19 @@ class Context:
         return self._projector
 
     def create_perplexity_tracker(self) -> _lloyal.PerplexityTracker:
-        """A fresh :class:`PerplexityTracker`."""
+        """A fresh :class:`PerplexityTracker`.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         prompt = await ctx.tokenize("The capital of France is")
+        ...         await ctx.decode(prompt, 0)
+        ...         ppl = ctx.create_perplexity_tracker()
+        ...         ppl.add(ctx.model_surprisal(ctx.greedy_sample()))
+        ...         return ppl.count, ppl.perplexity >= 1.0
+        >>> asyncio.run(main())
+        (1, True)
+        """
         return _lloyal.PerplexityTracker()
 
 

@@ -77,7 +77,21 @@ class ProgramState:
         known to the state; ``text`` holds only what is appended).
         ``chat_template``: the template chat turns render with (Jinja
         source or a built-in name, as :meth:`Context.format_chat` takes;
-        default: the model's)."""
+        default: the model's).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=2) as ctx:
+        ...         trunk = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        ...         await trunk.prefill(await ctx.tokenize("Roses are red,"))
+        ...         before = trunk.position
+        ...         async with await lloyal.ProgramState.open(trunk) as s:  # a fork of trunk
+        ...             s += " violets are"
+        ...             await s.gen("colour", max_tokens=2)
+        ...             return s.text.startswith(" violets are"), trunk.position == before
+        >>> asyncio.run(main())
+        (True, True)
+        """
         from lloyal.context import Context
 
         if params is not None:
@@ -123,6 +137,18 @@ class ProgramState:
         return self._captures[name]
 
     def get(self, name: str, default: Any = None) -> Any:
+        """The capture ``name``, or ``default`` when there is none.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=4) as ctx:
+        ...         async with await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY) as s:
+        ...             s += "1, 2, 3,"
+        ...             await s.gen("next", max_tokens=2, stop=",")
+        ...             return s.get("next"), s.get("missing", "-")
+        >>> asyncio.run(main())
+        (' 4', '-')
+        """
         return self._captures.get(name, default)
 
     def __contains__(self, name: object) -> bool:
@@ -153,7 +179,19 @@ class ProgramState:
     async def flush(self) -> None:
         """Decode what was appended and not decoded yet (with the last
         generated token, which waits for this: a program that ends after
-        a generation never decodes it), in one decode."""
+        a generation never decodes it), in one decode.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=4) as ctx:
+        ...         async with await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY) as s:
+        ...             s += "Once upon a time"
+        ...             before = s.branch.position
+        ...             await s.flush()  # gen, select and fork flush by themselves
+        ...             return before, s.branch.position > 0
+        >>> asyncio.run(main())
+        (0, True)
+        """
         branch = self._live()
         if not self._pending and self._deferred is None:
             return
@@ -191,6 +229,16 @@ class ProgramState:
         generation (``temperature=0``: greedy).
 
         Forks generating under ``asyncio.gather`` share one decode per step.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=4) as ctx:
+        ...         async with await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY) as s:
+        ...             s += "Q: What is 2 + 2?\\nA:"
+        ...             await s.gen("answer", max_tokens=4, regex=" [0-9]+")
+        ...             return s["answer"][0], s["answer"][1:].isdigit()
+        >>> asyncio.run(main())
+        (' ', True)
         """
         if choices is not None:
             return await self.select(name, choices)
@@ -318,6 +366,17 @@ class ProgramState:
         ``normalize=True`` compares the mean log-probability per token (SGLang's
         default), ``False`` the sum. ``s.scores[name]`` keeps each choice's
         sum of log-probabilities (nats) and token count.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=4) as ctx:
+        ...         async with await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY) as s:
+        ...             s += "The sky is"
+        ...             await s.select("colour", [" blue", " green"])
+        ...             (lp_blue, n_blue), _ = s.scores["colour"]
+        ...             return s["colour"], n_blue, lp_blue < 0
+        >>> asyncio.run(main())
+        (' blue', 1, True)
         """
         branch = self._live()
         await self.flush()
@@ -347,7 +406,21 @@ class ProgramState:
         stream of its own, so sampled generations differ; with a ``seed``
         in the sampling params, fork ``i`` of a state is seeded from it and
         ``i`` (reproducible). Raises :class:`NoLeaseError` when fewer than
-        ``n`` leases are free (none made)."""
+        ``n`` leases are free (none made).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=4) as ctx:
+        ...         async with await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY) as s:
+        ...             s += "My favourite fruit is"
+        ...             forks = await s.fork(2)
+        ...             for f in forks:
+        ...                 await f.gen("fruit", max_tokens=3)
+        ...             await s.join(forks)
+        ...             return [f.closed for f in forks], all(f["fruit"] for f in forks)
+        >>> asyncio.run(main())
+        ([True, True], True)
+        """
         _check.integer(n, "n")
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -373,7 +446,22 @@ class ProgramState:
 
     async def join(self, forks: Sequence[ProgramState]) -> None:
         """Close ``forks`` (their KV comes back); their text and captures
-        stay readable."""
+        stay readable.
+
+        (See :meth:`fork`.)
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=3) as ctx:
+        ...         async with await lloyal.ProgramState.open(ctx) as s:
+        ...             s += "Hi"
+        ...             forks = await s.fork(2)
+        ...             free = lloyal.BranchStore(ctx).available
+        ...             await s.join(forks)
+        ...             return free, lloyal.BranchStore(ctx).available
+        >>> asyncio.run(main())
+        (0, 2)
+        """
         for state in forks:
             if not isinstance(state, ProgramState):
                 raise TypeError(f"join takes program states, got {type(state).__name__}")
@@ -381,7 +469,18 @@ class ProgramState:
             await state.close()
 
     async def close(self) -> None:
-        """Free this state's branch; text and captures stay readable."""
+        """Free this state's branch; text and captures stay readable.
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL) as ctx:
+        ...         s = await lloyal.ProgramState.open(ctx)
+        ...         s += "Hi"
+        ...         await s.close()  # what leaving ``async with`` does
+        ...         return s.closed, s.text
+        >>> asyncio.run(main())
+        (True, 'Hi')
+        """
         branch, self._branch = self._branch, None
         if branch is not None and not branch.disposed:
             await branch.prune()
@@ -392,7 +491,20 @@ class ProgramState:
 
     def snapshot(self) -> dict[str, Any]:
         """What a finished state holds, as plain data (what a cluster
-        worker sends back; :meth:`from_snapshot` reads it)."""
+        worker sends back; :meth:`from_snapshot` reads it).
+
+        >>> import asyncio, lloyal
+        >>> async def main():
+        ...     async with await lloyal.create_context(MODEL, n_seq_max=4) as ctx:
+        ...         async with await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY) as s:
+        ...             s += "1, 2, 3,"
+        ...             await s.gen("next", max_tokens=2, stop=",")
+        ...             data = s.snapshot()
+        ...         again = lloyal.ProgramState.from_snapshot(ctx, data)
+        ...         return sorted(data), again["next"], again.closed
+        >>> asyncio.run(main())
+        (['captures', 'messages', 'result', 'scores', 'text'], ' 4', True)
+        """
         return {
             "text": self._text,
             "captures": dict(self._captures),
@@ -403,7 +515,16 @@ class ProgramState:
 
     @classmethod
     def from_snapshot(cls, ctx: Any, data: Mapping[str, Any]) -> ProgramState:
-        """A closed state holding ``data`` (from :meth:`snapshot`)."""
+        """A closed state holding ``data`` (from :meth:`snapshot`).
+
+        (See :meth:`snapshot`.)
+
+        >>> import lloyal
+        >>> data = {"text": "Hi", "captures": {"x": 1}, "messages": [], "scores": {}, "result": 2}
+        >>> s = lloyal.ProgramState.from_snapshot(None, data)
+        >>> s["x"], s.result, s.closed
+        (1, 2, True)
+        """
         state = cls.__new__(cls)
         state._ctx = ctx
         state._branch = None
