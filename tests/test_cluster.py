@@ -559,3 +559,11 @@ def test_a_pool_that_fails_to_start_leaves_no_actor_running(
     while _live_actors() > before and time.monotonic() < give_up:
         time.sleep(0.2)
     assert _live_actors() == before
+
+
+def test_the_old_name_of_pool_worker_still_works_with_a_warning() -> None:
+    import lloyal.cluster
+
+    with pytest.warns(DeprecationWarning, match="PoolWorker"):
+        old = lloyal.cluster.Worker  # type: ignore[attr-defined]
+    assert old is lloyal.cluster.PoolWorker

@@ -17,18 +17,34 @@ on with what survives a dead worker. See ``docs/cluster.md``.
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 from lloyal.cluster._backend import PoolBackend
-from lloyal.cluster._pool import ContextPool, RemoteBranch, Worker
+from lloyal.cluster._pool import ContextPool, PoolWorker, RemoteBranch
 from lloyal.errors import WorkerLostError
 from lloyal.strategies import beam_search, best_of_n, mcts
 
 __all__ = [
     "ContextPool",
     "PoolBackend",
+    "PoolWorker",
     "RemoteBranch",
-    "Worker",
     "WorkerLostError",
     "beam_search",
     "best_of_n",
     "mcts",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # ``Worker`` was this name's first spelling; it clashed with the
+    # engine's own worker (CHANGELOG, "Moved").
+    if name == "Worker":
+        warnings.warn(
+            "lloyal.cluster.Worker is now lloyal.cluster.PoolWorker",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return PoolWorker
+    raise AttributeError(f"module 'lloyal.cluster' has no attribute {name!r}")

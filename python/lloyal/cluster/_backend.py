@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 
 from lloyal._tasks import gather
-from lloyal.cluster._pool import ContextPool, RemoteBranch, Worker
+from lloyal.cluster._pool import ContextPool, PoolWorker, RemoteBranch
 from lloyal.errors import WorkerLostError
 from lloyal.sampling import SamplingParams
 from lloyal.strategies._common import Prompt
@@ -53,7 +53,7 @@ class PoolBackend:
         self.pool = pool
 
     @property
-    def workers(self) -> list[Worker]:
+    def workers(self) -> list[PoolWorker]:
         return list(self.pool.workers)
 
     async def tokens(self, prompt: Prompt) -> list[int]:
@@ -92,7 +92,7 @@ class PoolBackend:
                 raise outcome
         return list(roots)
 
-    async def place(self, tokens: list[int]) -> Worker:
+    async def place(self, tokens: list[int]) -> PoolWorker:
         return await self.pool.place(tokens)
 
     async def detokenize(self, tokens: list[int]) -> str:

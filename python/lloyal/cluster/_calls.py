@@ -1,4 +1,4 @@
-"""The calls a pool's :class:`Worker` holds back for one round trip, and
+"""The calls a pool's :class:`PoolWorker` holds back for one round trip, and
 their results turned back into what a local branch would have raised."""
 
 from __future__ import annotations

@@ -20,12 +20,12 @@ from lloyal.cluster._worker import ContextWorker
 from lloyal.errors import KVCacheFullError, LloyalError, NoLeaseError, WorkerLostError
 from lloyal.sampling import SamplingParams
 
-__all__ = ["ContextPool", "RemoteBranch", "Worker"]
+__all__ = ["ContextPool", "PoolWorker", "RemoteBranch"]
 
 _LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
-class Worker:
+class PoolWorker:
     """One actor of the pool: its handle, and the step calls it coalesces.
 
     Calls from many tasks made in one event-loop tick (``prune``,
@@ -197,7 +197,9 @@ class RemoteBranch:
     state bytes, so the tokens and the random stream go on exactly).
     """
 
-    def __init__(self, worker: Worker, bid: int, info: dict[str, Any], decoded: int = 0) -> None:
+    def __init__(
+        self, worker: PoolWorker, bid: int, info: dict[str, Any], decoded: int = 0
+    ) -> None:
         self.worker = worker
         self.decoded = decoded
         """Tokens the worker decoded to create this branch (the rest of the
@@ -308,7 +310,9 @@ class RemoteBranch:
             return False
         return True
 
-    async def fork(self, *, seed: int | None = None, worker: Worker | None = None) -> RemoteBranch:
+    async def fork(
+        self, *, seed: int | None = None, worker: PoolWorker | None = None
+    ) -> RemoteBranch:
         """A child, reseeded if given a seed. It is made on this branch's
         worker (sharing its KV prefix), or on ``worker`` by the state bytes."""
         if worker is not None and worker is not self.worker:
@@ -336,7 +340,7 @@ class RemoteBranch:
         return [b for b in out if b is not None]
 
     async def copies(
-        self, workers: Sequence[Worker], seeds: Sequence[int | None], *, elsewhere: bool = False
+        self, workers: Sequence[PoolWorker], seeds: Sequence[int | None], *, elsewhere: bool = False
     ) -> list[RemoteBranch]:
         """Copies of this branch on ``workers`` by its state bytes (one
         export, one adopt per copy). With ``elsewhere``, a copy whose worker
@@ -345,7 +349,7 @@ class RemoteBranch:
         state, sampler, params = await self.worker.call("export", self._bid)
         pool = self.worker.pool
 
-        async def adopt(w: Worker, seed: int | None) -> RemoteBranch:
+        async def adopt(w: PoolWorker, seed: int | None) -> RemoteBranch:
             tried = {w}
             while True:
                 try:
@@ -379,7 +383,7 @@ class RemoteBranch:
         if self._generation == self.worker.generation:
             await self.worker.prune(self._bid)
 
-    async def migrate(self, worker: Worker) -> None:
+    async def migrate(self, worker: PoolWorker) -> None:
         """Move this branch to ``worker`` by its state bytes (KV cells,
         logits, sampler stream): it continues there exactly as it would
         have here. Its old lease is freed."""
@@ -425,10 +429,10 @@ class ContextPool:
         self.model_path = str(model_path)
         self.options = options
         self.cache_branches = cache_branches
-        self.workers: list[Worker] = []
+        self.workers: list[PoolWorker] = []
         self.replaced = 0
         """Actors started in place of dead ones."""
-        self._programs: dict[Worker, int] = {}  # programs running on each worker
+        self._programs: dict[PoolWorker, int] = {}  # programs running on each worker
         self.migrations = 0
         """Branches copied between workers by their state bytes: moves,
         forks made elsewhere, automatic moves when a worker ran out of room."""
@@ -447,7 +451,7 @@ class ContextPool:
         if workers < 1:
             raise ValueError("workers must be at least 1")
         pool = cls(model_path, options, cache_branches)
-        pool.workers = [Worker(pool, i) for i in range(workers)]
+        pool.workers = [PoolWorker(pool, i) for i in range(workers)]
         try:
             started = await asyncio.gather(
                 *(w.start() for w in pool.workers), return_exceptions=True
@@ -469,7 +473,7 @@ class ContextPool:
                 with contextlib.suppress(Exception):
                     ray.kill(w.handle)
 
-    async def _replace(self, worker: Worker, generation: int) -> None:
+    async def _replace(self, worker: PoolWorker, generation: int) -> None:
         """Start a new actor for a dead one (once per death)."""
         if worker.generation != generation:
             return  # another caller replaced it (calls wait for the start)
@@ -482,8 +486,8 @@ class ContextPool:
         with contextlib.suppress(Exception):
             await worker.start()
 
-    async def _loads(self) -> list[tuple[Worker, dict[str, int]]]:
-        """Each live worker's :meth:`Worker.load` (dead ones are left out)."""
+    async def _loads(self) -> list[tuple[PoolWorker, dict[str, int]]]:
+        """Each live worker's :meth:`PoolWorker.load` (dead ones are left out)."""
         loads = await asyncio.gather(*(w.load() for w in self.workers), return_exceptions=True)
         out = []
         for w, load in zip(self.workers, loads, strict=True):
@@ -494,7 +498,7 @@ class ContextPool:
             out.append((w, load))
         return out
 
-    async def _spread(self, n: int, *, avoid: Worker | None = None) -> list[Worker]:
+    async def _spread(self, n: int, *, avoid: PoolWorker | None = None) -> list[PoolWorker]:
         """Workers for ``n`` new branches, one at a time to the one with
         the most free leases, never ``avoid`` (a worker that just ran out);
         NoLeaseError if they run out."""
@@ -509,7 +513,7 @@ class ContextPool:
             out.append(w)
         return out
 
-    async def place(self, tokens: Sequence[int]) -> Worker:
+    async def place(self, tokens: Sequence[int]) -> PoolWorker:
         """Among workers with a free lease: the one holding the longest
         cached prefix of ``tokens``, else the one with the most free leases."""
         ids = [int(t) for t in tokens]
@@ -527,7 +531,7 @@ class ContextPool:
         *,
         params: SamplingParams | None = None,
         seed: int | None = None,
-        worker: Worker | None = None,
+        worker: PoolWorker | None = None,
     ) -> RemoteBranch:
         """A branch holding ``tokens`` on ``worker`` or the placed one
         (:meth:`place`); only what that worker has not cached is decoded."""
