@@ -467,7 +467,10 @@ async def _running(
     """Start a streamed request and return its lines once the first token
     came back: from then on the request is admitted and running, and stays
     so until the rest of its (long, ``ignore_eos``) stream is read."""
-    r = await stack.enter_async_context(c.stream("POST", path, json={**body, "stream": True}))
+    usage = {"stream_options": {"include_usage": True}}
+    r = await stack.enter_async_context(
+        c.stream("POST", path, json={**body, "stream": True, **usage})
+    )
     assert r.status_code == 200
     lines = r.aiter_lines()
     async for line in lines:
@@ -489,8 +492,14 @@ async def _wait_for(c: httpx.AsyncClient, name: str, value: float) -> None:
 
 
 async def _drain(lines: AsyncIterator[str]) -> int:
-    """Read a stream to its end; the number of content chunks in it."""
-    return sum([1 async for line in lines if line.startswith("data: {")])
+    """Read a stream to its end; the tokens it generated, from its usage
+    chunk. (Not its chunks: a token that ends inside a character streams
+    no text, and sampled text has such tokens now and then.)"""
+    made = -1
+    async for line in lines:
+        if line.startswith("data: {") and (usage := json.loads(line[6:]).get("usage")):
+            made = usage["completion_tokens"]
+    return made
 
 
 def test_overload_gets_429_and_concurrent_requests_share_decodes(tmp_path: Path) -> None:
