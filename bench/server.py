@@ -17,6 +17,12 @@ the same concurrency), all from one run.
     python bench/server.py --model gemma3 --clients 1,8,32,64 --servers lloyal,llama-server
     python bench/server.py --workload echo --servers lloyal,lloyal-spec --clients 1,4
     python bench/server.py --workload agents --servers lloyal,llama-server --rounds 1
+    python bench/server.py --clients 8 --servers lloyal,lloyal@/tmp/old/python
+
+``lloyal@PATH`` runs ``lloyal serve`` with the package at ``PATH`` first on
+``PYTHONPATH`` (the ``python/`` folder of another checkout, a git worktree
+of an earlier commit say, with this build's extension copied into its
+``lloyal/``): lloyal against an earlier version of itself, in one run.
 
 ``--workload agents`` is an agent framework's load: 32 clients (unless
 ``--clients`` says), each a conversation of ``--requests`` turns (3 by
@@ -309,6 +315,9 @@ def start(
     per_slot: int = 256,
     extra: list[str] | None = None,
 ) -> subprocess.Popen[bytes]:
+    # "lloyal@PATH": lloyal serve with the package of another checkout.
+    kind, _, source = kind.partition("@")
+    env = {**os.environ, "PYTHONPATH": source} if source else None
     if kind in ("lloyal", "lloyal-spec"):
         cmd = [
             sys.executable,
@@ -377,8 +386,9 @@ def start(
         cmd += extra or []
     # Each server's output goes to a log of its own (a server that dies
     # says why there).
-    log = open(CACHE / f"bench-{kind}.log", "wb")  # noqa: SIM115 - the server's whole life
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    name = kind + ("-" + Path(source).parent.name if source else "")
+    log = open(CACHE / f"bench-{name}.log", "wb")  # noqa: SIM115 - the server's whole life
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
@@ -557,6 +567,8 @@ def main() -> None:
     servers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
     template = args.template or ("gemma" if "gemma" in model.name.lower() else None)
     for kind in args.servers.split(","):
+        if "@" in kind:
+            labels[kind] = f"lloyal from {kind.partition('@')[2]}"
         try:
             if kind == "llama-server":
                 labels[kind] = llama_server()[1]
