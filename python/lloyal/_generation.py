@@ -119,14 +119,26 @@ class Generation:
         self._ignore_eos = ignore_eos
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.tokens: list[int] = []
-        self.text = ""
+        # The text is kept as what was shown (pieces, joined when read) and
+        # what is held, so that a token costs its own piece, not a copy of
+        # the whole text.
+        self._done: list[str] = []
+        self._held = ""
+        self._shown = 0  # len(text) shown so far
+        self._length = 0  # len(text)
         # len(text) after each token (its end in ``text``).
         self.ends: list[int] = []
-        self._shown = 0
         self.finish: str | None = None
         self.stop: str | None = None
         # Where the stop string that ended the generation starts in ``text``.
         self.cut: int | None = None
+
+    @property
+    def text(self) -> str:
+        """Everything produced so far (past a stop string too)."""
+        if len(self._done) > 1:
+            self._done = ["".join(self._done)]
+        return (self._done[0] if self._done else "") + self._held
 
     @property
     def output(self) -> str:
@@ -144,7 +156,7 @@ class Generation:
     @property
     def held(self) -> str:
         """Text produced but not shown yet (it may begin a stop string)."""
-        return self.text[self._shown :]
+        return self._held
 
     def feed(self, token: int, is_stop: bool = False, *, text: str | None = None) -> GenerationStep:
         """Take the next produced token (``is_stop``: the model's own end
@@ -168,15 +180,19 @@ class Generation:
         if not forced and not self._ignore_eos and (is_stop or token in self._stop_tokens):
             return self._end("stop", None)
         self.tokens.append(token)
-        self.text += self._piece(token, text)
-        self.ends.append(len(self.text))
+        piece = self._piece(token, text)
+        self._held += piece
+        self._length += len(piece)
+        self.ends.append(self._length)
         if self._find_stop():
             return GenerationStep(token, self._take(), "stop", self.stop, forced)
         if self.max_tokens is not None and len(self.tokens) >= self.max_tokens:
             step = self._end("length", token)
             return GenerationStep(token, step.text, step.finish, step.stop, forced)
-        safe = len(self.text) - _partial_stop(self.held, self.stops)
-        shown, self._shown = self.text[self._shown : safe], max(self._shown, safe)
+        safe = len(self._held) - _partial_stop(self._held, self.stops)
+        shown, self._held = self._held[:safe], self._held[safe:]
+        self._done.append(shown)
+        self._shown += len(shown)
         return GenerationStep(token, shown, forced=forced)
 
     def close(self, finish: str = "stop") -> GenerationStep:
@@ -261,17 +277,19 @@ class Generation:
 
     def _take(self) -> str:
         """The text left to show, up to the cut; everything is shown after."""
-        end = len(self.text) if self.cut is None else self.cut
-        out = self.text[self._shown : end]
-        self._shown = len(self.text)
+        end = self._length if self.cut is None else self.cut
+        out = self._held[: end - self._shown]
+        self._done.append(self._held)
+        self._held, self._shown = "", self._length
         return out
 
     def _end(self, finish: str, token: int | None) -> GenerationStep:
         tail = self._decoder.decode(b"", final=True)
         if tail:
-            self.text += tail
+            self._held += tail
+            self._length += len(tail)
             if self.ends:
-                self.ends[-1] = len(self.text)
+                self.ends[-1] = self._length
         if not self._find_stop():
             self.finish = finish
         return GenerationStep(token, self._take(), self.finish, self.stop)
