@@ -63,20 +63,20 @@ impl Aio<'_> {
         answer.await
     }
 
-    /// [`Context::branch_fork`]: made at once (its KV copy is queued
+    /// [`Branch::fork`](crate::Branch::fork): made at once (its KV copy is queued
     /// ahead of anything done with it next), so this never waits.
     pub async fn fork(self, parent: BranchId) -> Result<BranchId> {
         self.0.branch_fork(parent)
     }
 
-    /// [`Context::branch_fork_at`]: a fork of `parent`'s first `at` positions.
+    /// [`Branch::fork`](crate::Branch::fork): a fork of `parent`'s first `at` positions.
     pub async fn fork_at(self, parent: BranchId, at: Option<i32>) -> Result<BranchId> {
         self.0.branch_fork_at(parent, at)
     }
 
-    /// [`Context::branch_produce`]: the next token (the random stream
+    /// [`Branch::produce`](crate::Branch::produce): the next token (the random stream
     /// advances; nothing is written). A slow sampler
-    /// ([`Context::branch_produce_is_slow`]) runs on a thread of its own,
+    /// ([`Branch::produce_is_slow`](crate::Branch::produce_is_slow)) runs on a thread of its own,
     /// so the task's runtime thread is not held for it.
     pub async fn produce(self, id: BranchId) -> Result<i32> {
         if !self.0.branch_produce_is_slow(id)? {
@@ -117,7 +117,7 @@ impl Aio<'_> {
         all_ok(answer.await?)
     }
 
-    /// [`Context::branch_prefill_tree`].
+    /// [`Branch::prefill_tree`](crate::Branch::prefill_tree).
     pub async fn prefill_tree(
         self,
         root: BranchId,
@@ -129,7 +129,7 @@ impl Aio<'_> {
         answer.await
     }
 
-    /// [`Context::branch_truncate`].
+    /// [`Branch::truncate`](crate::Branch::truncate).
     pub async fn truncate(
         self,
         id: BranchId,
@@ -141,14 +141,14 @@ impl Aio<'_> {
         answer.await
     }
 
-    /// [`Context::branch_prune`] (`cascade`: the whole subtree).
+    /// [`Branch::prune`](crate::Branch::prune) (`cascade`: the whole subtree).
     pub async fn prune(self, id: BranchId, cascade: bool) -> Result<()> {
         let (reply, answer) = channel();
         self.0.branch_prune(id, cascade, reply);
         answer.await
     }
 
-    /// [`Context::branch_save`].
+    /// [`Branch::save`](crate::Branch::save).
     pub async fn save(self, id: BranchId) -> Result<Vec<u8>> {
         let (reply, answer) = channel();
         self.0.branch_save(id, reply);

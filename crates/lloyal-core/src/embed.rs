@@ -46,7 +46,7 @@ impl Task for EmbedJob {
 
 impl Context {
     /// Whether this is a reranker's context (rank pooling): each input
-    /// gives [`Model::n_cls_out`] scores.
+    /// gives [`Model::n_cls_out`](crate::Model::n_cls_out) scores.
     pub fn ranks(&self) -> bool {
         let p = self.params();
         p.embeddings && p.pooling == Pooling::Rank

@@ -40,7 +40,7 @@
 //!         let kid = ctx.aio().fork(root).await?;
 //!         let ctx = Arc::clone(&ctx);
 //!         tasks.push(tokio::spawn(async move {
-//!             let token = ctx.branch_produce(kid)?;
+//!             let token = ctx.aio().produce(kid).await?;
 //!             ctx.aio().commit(vec![(kid, token)]).await
 //!         }));
 //!     }

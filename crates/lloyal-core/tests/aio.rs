@@ -3,7 +3,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lloyal_core::{BranchId, Context, ContextParams, Error, Reply, SamplingParams, StepInput};
+use lloyal_core::{
+    Branch, BranchId, Context, ContextParams, Error, Reply, SamplingParams, StepInput,
+};
 
 fn open(n_seq_max: u32) -> Arc<Context> {
     open_with(ContextParams {
@@ -151,15 +153,17 @@ async fn a_slow_sampler_runs_on_its_own_thread_and_keeps_its_stream() {
         seed: Some(7),
         ..SamplingParams::default()
     };
-    for &kid in &kids {
-        ctx.branch_set_params(kid, full_vocabulary.clone()).unwrap();
+    // Handles for the one-branch verbs; the ids go on to the async API.
+    let handles: Vec<Branch> = kids.iter().map(|&k| Branch::adopt(&ctx, k)).collect();
+    for b in &handles {
+        b.set_params(full_vocabulary.clone()).unwrap();
     }
-    assert!(ctx.branch_produce_is_slow(kids[0]).unwrap());
+    assert!(handles[0].produce_is_slow().unwrap());
     let mut via_thread = Vec::new();
     let mut here = Vec::new();
     for _ in 0..6 {
         via_thread.push(ctx.aio().produce(kids[0]).await.unwrap());
-        here.push(ctx.branch_produce(kids[1]).unwrap());
+        here.push(handles[1].produce().unwrap());
     }
     assert_eq!(via_thread, here);
     // Not left busy.
@@ -229,7 +233,7 @@ async fn a_long_prompt_delays_commits_by_at_most_one_round() {
                 let (result, answered) = rx.await.unwrap();
                 assert!(result.unwrap().iter().all(Result::is_ok));
                 gaps.push(answered - submitted);
-                token = ctx.branch_produce(b).unwrap();
+                token = ctx.aio().produce(b).await.unwrap();
             }
             gaps
         }));

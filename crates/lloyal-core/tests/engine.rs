@@ -197,13 +197,9 @@ fn a_branch_handle_frees_its_branch_on_drop_unless_given_up() {
     drop(root);
     assert!(rx.recv().unwrap().unwrap().iter().all(Result::is_ok));
     // A prune queued now runs after the drop (the worker keeps the order).
-    let probe = ctx.branch_create(SamplingParams::greedy()).unwrap();
+    let probe = Branch::create(&ctx, SamplingParams::greedy()).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
-    ctx.branch_prune(
-        probe,
-        false,
-        lloyal_core::Reply::new(move |r| tx.send(r).unwrap()),
-    );
+    probe.prune(false, lloyal_core::Reply::new(move |r| tx.send(r).unwrap()));
     rx.recv().unwrap().unwrap();
     assert!(
         ctx.read_branch(id, |_| ()).is_err(),

@@ -126,7 +126,7 @@ fn image(seed: u8) -> Media {
 /// The image then a few text tokens (this projector closes an image with
 /// no text token, so the logits come from the text after it).
 fn prefill(ctx: &Context, b: &Branch, media: Media) -> lloyal_core::Result<i32> {
-    let used = call(|r| ctx.branch_prefill_media(b.id(), media, r))?;
+    let used = call(|r| b.prefill_media(media, r))?;
     assert!(
         b.read(|s| s.logits().is_err()).unwrap(),
         "no logits after an image"
@@ -209,7 +209,7 @@ fn an_image_in_a_branch_then_forks_share_its_cells() {
         // A PNG signature and nothing after it.
         Media::Encoded(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR".to_vec()),
     ] {
-        let err = call(|r| ctx.branch_prefill_media(a.id(), bad.clone(), r)).unwrap_err();
+        let err = call(|r| a.prefill_media(bad.clone(), r)).unwrap_err();
         assert!(matches!(err, Error::Media(_)), "{bad:?}: {err:?}");
     }
     assert!(
@@ -229,7 +229,7 @@ fn bad_projectors_are_typed_errors_and_the_context_goes_on() {
     std::fs::create_dir_all(&dir).unwrap();
     let ctx = open();
     let a = Branch::create(&ctx, SamplingParams::greedy()).unwrap();
-    let err = call(|r| ctx.branch_prefill_media(a.id(), image(3), r)).unwrap_err();
+    let err = call(|r| a.prefill_media(image(3), r)).unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
 
     // A key of the wrong type: libmtmd would abort the process.
@@ -258,10 +258,7 @@ fn bad_projectors_are_typed_errors_and_the_context_goes_on() {
     assert!(matches!(err, Error::AdapterNotFound(_)), "{err:?}");
 
     call(|r| ctx.load_projector(good, r)).unwrap();
-    assert_eq!(
-        call(|r| ctx.branch_prefill_media(a.id(), image(3), r)).unwrap(),
-        4
-    );
+    assert_eq!(call(|r| a.prefill_media(image(3), r)).unwrap(), 4);
     ctx.close_blocking();
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -3,7 +3,7 @@
 //! test-rust` passes it).
 #![cfg(feature = "testing")]
 
-use lloyal_core::{Context, ContextParams, Error, Reply, SamplingParams};
+use lloyal_core::{Branch, Context, ContextParams, Error, Reply, SamplingParams};
 
 fn open(embeddings: bool) -> Context {
     let path = std::env::var("LLOYAL_TEST_MODEL")
@@ -35,14 +35,14 @@ fn is_panic(r: lloyal_core::Result<impl std::fmt::Debug>) -> bool {
 
 #[test]
 fn every_job_kind_answers_a_panic_and_the_context_goes_on() {
-    let ctx = open(false);
+    let ctx = std::sync::Arc::new(open(false));
     let tokens = ctx
         .model()
         .tokenize("Once upon a time", None, false)
         .unwrap();
-    let root = ctx.branch_create(SamplingParams::greedy()).unwrap();
-    assert!(wait(|r| ctx.branch_prefill(vec![(root, tokens.clone())], false, r)).is_ok());
-    let saved = wait(|r| ctx.branch_save(root, r)).unwrap();
+    let root = Branch::create(&ctx, SamplingParams::greedy()).unwrap();
+    assert!(wait(|r| ctx.branch_prefill(vec![(root.id(), tokens.clone())], false, r)).is_ok());
+    let saved = wait(|r| root.save(r)).unwrap();
 
     // Each kind of job, once with a panic injected and once without.
     type Run<'a> = Box<dyn Fn() -> bool + 'a>;
@@ -52,14 +52,11 @@ fn every_job_kind_answers_a_panic_and_the_context_goes_on() {
     // copy is its next job: the panic disposes of the child there.
     let fork_panics = || {
         ctx.panic_next_job();
-        match ctx.branch_fork(root) {
+        match root.fork(None) {
             Err(e) => is_panic(Err::<(), _>(e)),
             Ok(kid) => {
                 // Queued behind the copy (or after it): the child is gone.
-                matches!(
-                    wait(|r| ctx.branch_save(kid, r)),
-                    Err(Error::BranchDisposed)
-                )
+                matches!(wait(|r| kid.save(r)), Err(Error::BranchDisposed))
             }
         }
     };
@@ -67,32 +64,25 @@ fn every_job_kind_answers_a_panic_and_the_context_goes_on() {
         ("fork", Box::new(fork_panics)),
         (
             "commit",
-            Box::new(|| is_panic(wait(|r| ctx.branch_commit(vec![(root, 11)], r)))),
+            Box::new(|| is_panic(wait(|r| ctx.branch_commit(vec![(root.id(), 11)], r)))),
         ),
         (
             "prefill",
             Box::new(|| {
                 is_panic(wait(|r| {
-                    ctx.branch_prefill(vec![(root, vec![12])], true, r)
+                    ctx.branch_prefill(vec![(root.id(), vec![12])], true, r)
                 }))
             }),
         ),
         (
             "tree",
-            Box::new(|| {
-                is_panic(wait(|r| {
-                    ctx.branch_prefill_tree(root, vec![5, 6], vec![-1, -1], r)
-                }))
-            }),
+            Box::new(|| is_panic(wait(|r| root.prefill_tree(vec![5, 6], vec![-1, -1], r)))),
         ),
         (
             "truncate",
-            Box::new(|| is_panic(wait(|r| ctx.branch_truncate(root, 1, None, r)))),
+            Box::new(|| is_panic(wait(|r| root.truncate(1, None, r)))),
         ),
-        (
-            "save",
-            Box::new(|| is_panic(wait(|r| ctx.branch_save(root, r)))),
-        ),
+        ("save", Box::new(|| is_panic(wait(|r| root.save(r))))),
         (
             "restore",
             Box::new(|| {
@@ -103,15 +93,11 @@ fn every_job_kind_answers_a_panic_and_the_context_goes_on() {
         ),
         (
             "reseed",
-            Box::new(|| {
-                is_panic(wait(|r| {
-                    ctx.branch_clear_and_reseed(root, vec![1], vec![2, 3], r)
-                }))
-            }),
+            Box::new(|| is_panic(wait(|r| root.clear_and_reseed(vec![1], vec![2, 3], r)))),
         ),
         (
             "retain_only",
-            Box::new(|| is_panic(wait(|r| ctx.branch_retain_only(root, r)))),
+            Box::new(|| is_panic(wait(|r| root.retain_only(r)))),
         ),
     ];
     for (name, run) in &runs {
@@ -123,20 +109,14 @@ fn every_job_kind_answers_a_panic_and_the_context_goes_on() {
             "{name}: the caller did not get the panic as an error"
         );
         // The branch is free again and the context works.
-        let position = ctx.read_branch(root, |b| b.position).unwrap();
-        let kid = ctx
-            .branch_fork(root)
-            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let position = root.read(|b| b.position).unwrap();
+        let kid = root.fork(None).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert!(
-            wait(|r| ctx.branch_commit(vec![(kid, 7)], r)).is_ok(),
+            wait(|r| ctx.branch_commit(vec![(kid.id(), 7)], r)).is_ok(),
             "{name}"
         );
-        assert!(wait(|r| ctx.branch_prune(kid, false, r)).is_ok(), "{name}");
-        assert_eq!(
-            ctx.read_branch(root, |b| b.position).unwrap(),
-            position,
-            "{name}"
-        );
+        assert!(wait(|r| kid.prune(false, r)).is_ok(), "{name}");
+        assert_eq!(root.read(|b| b.position).unwrap(), position, "{name}");
     }
     ctx.close_blocking();
 }

@@ -71,10 +71,7 @@ impl PyBranch {
     /// Encode a medium into this branch; ``done(error, positions)``.
     #[pyo3(signature = (data, size, done))]
     fn _prefill_media(&self, data: Vec<u8>, size: Option<(u32, u32)>, done: Py<PyAny>) {
-        self.inner.context().branch_prefill_media(
-            self.id(),
-            media(data, size),
-            py_reply(done, int_object),
-        );
+        self.inner
+            .prefill_media(media(data, size), py_reply(done, int_object));
     }
 }

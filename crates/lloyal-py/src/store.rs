@@ -176,8 +176,7 @@ impl PyContext {
         let mut views = Vec::with_capacity(items.len());
         for (branch, token) in &items {
             self.inner.model().check_token(*token).py_err()?;
-            let id = branch.get().id();
-            views.push((self.inner.branch_logits_view(id).py_err()?, *token));
+            views.push((branch.get().inner.logits_view().py_err()?, *token));
         }
         py.detach(move || {
             views
@@ -201,7 +200,7 @@ impl PyContext {
     }
 
     /// Decode a token tree into ``root`` (see
-    /// ``lloyal_core::Context::branch_prefill_tree``); ``done`` gets
+    /// ``lloyal_core::Branch::prefill_tree``); ``done`` gets
     /// ``([(leaf node, seed or None for root's own)], rows)`` with rows an
     /// ``(n, vocab)`` array.
     fn branch_prefill_tree(
@@ -232,14 +231,12 @@ impl PyContext {
                 }
             }))
         });
-        self.inner
-            .branch_prefill_tree(root_id, tokens, parents, reply);
+        root.inner.prefill_tree(tokens, parents, reply);
     }
 
     /// Keep ``winner``'s KV and prune every other branch.
     fn branch_retain_only(&self, winner: &PyBranch, done: Py<PyAny>) {
-        self.inner
-            .branch_retain_only(winner.id(), py_reply(done, none));
+        winner.inner.retain_only(py_reply(done, none));
     }
 
     fn leases_available(&self) -> usize {

@@ -51,6 +51,9 @@ class PoolBackend:
 
     def __init__(self, pool: ContextPool) -> None:
         self.pool = pool
+        # A root's twins (the prompt on each other worker a search uses),
+        # until its first children are placed.
+        self._twins: dict[Lane, dict[PoolWorker, Lane]] = {}
 
     @property
     def workers(self) -> list[PoolWorker]:
@@ -90,10 +93,26 @@ class PoolBackend:
             if isinstance(outcome, BaseException):
                 await self.release(roots)
                 raise outcome
+        if roots:
+            self._twins[roots[0]] = {r.worker: r for r in roots[1:]}
         return list(roots)
 
     async def place(self, tokens: list[int]) -> PoolWorker:
         return await self.pool.place(tokens)
+
+    async def children(
+        self, lanes: Sequence[Lane], parents: Sequence[int], *, workers: Sequence[Any], share: int
+    ) -> tuple[list[Lane | BaseException], int]:
+        """A child past its parent's worker's ``share`` is made on the
+        worker with the fewest children, from the parent's state bytes (or
+        from the parent's twin there: the prompt each worker decoded)."""
+        spares = [self._twins.pop(lane, {}) for lane in lanes]
+        plan = _plan(lanes, spares, parents, workers, share)
+        kept = {x for how, x in plan if how == "keep"}
+        given = set(lanes).union(*(s.values() for s in spares))
+        await gather(*(lane.prune() for lane in given - kept))
+        made = await _make(plan)
+        return made, sum(1 for how, _ in plan if how == "copy")
 
     async def detokenize(self, tokens: list[int]) -> str:
         text: str = await self._any_worker("detokenize", tokens)
@@ -118,6 +137,91 @@ class PoolBackend:
             except WorkerLostError:
                 continue
         raise WorkerLostError(f"no worker is left to {method}")
+
+
+def _plan(
+    lanes: Sequence[Lane],
+    spares: list[dict[PoolWorker, Lane]],
+    parents: Sequence[int],
+    used: Sequence[Any],
+    share: int,
+) -> list[tuple[str, Any]]:
+    """Where each child (of ``lanes[parents[i]]``) goes: ``("keep", lane)``
+    continues the parent's own lane (its first child) or a spare in the
+    same state; ``("fork", i)`` forks child ``i``'s lane, on the same
+    worker, before it moves; ``("copy", (lane, worker))`` copies the
+    parent's lane there by its state bytes. A worker takes children up to
+    its ``share``; the rest go to the worker with the fewest."""
+    count: dict[Any, int] = dict.fromkeys(used, 0)
+    plan: list[tuple[str, Any]] = [("", None)] * len(parents)
+    there: dict[tuple[int, Any], int] = {}  # a child holding the parent's state
+    for ci, bi in enumerate(parents):
+        if parents.index(bi) == ci:
+            lane = lanes[bi]
+            plan[ci] = ("keep", lane)
+            count[lane.worker] = count.get(lane.worker, 0) + 1
+            there[(bi, lane.worker)] = ci
+    for ci, bi in enumerate(parents):
+        if plan[ci][0]:
+            continue
+        home = lanes[bi].worker
+        if count.get(home, 0) < share:
+            target = home
+        else:
+            target = min(used, key=lambda w: (count[w], list(used).index(w)))
+        count[target] = count.get(target, 0) + 1
+        if target in spares[bi]:
+            plan[ci] = ("keep", spares[bi].pop(target))
+            there[(bi, target)] = ci
+        elif (bi, target) in there:
+            plan[ci] = ("fork", there[(bi, target)])
+        else:
+            plan[ci] = ("copy", (lanes[bi], target))
+            there[(bi, target)] = ci
+    return plan
+
+
+async def _make(plan: list[tuple[str, Any]]) -> list[Lane | BaseException]:
+    """The lanes of a :func:`_plan`: copies (one export per parent), then
+    forks (one round trip per lane forked). A failure stands in the place
+    of each lane it cost."""
+    out: list[Lane | BaseException | None] = [x if how == "keep" else None for how, x in plan]
+    copies: dict[Lane, list[int]] = {}
+    forks: dict[int, list[int]] = {}
+    for ci, (how, x) in enumerate(plan):
+        if how == "copy":
+            copies.setdefault(x[0], []).append(ci)
+        elif how == "fork":
+            forks.setdefault(x, []).append(ci)
+
+    async def copy(source: Lane, cis: list[int]) -> None:
+        made: Sequence[Any]
+        try:
+            targets = [plan[ci][1][1] for ci in cis]
+            made = await source.copies(targets, [None] * len(cis), elsewhere=True)
+        except Exception as e:
+            made = [e] * len(cis)
+        for ci, b in zip(cis, made, strict=True):
+            out[ci] = b
+
+    async def fork(source: int, cis: list[int]) -> None:
+        parent = out[source]
+        made: Sequence[Any]
+        try:
+            if isinstance(parent, BaseException):
+                raise parent
+            assert parent is not None
+            made = await parent.fork_many([None] * len(cis))
+        except Exception as e:
+            made = [e] * len(cis)
+        for ci, b in zip(cis, made, strict=True):
+            out[ci] = b
+
+    await gather(*(copy(s, cis) for s, cis in copies.items()))
+    await gather(*(fork(s, cis) for s, cis in forks.items()))
+    made = [b for b in out if b is not None]
+    assert len(made) == len(plan), "every planned lane is made or failed"
+    return made
 
 
 register(ContextPool, PoolBackend)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from lloyal._tasks import gather
 from lloyal.context import Context
@@ -58,8 +57,6 @@ class _Beam:
     rec: _Recorder
     score: float
     top: Top  # its next-token candidates
-    spares: dict[Any, Lane] = field(default_factory=dict)
-    """Other lanes in the same state (the prompt on each worker)."""
 
 
 async def beam_search(
@@ -159,7 +156,7 @@ async def _beam_search(
         held.update(roots)
         peak = len(held)
         first = await roots[0].candidates(2 * width)
-        beams = [_Beam(roots[0], _Recorder(), 0.0, first, {r.worker: r for r in roots[1:]})]
+        beams = [_Beam(roots[0], _Recorder(), 0.0, first)]
         for step in range(max_tokens):
             options = []
             for beam in beams:
@@ -172,15 +169,15 @@ async def _beam_search(
             if _search_ends(chosen, finished, step, max_tokens, length_penalty):
                 final = recs
                 break
-            plan = _plan(beams, [c[1] for c in chosen], used, share)
-            # Free what no new beam keeps (forks and copies are made from
-            # kept lanes), then make the new ones.
-            kept = {x for how, x in plan if how == "keep"}
-            await gather(*(b.prune() for b in held - kept))
-            held &= kept
-            made = await _make(plan)
-            moved += sum(1 for how, _ in plan if how == "copy")
-            held.update(b for b in made if not isinstance(b, BaseException))  # before any raise
+            # Where the new beams go is the backend's business (a pool
+            # spreads them over its workers); what no new beam continues
+            # is pruned before they are made.
+            lanes = [beam.branch for beam in beams]
+            made, copied = await backend.children(
+                lanes, [c[1] for c in chosen], workers=used, share=share
+            )
+            moved += copied
+            held = {b for b in made if not isinstance(b, BaseException)}  # before any raise
             pending: list[tuple[Lane, int, float, _Recorder]] = []
             for (score, _, t, *_), (_, rec), branch in zip(chosen, recs, made, strict=True):
                 if isinstance(branch, WorkerLostError):
@@ -291,86 +288,3 @@ def _ranked(hypotheses: list[_Hypothesis], width: int, length_penalty: float) ->
         return score / math.pow(n, length_penalty) if length_penalty and n else score
 
     return sorted(((rank(*h), h[1]) for h in hypotheses), key=lambda h: -h[0])[:width]
-
-
-def _plan(
-    beams: list[_Beam], parents: list[int], used: list[Any], share: int
-) -> list[tuple[str, Any]]:
-    """Where each new beam (a child of ``beams[parents[i]]``) goes:
-    ``("keep", lane)`` continues the parent's own lane (its first child)
-    or a spare copy of it; ``("fork", i)`` forks new beam ``i``'s lane,
-    on the same worker, before it moves; ``("copy", (lane, worker))``
-    copies the parent's lane there by its state bytes. A worker takes
-    children up to its ``share``; the rest go to the worker with the
-    fewest."""
-    count: dict[Any, int] = dict.fromkeys(used, 0)
-    plan: list[tuple[str, Any]] = [("", None)] * len(parents)
-    there: dict[tuple[int, Any], int] = {}  # a new beam holding the parent's state
-    for ci, bi in enumerate(parents):
-        if parents.index(bi) == ci:
-            branch = beams[bi].branch
-            plan[ci] = ("keep", branch)
-            count[branch.worker] = count.get(branch.worker, 0) + 1
-            there[(bi, branch.worker)] = ci
-    for ci, bi in enumerate(parents):
-        if plan[ci][0]:
-            continue
-        beam = beams[bi]
-        home = beam.branch.worker
-        if count.get(home, 0) < share:
-            target = home
-        else:
-            target = min(used, key=lambda w: (count[w], used.index(w)))
-        count[target] = count.get(target, 0) + 1
-        if target in beam.spares:
-            plan[ci] = ("keep", beam.spares.pop(target))
-            there[(bi, target)] = ci
-        elif (bi, target) in there:
-            plan[ci] = ("fork", there[(bi, target)])
-        else:
-            plan[ci] = ("copy", (beam.branch, target))
-            there[(bi, target)] = ci
-    return plan
-
-
-async def _make(plan: list[tuple[str, Any]]) -> list[Lane | BaseException]:
-    """The lanes of a :func:`_plan`: copies (one export per parent), then
-    forks (one round trip per lane forked). A failure stands in the place
-    of each lane it cost."""
-    out: list[Lane | BaseException | None] = [x if how == "keep" else None for how, x in plan]
-    copies: dict[Lane, list[int]] = {}
-    forks: dict[int, list[int]] = {}
-    for ci, (how, x) in enumerate(plan):
-        if how == "copy":
-            copies.setdefault(x[0], []).append(ci)
-        elif how == "fork":
-            forks.setdefault(x, []).append(ci)
-
-    async def copy(source: Lane, cis: list[int]) -> None:
-        made: Sequence[Any]
-        try:
-            targets = [plan[ci][1][1] for ci in cis]
-            made = await source.copies(targets, [None] * len(cis), elsewhere=True)
-        except Exception as e:
-            made = [e] * len(cis)
-        for ci, b in zip(cis, made, strict=True):
-            out[ci] = b
-
-    async def fork(source: int, cis: list[int]) -> None:
-        parent = out[source]
-        made: Sequence[Any]
-        try:
-            if isinstance(parent, BaseException):
-                raise parent
-            assert parent is not None
-            made = await parent.fork_many([None] * len(cis))
-        except Exception as e:
-            made = [e] * len(cis)
-        for ci, b in zip(cis, made, strict=True):
-            out[ci] = b
-
-    await gather(*(copy(s, cis) for s, cis in copies.items()))
-    await gather(*(fork(s, cis) for s, cis in forks.items()))
-    made = [b for b in out if b is not None]
-    assert len(made) == len(plan), "every planned lane is made or failed"
-    return made

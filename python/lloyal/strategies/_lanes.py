@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+from lloyal._tasks import gather
 from lloyal.branch import Branch, BranchStore, Produced
 from lloyal.context import Context
 from lloyal.sampling import SamplingParams
@@ -106,6 +107,18 @@ class Backend(Protocol):
 
     async def place(self, tokens: list[int]) -> Any:
         """The worker a search on one worker should use."""
+        ...
+
+    async def children(
+        self, lanes: Sequence[Lane], parents: Sequence[int], *, workers: Sequence[Any], share: int
+    ) -> tuple[list[Lane | BaseException], int]:
+        """A search's next generation: child ``i`` continues
+        ``lanes[parents[i]]``. A parent's first child is its own lane, the
+        others forks or, on a pool, copies on another of ``workers``
+        (each worker takes children up to ``share``). The lanes no child
+        continues are pruned first, freeing their leases. A failure
+        stands in the place of each lane it cost; the second value is how
+        many lanes were copied between workers."""
         ...
 
     async def detokenize(self, tokens: list[int]) -> str: ...
@@ -249,6 +262,25 @@ class LocalBackend:
 
     async def place(self, tokens: list[int]) -> Context:
         return self.ctx
+
+    async def children(
+        self, lanes: Sequence[Lane], parents: Sequence[int], *, workers: Sequence[Any], share: int
+    ) -> tuple[list[Lane | BaseException], int]:
+        # One worker: every further child is a fork of its parent.
+        await gather(*(lane.prune() for i, lane in enumerate(lanes) if i not in parents))
+        out: list[Lane | BaseException | None] = [None] * len(parents)
+        forks: dict[int, list[int]] = {}
+        for ci, bi in enumerate(parents):
+            if parents.index(bi) == ci:
+                out[ci] = lanes[bi]
+            else:
+                forks.setdefault(bi, []).append(ci)
+        made = await gather(*(lanes[bi].fork_many([None] * len(cis)) for bi, cis in forks.items()))
+        for cis, forked in zip(forks.values(), made, strict=True):
+            for j, ci in enumerate(cis):
+                out[ci] = forked if isinstance(forked, BaseException) else forked[j]
+        assert all(x is not None for x in out), "every child is made or failed"
+        return out, 0  # type: ignore[return-value]
 
     async def detokenize(self, tokens: list[int]) -> str:
         return await self.ctx.detokenize(tokens)

@@ -106,8 +106,12 @@ pub fn engine_forks(
     path: &str,
     n: usize,
     n_ctx: u32,
-) -> AnyResult<(lloyal_core::Context, Vec<i32>, Vec<lloyal_core::BranchId>)> {
-    let ctx = lloyal_core::Context::open_blocking(
+) -> AnyResult<(
+    std::sync::Arc<lloyal_core::Context>,
+    Vec<i32>,
+    Vec<lloyal_core::Branch>,
+)> {
+    let ctx = std::sync::Arc::new(lloyal_core::Context::open_blocking(
         path,
         lloyal_core::ContextParams {
             n_ctx,
@@ -115,13 +119,13 @@ pub fn engine_forks(
             n_threads: Some(2),
             ..lloyal_core::ContextParams::default()
         },
-    )?;
+    )?);
     let text = "The history of the printing press begins ".repeat(20);
     let prompt: Vec<i32> = ctx.model().tokenize(&text, None, false)?[..128].to_vec();
-    let root = ctx.branch_create(lloyal_core::SamplingParams::greedy())?;
-    wait(|r| ctx.branch_prefill(vec![(root, prompt.clone())], false, r))?;
+    let root = lloyal_core::Branch::create(&ctx, lloyal_core::SamplingParams::greedy())?;
+    wait(|r| ctx.branch_prefill(vec![(root.id(), prompt.clone())], false, r))?;
     let kids = (0..n)
-        .map(|_| ctx.branch_fork(root))
+        .map(|_| root.fork(None))
         .collect::<lloyal_core::Result<_>>()?;
     Ok((ctx, prompt, kids))
 }
@@ -130,11 +134,11 @@ pub fn engine_forks(
 /// committed in one batch.
 pub fn engine_step(
     ctx: &lloyal_core::Context,
-    branches: &[lloyal_core::BranchId],
+    branches: &[lloyal_core::Branch],
 ) -> lloyal_core::Result<()> {
     let items = branches
         .iter()
-        .map(|&b| Ok((b, ctx.branch_produce(b)?)))
+        .map(|b| Ok((b.id(), b.produce()?)))
         .collect::<lloyal_core::Result<Vec<_>>>()?;
     for result in wait(|r| ctx.branch_commit(items, r))? {
         result?;

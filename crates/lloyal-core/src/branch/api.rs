@@ -44,8 +44,8 @@ impl Context {
         Ok(id)
     }
 
-    /// Read or change a branch under the lock (not while it is busy).
-    pub fn with_branch<T>(
+    /// The body of [`Branch::with`](crate::Branch::with).
+    pub(crate) fn with_branch<T>(
         &self,
         id: BranchId,
         f: impl FnOnce(&mut BranchState) -> Result<T>,
@@ -59,10 +59,8 @@ impl Context {
         f(state)
     }
 
-    /// Give branch `id` its own set: its next decodes run under it, and
-    /// its forks inherit it. What it decoded before is left as it is (the
-    /// KV cells already written were computed under the old set).
-    pub fn branch_set_adapters(&self, id: BranchId, adapters: Adapters) -> Result<()> {
+    /// The body of [`Branch::set_adapters`](crate::Branch::set_adapters).
+    pub(crate) fn branch_set_adapters(&self, id: BranchId, adapters: Adapters) -> Result<()> {
         self.check_open()?;
         let adapters = adapters.checked(self.model())?;
         let mut branches = lock(&self.shared.branches);
@@ -74,16 +72,17 @@ impl Context {
         Ok(())
     }
 
-    /// Read a branch's state even while an operation is in flight.
+    /// Read a branch's state by id, even while an operation is in flight:
+    /// for the ids of a batch ([`Branch::read`](crate::Branch::read) for one
+    /// branch).
     pub fn read_branch<T>(&self, id: BranchId, f: impl FnOnce(&BranchState) -> T) -> Result<T> {
         self.check_open()?;
         let branches = lock(&self.shared.branches);
         Ok(f(branches.get(id)?))
     }
 
-    /// The branch's logits snapshot and stats, to compute on without the
-    /// branches lock (top tokens, log-probabilities, entropy).
-    pub fn branch_logits_view(&self, id: BranchId) -> Result<LogitsView> {
+    /// The body of [`Branch::logits_view`](crate::Branch::logits_view).
+    pub(crate) fn branch_logits_view(&self, id: BranchId) -> Result<LogitsView> {
         self.read_branch(id, BranchState::logits_view)?
     }
 
@@ -96,11 +95,8 @@ impl Context {
             .count()
     }
 
-    /// Replace the branch's sampling parameters. Returns whether anything
-    /// changed; an unchanged call keeps the sampler as it is. A change keeps
-    /// the penalty history; the random stream restarts only if the seed
-    /// changed.
-    pub fn branch_set_params(&self, id: BranchId, params: SamplingParams) -> Result<bool> {
+    /// The body of [`Branch::set_params`](crate::Branch::set_params).
+    pub(crate) fn branch_set_params(&self, id: BranchId, params: SamplingParams) -> Result<bool> {
         self.with_branch(id, |b| {
             if *b.sampler().params() == params {
                 return Ok(false);
@@ -111,18 +107,16 @@ impl Context {
         })
     }
 
-    /// Restart the branch's random stream from `seed`.
-    pub fn branch_reseed(&self, id: BranchId, seed: u64) -> Result<()> {
+    /// The body of [`Branch::reseed`](crate::Branch::reseed).
+    pub(crate) fn branch_reseed(&self, id: BranchId, seed: u64) -> Result<()> {
         self.with_branch(id, |b| {
             b.sampler_mut().reseed(seed);
             Ok(())
         })
     }
 
-    /// Replace a branch's logits snapshot. Entries must be numbers below
-    /// +inf (-inf masks a token): a NaN or +inf would make every sampler
-    /// pick an arbitrary token (the first one, for greedy).
-    pub fn branch_set_logits(&self, id: BranchId, logits: &[f32]) -> Result<()> {
+    /// The body of [`Branch::set_logits`](crate::Branch::set_logits).
+    pub(crate) fn branch_set_logits(&self, id: BranchId, logits: &[f32]) -> Result<()> {
         self.check_logits_len(logits)?;
         if let Some(i) = logits
             .iter()
@@ -149,7 +143,12 @@ impl Context {
         Ok(())
     }
 
-    pub fn branch_set_logit_bias(&self, id: BranchId, biases: Vec<(i32, f32)>) -> Result<()> {
+    /// The body of [`Branch::set_logit_bias`](crate::Branch::set_logit_bias).
+    pub(crate) fn branch_set_logit_bias(
+        &self,
+        id: BranchId,
+        biases: Vec<(i32, f32)>,
+    ) -> Result<()> {
         self.check_biases(&biases)?;
         self.with_branch(id, |b| {
             b.logit_bias = Arc::new(biases);
@@ -157,7 +156,8 @@ impl Context {
         })
     }
 
-    pub fn branch_steer(&self, id: BranchId, biases: Vec<(i32, f32)>) -> Result<()> {
+    /// The body of [`Branch::steer`](crate::Branch::steer).
+    pub(crate) fn branch_steer(&self, id: BranchId, biases: Vec<(i32, f32)>) -> Result<()> {
         self.check_biases(&biases)?;
         self.with_branch(id, |b| {
             b.steer = biases;
@@ -165,26 +165,18 @@ impl Context {
         })
     }
 
-    /// Whether [`Context::branch_produce`] is slow for this branch (see
-    /// `BranchState::produce_is_slow`): callers on an event loop run it on
-    /// another thread then.
-    pub fn branch_produce_is_slow(&self, id: BranchId) -> Result<bool> {
+    /// The body of [`Branch::produce_is_slow`](crate::Branch::produce_is_slow).
+    pub(crate) fn branch_produce_is_slow(&self, id: BranchId) -> Result<bool> {
         self.read_branch(id, BranchState::produce_is_slow)
     }
 
-    /// Sample the branch's next token; nothing is written.
-    pub fn branch_produce(&self, id: BranchId) -> Result<i32> {
+    /// The body of [`Branch::produce`](crate::Branch::produce).
+    pub(crate) fn branch_produce(&self, id: BranchId) -> Result<i32> {
         self.with_branch(id, BranchState::produce)
     }
 
-    /// [`Context::branch_produce`] on a thread of its own, answering
-    /// `reply` from there: for samplers too slow for the caller's thread
-    /// ([`Context::branch_produce_is_slow`]: a 262k-entry sort, a grammar
-    /// mask), so that an event loop awaits the token instead of stalling.
-    /// The branch is busy until the token is chosen; the sampling runs
-    /// without the branches lock, so other branches and the worker's jobs
-    /// do not wait behind it.
-    pub fn branch_produce_off_thread(&self, id: BranchId, reply: Reply<i32>) {
+    /// The body of [`Branch::produce_off_thread`](crate::Branch::produce_off_thread).
+    pub(crate) fn branch_produce_off_thread(&self, id: BranchId, reply: Reply<i32>) {
         let detached = (|| {
             self.check_open()?;
             let mut branches = lock(&self.shared.branches);
@@ -236,40 +228,34 @@ impl Context {
         }
     }
 
-    /// Accept a token without decoding it (penalties and metrics).
-    /// Replace (or remove) a branch's grammar. Compile it first with
-    /// [`crate::Grammar::new`] on this context's model.
-    pub fn branch_set_grammar(&self, id: BranchId, grammar: Option<Grammar>) -> Result<()> {
+    /// The body of [`Branch::set_grammar`](crate::Branch::set_grammar).
+    pub(crate) fn branch_set_grammar(&self, id: BranchId, grammar: Option<Grammar>) -> Result<()> {
         self.with_branch(id, |b| {
             b.set_grammar(grammar);
             Ok(())
         })
     }
 
-    /// Drop the branch's logits snapshot (a fork that will be prefilled
-    /// before it samples: `produce` refuses until then).
-    pub fn branch_clear_logits(&self, id: BranchId) -> Result<()> {
+    /// The body of [`Branch::clear_logits`](crate::Branch::clear_logits).
+    pub(crate) fn branch_clear_logits(&self, id: BranchId) -> Result<()> {
         self.with_branch(id, |b| {
             b.clear_logits();
             Ok(())
         })
     }
 
-    /// The branch's sampler state (random stream position, penalty
-    /// history; see `Sampler::state`), for moving it to another process.
-    pub fn branch_sampler_state(&self, id: BranchId) -> Result<Vec<u8>> {
+    /// The body of [`Branch::sampler_state`](crate::Branch::sampler_state).
+    pub(crate) fn branch_sampler_state(&self, id: BranchId) -> Result<Vec<u8>> {
         self.read_branch(id, |b| b.sampler.state())
     }
 
-    /// Continue the branch's sampling from a state `branch_sampler_state`
-    /// gave (bad bytes are an error and change nothing).
-    pub fn branch_set_sampler_state(&self, id: BranchId, state: &[u8]) -> Result<()> {
+    /// The body of [`Branch::set_sampler_state`](crate::Branch::set_sampler_state).
+    pub(crate) fn branch_set_sampler_state(&self, id: BranchId, state: &[u8]) -> Result<()> {
         self.with_branch(id, |b| b.sampler_mut().set_state(state))
     }
 
-    /// Make the branch a root: it leaves its parent's children, so either
-    /// can be pruned first (their KV cells stay shared until then).
-    pub fn branch_detach(&self, id: BranchId) -> Result<()> {
+    /// The body of [`Branch::detach`](crate::Branch::detach).
+    pub(crate) fn branch_detach(&self, id: BranchId) -> Result<()> {
         self.check_open()?;
         let mut branches = lock(&self.shared.branches);
         let state = branches.get_mut(id)?;
@@ -290,7 +276,8 @@ impl Context {
         lock(&self.shared.branches).cells_held()
     }
 
-    pub fn branch_accept(&self, id: BranchId, token: i32) -> Result<()> {
+    /// The body of [`Branch::accept`](crate::Branch::accept).
+    pub(crate) fn branch_accept(&self, id: BranchId, token: i32) -> Result<()> {
         self.model().check_token(token)?;
         self.with_branch(id, |b| b.accept(token))
     }
@@ -307,26 +294,13 @@ impl Context {
 
     /// Fork: a new branch sharing `parent`'s KV prefix (no tensor copy under
     /// unified KV) with a clone of its sampler, logits, metrics and bias.
-    /// See [`Context::branch_fork_at`].
-    pub fn branch_fork(&self, parent: BranchId) -> Result<BranchId> {
+    /// See [`Branch::fork`](crate::Branch::fork).
+    pub(crate) fn branch_fork(&self, parent: BranchId) -> Result<BranchId> {
         self.branch_fork_at(parent, None)
     }
 
-    /// [`Context::branch_fork`] of `parent`'s first `at` positions (`0 <=
-    /// at <= its position`; `None`: all of them): a fork and a truncate in
-    /// one, copying only the cells kept. Below the parent's position the
-    /// child has no logits (prefill it next); sampler, metrics and grammar
-    /// are cloned as they are, not rewound.
-    ///
-    /// The child is made here, on the calling thread, and returned at once:
-    /// only the copy of the KV cells is work for the worker, queued ahead
-    /// of anything submitted on the child afterwards (so a prefill of the
-    /// child can follow without waiting) and run between the rounds of any
-    /// step in progress -- or here too, when the worker is idle. Until the
-    /// copy has run the parent has a fork in flight: forks of it may
-    /// follow, any other operation on it fails with `BranchBusy`. Should
-    /// the copy fail (a panic), the child is disposed of.
-    pub fn branch_fork_at(&self, parent: BranchId, at: Option<i32>) -> Result<BranchId> {
+    /// The body of [`Branch::fork`](crate::Branch::fork).
+    pub(crate) fn branch_fork_at(&self, parent: BranchId, at: Option<i32>) -> Result<BranchId> {
         self.check_open()?;
         let made = {
             let mut branches = lock(&self.shared.branches);
@@ -373,10 +347,8 @@ impl Context {
         Ok(child)
     }
 
-    /// BlinkKV for a branch: clear its KV and decode `sinks + tail` at
-    /// positions from 0. Sampler (penalty history, random stream), grammar,
-    /// metrics and children are untouched; the logits become the tail's.
-    pub fn branch_clear_and_reseed(
+    /// The body of [`Branch::clear_and_reseed`](crate::Branch::clear_and_reseed).
+    pub(crate) fn branch_clear_and_reseed(
         &self,
         id: BranchId,
         sinks: Vec<i32>,
@@ -401,12 +373,8 @@ impl Context {
         self.submit_for(&[id], BranchJob::Reseed { id, tokens, reply });
     }
 
-    /// Drop the branch's KV from `position` on (`0 <= position <= its
-    /// position`), so it continues from there: a rejected speculative draft,
-    /// a backtrack. The logits snapshot becomes `logits` (the distribution
-    /// after the last kept token, e.g. a row of `prefill(all_rows)`), or is
-    /// cleared. Sampler history, metrics and grammar are not rewound.
-    pub fn branch_truncate(
+    /// The body of [`Branch::truncate`](crate::Branch::truncate).
+    pub(crate) fn branch_truncate(
         &self,
         id: BranchId,
         position: i32,
@@ -438,11 +406,8 @@ impl Context {
         }
     }
 
-    /// Prune a branch (`cascade`: with its whole subtree), freeing leases.
-    /// A prune queues behind operations already in flight on the branch
-    /// (the worker runs jobs in order) instead of failing with `BranchBusy`,
-    /// so cleanup after a cancelled commit never leaks the lease.
-    pub fn branch_prune(&self, id: BranchId, cascade: bool, reply: Reply<()>) {
+    /// The body of [`Branch::prune`](crate::Branch::prune).
+    pub(crate) fn branch_prune(&self, id: BranchId, cascade: bool, reply: Reply<()>) {
         let checked = self
             .check_open()
             .and_then(|()| lock(&self.shared.branches).get(id).map(|_| ()));
@@ -457,7 +422,7 @@ impl Context {
     /// and its children become roots (they keep their cells). Queued behind
     /// whatever is in flight; nothing to wait for, and a branch already
     /// gone is no error.
-    pub fn branch_drop(&self, id: BranchId) {
+    pub(crate) fn branch_drop(&self, id: BranchId) {
         if self.check_open().is_err() {
             return;
         }
@@ -489,21 +454,13 @@ impl Context {
         }
     }
 
-    /// [`Context::branch_prune`] on the calling thread, when the worker is
-    /// idle; `None` when it is busy (then call `branch_prune`).
-    pub fn branch_prune_now(&self, id: BranchId, cascade: bool) -> Option<Result<()>> {
+    /// The body of [`Branch::prune_now`](crate::Branch::prune_now).
+    pub(crate) fn branch_prune_now(&self, id: BranchId, cascade: bool) -> Option<Result<()>> {
         self.run_inline(|w| w.prune(id, cascade))
     }
 
-    /// Decode a token tree into `root` in one pass (tree attention): token
-    /// `j` follows `parents[j]` (`-1`: the root's last token), at position
-    /// `root.position + depth`. A prefix shared by several leaves is decoded
-    /// once, its KV cells shared by their sequences (unified KV). Each leaf
-    /// ends as a branch holding its path: the root carries the first leaf,
-    /// the others are new independent branches (one lease each, forked from
-    /// the root before the decode). Every node's logits come back. On a
-    /// failed decode the root is as it was and no branch is created.
-    pub fn branch_prefill_tree(
+    /// The body of [`Branch::prefill_tree`](crate::Branch::prefill_tree).
+    pub(crate) fn branch_prefill_tree(
         &self,
         root: BranchId,
         tokens: Vec<i32>,
@@ -526,27 +483,23 @@ impl Context {
         }
     }
 
-    /// The logits of every position of the branch's last `prefill` with
-    /// `all_rows`, row-major (`n * vocab`), taken (a second call gives
-    /// `None`).
-    pub fn branch_take_rows(&self, id: BranchId) -> Result<Option<Vec<f32>>> {
+    /// The body of [`Branch::take_rows`](crate::Branch::take_rows).
+    pub(crate) fn branch_take_rows(&self, id: BranchId) -> Result<Option<Vec<f32>>> {
         self.check_open()?;
         Ok(lock(&self.shared.branches).get_mut(id)?.rows.take())
     }
 
-    /// Keep `keep`'s KV and prune every other branch.
-    pub fn branch_retain_only(&self, keep: BranchId, reply: Reply<()>) {
+    /// The body of [`Branch::retain_only`](crate::Branch::retain_only).
+    pub(crate) fn branch_retain_only(&self, keep: BranchId, reply: Reply<()>) {
         self.submit_for(&[keep], BranchJob::RetainOnly { keep, reply });
     }
 
-    /// Snapshot a branch: its KV cells, logits and position, framed like
-    /// `kv_cache_save` (model fingerprint + CRC). Sampler state is not
-    /// included: a restored branch gets the parameters you give it.
-    pub fn branch_save(&self, id: BranchId, reply: Reply<Vec<u8>>) {
+    /// The body of [`Branch::save`](crate::Branch::save).
+    pub(crate) fn branch_save(&self, id: BranchId, reply: Reply<Vec<u8>>) {
         self.submit_for(&[id], BranchJob::Save { id, reply });
     }
 
-    /// A new root branch (own lease) from a [`Context::branch_save`] snapshot.
+    /// A new root branch (own lease) from a [`Branch::save`](crate::Branch::save) snapshot.
     pub fn branch_restore(&self, data: Vec<u8>, params: SamplingParams, reply: Reply<BranchId>) {
         match self.check_open().and_then(|()| params.validate()) {
             Ok(()) => self.submit(Job::task(BranchJob::Restore {

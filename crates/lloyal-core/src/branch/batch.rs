@@ -84,7 +84,7 @@ impl Context {
     /// ([`StepInput::Commit`]: accept the token, then decode it) and
     /// prefills ([`StepInput::Prefill`]), all or nothing on its own; groups
     /// do not fail each other. `all_rows` keeps every position's logits of
-    /// a group's prefills (see [`Context::branch_take_rows`]). Each group's
+    /// a group's prefills (see [`Branch::take_rows`](crate::Branch::take_rows)). Each group's
     /// reply gets one result per item. The worker runs the step with the
     /// steps queued next to it, one decode per round: every commit, then
     /// prompt tokens up to `n_batch` (a long prompt spans rounds, and
@@ -115,7 +115,7 @@ impl Context {
     /// Decode a token list into each branch, packed into as few
     /// `llama_decode` calls as `n_batch` allows: a step of one group. With
     /// `all_rows`, every position's logits are kept for
-    /// [`Context::branch_take_rows`] (one decode verifies a whole draft),
+    /// [`Branch::take_rows`](crate::Branch::take_rows) (one decode verifies a whole draft),
     /// not only the last token's.
     pub fn branch_prefill(
         &self,
@@ -130,11 +130,11 @@ impl Context {
         self.branch_step(vec![(items, all_rows, reply)]);
     }
 
-    /// [`Context::branch_produce`] for many branches in one call, one
+    /// [`Branch::produce`](crate::Branch::produce) for many branches in one call, one
     /// result per branch in order (a branch that fails -- gone, busy, a
     /// grammar that cannot continue -- fails alone). Cheap samplers run
     /// here, under the branches lock; the slow ones
-    /// ([`Context::branch_produce_is_slow`]: grammar masks, whole-vocabulary
+    /// ([`Branch::produce_is_slow`](crate::Branch::produce_is_slow): grammar masks, whole-vocabulary
     /// sorts) are detached and sampled outside it, spread over up to
     /// `available_parallelism` threads, and `reply` is answered from there
     /// once every token is chosen. Without a slow one, `reply` is answered

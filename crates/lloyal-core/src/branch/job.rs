@@ -135,7 +135,7 @@ impl Task for BranchJob {
         }
         let busy = self.busy_ids();
         (!busy.is_empty()).then(|| -> Recover {
-            Box::new(move |w: &mut Worker<'_>| clear_busy(&mut lock(&w.shared.branches), busy))
+            Box::new(move |w: &mut Worker<'_>| lock(&w.shared.branches).clear_busy(busy))
         })
     }
 }
@@ -180,14 +180,6 @@ pub(super) fn end_fork(branches: &mut Branches, parent: BranchId) {
     }
 }
 
-pub(crate) fn clear_busy(branches: &mut Branches, ids: impl IntoIterator<Item = BranchId>) {
-    for id in ids {
-        if let Ok(b) = branches.get_mut(id) {
-            b.busy = false;
-        }
-    }
-}
-
 impl Worker<'_> {
     pub(crate) fn execute_branch(&mut self, job: BranchJob) {
         match job {
@@ -226,7 +218,7 @@ impl Worker<'_> {
             }
             BranchJob::Save { id, reply } => {
                 let result = self.save_branch(id);
-                clear_busy(&mut lock(&self.shared.branches), [id]);
+                lock(&self.shared.branches).clear_busy([id]);
                 reply.send(result);
             }
             BranchJob::Restore {
@@ -236,7 +228,7 @@ impl Worker<'_> {
             } => reply.send(self.restore_branch(&data, params)),
             BranchJob::Reseed { id, tokens, reply } => {
                 let result = self.reseed(id, tokens);
-                clear_busy(&mut lock(&self.shared.branches), [id]);
+                lock(&self.shared.branches).clear_busy([id]);
                 reply.send(result);
             }
             BranchJob::Truncate {
@@ -246,12 +238,12 @@ impl Worker<'_> {
                 reply,
             } => {
                 let result = self.truncate(id, position, logits);
-                clear_busy(&mut lock(&self.shared.branches), [id]);
+                lock(&self.shared.branches).clear_busy([id]);
                 reply.send(result);
             }
             BranchJob::RetainOnly { keep, reply } => {
                 let result = self.retain_only(keep);
-                clear_busy(&mut lock(&self.shared.branches), [keep]);
+                lock(&self.shared.branches).clear_busy([keep]);
                 reply.send(result);
             }
             BranchJob::PrefillTree {
@@ -261,7 +253,7 @@ impl Worker<'_> {
                 reply,
             } => {
                 let result = self.prefill_tree(root, &tokens, &parents);
-                clear_busy(&mut lock(&self.shared.branches), [root]);
+                lock(&self.shared.branches).clear_busy([root]);
                 reply.send(result);
             }
         }

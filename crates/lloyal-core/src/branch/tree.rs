@@ -9,7 +9,7 @@ use crate::error::{invalid, Error, Result};
 use crate::state::BranchId;
 use crate::sync::lock;
 
-/// What [`Context::branch_prefill_tree`](crate::Context::branch_prefill_tree) gives back.
+/// What [`Branch::prefill_tree`](crate::Branch::prefill_tree)(crate::Context::branch_prefill_tree) gives back.
 #[derive(Debug)]
 pub struct TreeOutcome {
     /// One branch per leaf of the tree, in node order: `(leaf node,

@@ -27,13 +27,17 @@
 //! `run` (the worker's loop), `worker` (the decode primitives), `job` (the
 //! jobs and the `Task` trait other modules implement), `step` (the one
 //! batching mechanism: groups of commits and prefills, their failure
-//! rules; the rounds themselves run in `branch::decode`), `reply`, `shared`.
+//! rules), `rounds` (a step's rounds: one decode each, the undo of a
+//! failed group), `scan` (logits rows copied and scanned on OpenMP
+//! threads), `reply`, `shared`. No engine file uses `crate::branch`.
 
 mod adapters;
 mod handle;
 mod job;
 mod reply;
+mod rounds;
 mod run;
+mod scan;
 mod shared;
 mod start;
 pub(crate) mod step;

@@ -5,7 +5,7 @@
 //! issued. Each group's items are commits (one token, accepted by the
 //! branch's sampler, grammar and perplexity first) or prefills (a token
 //! list). The worker merges the steps queued back to back into one and runs
-//! it in rounds (`branch::decode`), each round one decode of at most
+//! it in rounds (`rounds`), each round one decode of at most
 //! `n_batch` tokens where it can: every commit waiting, then prompt tokens
 //! in arrival order to fill the batch (chunked prefill). A long prompt so
 //! takes several rounds, and the commits that arrive meanwhile join the

@@ -32,7 +32,7 @@ pub(super) struct Engine {
 /// Everything the worker thread owns.
 pub(crate) struct Worker<'m> {
     /// Work left running on llama.cpp's OpenMP threads after the last job
-    /// (see `branch::decode`'s `rows_logits`), finished before the next one.
+    /// (see `rounds`' `rows_logits`), finished before the next one.
     /// Dropped first, on the worker thread (the only one that may end it).
     pub(crate) background: Option<crate::omp::Background>,
     /// How many threads its decodes use (see `threads`).

@@ -346,11 +346,8 @@ impl Context {
         self.submit(Job::task(Positions { media, reply }));
     }
 
-    /// Encode `media` and decode it into branch `id` at its position;
-    /// replies with the positions it took. The branch's logits become
-    /// those after it when the model closes media with text tokens, and
-    /// are cleared otherwise. On any error the branch is as it was.
-    pub fn branch_prefill_media(&self, id: BranchId, media: Media, reply: Reply<i32>) {
+    /// The body of [`Branch::prefill_media`](crate::Branch::prefill_media).
+    pub(crate) fn branch_prefill_media(&self, id: BranchId, media: Media, reply: Reply<i32>) {
         self.submit(Job::task(PrefillMedia { id, media, reply }));
     }
 }

@@ -184,6 +184,16 @@ impl Branches {
             .ok_or(Error::BranchDisposed)
     }
 
+    /// Mark these branches idle again: the operation that marked them busy
+    /// has finished. Branches pruned meanwhile are skipped.
+    pub(crate) fn clear_busy(&mut self, ids: impl IntoIterator<Item = BranchId>) {
+        for id in ids {
+            if let Ok(b) = self.get_mut(id) {
+                b.busy = false;
+            }
+        }
+    }
+
     /// `id` and its descendants, children before parents.
     pub fn subtree_post_order(&self, id: BranchId) -> Result<Vec<BranchId>> {
         let mut order = Vec::new();

@@ -7,10 +7,9 @@ use std::sync::Arc;
 
 use llama_cpp_2::token::LlamaToken;
 
-use super::job::clear_busy;
 use super::scan::{copy_and_scan, log_sum_exps, reuse, BACKGROUND_SUMS_UP_TO};
-use crate::engine::step::{Group, Input, ItemResults, Progress, Step, Undo, Work};
-use crate::engine::{Reply, Worker};
+use super::step::{Group, Input, ItemResults, Progress, Step, Undo, Work};
+use super::{Reply, Worker};
 use crate::error::{Error, Result};
 use crate::metrics::LogitStats;
 use crate::state::BranchId;
@@ -41,13 +40,13 @@ struct Captured {
 }
 
 impl Worker<'_> {
-    pub(super) fn shared_pos_len(&self) -> i32 {
+    pub(crate) fn shared_pos_len(&self) -> i32 {
         lock(&self.shared.branches).n_seq_max() as i32
     }
 
     /// Put the KV cache and the branches back as they were before a failed
     /// batch. KV first (no lock held), then the Rust-side state.
-    pub(super) fn undo(&mut self, undo: Vec<Undo>) {
+    pub(crate) fn undo(&mut self, undo: Vec<Undo>) {
         for u in &undo {
             let _ = self.remove_cells(u.seq, u32::try_from(u.position).ok(), None);
             self.refresh_seq(u.seq);
@@ -69,7 +68,7 @@ impl Worker<'_> {
 
     /// Keep a replaced snapshot for reuse if nobody else holds it (forks
     /// share snapshots until they decode).
-    pub(super) fn recycle(&mut self, old: Arc<[f32]>) {
+    pub(crate) fn recycle(&mut self, old: Arc<[f32]>) {
         if Arc::strong_count(&old) == 1 && self.logit_pool.len() < 256 {
             self.logit_pool.push(old);
         }
@@ -90,7 +89,7 @@ impl Worker<'_> {
     ///   the value itself (the same bits). Batches of more than
     ///   `BACKGROUND_SUMS_UP_TO` logits are summed in the first pass
     ///   instead, while each piece is in the cache.
-    pub(super) fn rows_logits(&mut self, rows: &[(i32, bool)]) -> Vec<(Arc<[f32]>, LogitStats)> {
+    pub(crate) fn rows_logits(&mut self, rows: &[(i32, bool)]) -> Vec<(Arc<[f32]>, LogitStats)> {
         self.finish_background();
         let threads = self.threads.now();
         let pool = &mut self.logit_pool;
@@ -161,12 +160,12 @@ impl Worker<'_> {
     /// Free the branches of a step whose round panicked (their callers are
     /// answered by the dropped replies).
     pub(crate) fn abandon_step(&mut self, ids: Vec<BranchId>) {
-        clear_busy(&mut lock(&self.shared.branches), ids);
+        lock(&self.shared.branches).clear_busy(ids);
     }
 
     /// Run `group` to the end on its own, now (for jobs that prefill as
     /// one of their steps).
-    pub(super) fn run_group(
+    pub(crate) fn run_group(
         &mut self,
         items: Vec<(BranchId, Input)>,
         all_rows: bool,
@@ -413,7 +412,7 @@ impl Worker<'_> {
         };
         if let Some(error) = progress.failed {
             self.undo(progress.undo);
-            clear_busy(&mut lock(&self.shared.branches), group.ids);
+            lock(&self.shared.branches).clear_busy(group.ids);
             return group.reply.send(Err(error));
         }
         for w in &progress.work {
@@ -434,7 +433,7 @@ impl Worker<'_> {
                 }
             }
         }
-        clear_busy(&mut branches, group.ids);
+        branches.clear_busy(group.ids);
         drop(branches);
         group.reply.send(Ok(progress.results));
     }
