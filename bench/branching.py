@@ -7,7 +7,8 @@ report aggregate tok/s. The raw loop runs in a child process that keeps its
 context; the two sides take turns in chunks of CHUNK steps (STEPS x RUNS
 steps each in all), so a slow second of this shared machine hits both
 alike. The ratio is the median over chunk pairs of Python tok/s / raw
-tok/s; the tok/s columns are totals. The Python column commits with one
+tok/s, with the lowest and highest pair beside it (the host's noise); the
+tok/s columns are totals. The Python column commits with one
 ``BranchStore.commit`` per step; "tasks ratio" is the same loop written
 as one task per branch, each awaiting ``branch.commit`` (the worker merges
 their commits: see docs/batching.md), measured against a raw run of its
@@ -258,7 +259,7 @@ def main() -> None:
         extra = f" {'llama-cpp-python':>17} {'ours/lcp':>9}" if lcp else ""
         print(
             f"{'N':>4} {'llama.cpp ref':>13} {'raw Rust':>10} {'Python':>10} {'ratio':>7}"
-            f" {'tasks ratio':>12}{extra}"
+            f" {'(min-max)':>13} {'tasks ratio':>12} {'(min-max)':>13}{extra}"
         )
         rows: list[dict[str, float | None]] = []
         forks: dict[int, dict[str, object]] = {}
@@ -281,14 +282,19 @@ def main() -> None:
                 args.loop,
             )
             r_med, p_med = n * total / sum(raw), n * total / sum(py)
-            ratio = median([r / p for r, p in zip(raw, py, strict=True)])
-            tasks_ratio = median([r / t for r, t in zip(raw_t, tasks, strict=True)])
+            pairs = [r / p for r, p in zip(raw, py, strict=True)]
+            pairs_t = [r / t for r, t in zip(raw_t, tasks, strict=True)]
+            ratio, tasks_ratio = median(pairs), median(pairs_t)
             row: dict[str, float | None] = {
                 "n": n,
                 "raw": r_med,
                 "python": p_med,
                 "ratio": ratio,
+                "ratio_min": min(pairs),
+                "ratio_max": max(pairs),
                 "tasks_ratio": tasks_ratio,
+                "tasks_ratio_min": min(pairs_t),
+                "tasks_ratio_max": max(pairs_t),
                 "lcp": None,
             }
             rows.append(row)
@@ -296,7 +302,8 @@ def main() -> None:
             ref_text = f"{ref:>13}" if ref else f"{'-':>13}"
             line = (
                 f"{n:>4} {ref_text} {r_med:>10.1f} {p_med:>10.1f} {ratio:>6.3f}x"
-                f" {tasks_ratio:>11.3f}x"
+                f" {f'({min(pairs):.3f}-{max(pairs):.3f})':>13}"
+                f" {tasks_ratio:>11.3f}x {f'({min(pairs_t):.3f}-{max(pairs_t):.3f})':>13}"
             )
             if lcp:
                 out = run_json(

@@ -173,3 +173,64 @@ async def test_bad_gpu_layer_options_are_refused(model: Path) -> None:
         lloyal.fit_gpu_layers(model, fit_margin=-1)
     with pytest.raises(FileNotFoundError):
         lloyal.fit_gpu_layers(model.with_name("missing.gguf"))
+
+
+async def test_a_call_answered_at_once_needs_no_wake_up(
+    smollm2: Path, anyio_backend_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A native call answered while it is made (greedy picks for a store:
+    no sampler thread) is settled before it is awaited, with no round trip
+    through the worker's wake-up; a decode, answered by the worker, still
+    wakes the loop. Under asyncio the caller does not even yield; under
+    trio no wake-up callback runs for it."""
+    wakes: list[int] = []
+    wake_all = _bridge._wake_all
+
+    def counted(items: list[tuple[object, object]]) -> None:
+        wakes.append(len(items))
+        wake_all(items)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_bridge, "_wake_all", counted)
+    async with await lloyal.create_context(smollm2, n_ctx=256, n_seq_max=3) as ctx:
+        root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await root.prefill(await ctx.tokenize("1, 2, 3, 4,"))
+        kids = [await root.fork(), await root.fork()]
+        store = lloyal.BranchStore(ctx)
+
+        def probe() -> list[int]:
+            """A callback the loop runs only if the caller yields."""
+            ran: list[int] = []
+            if anyio_backend_name != "trio":
+                asyncio.get_running_loop().call_soon(ran.append, 1)
+            return ran
+
+        wakes.clear()
+        ran = probe()
+        picks = await store.produce(kids)
+        assert (ran, wakes) == ([], [])
+        ran = probe()
+        await store.commit([(k, p.token) for k, p in zip(kids, picks, strict=True)])
+        if anyio_backend_name == "trio":
+            assert wakes, "the worker's answer wakes the run"
+        else:
+            assert ran, "the worker's answer is awaited"
+        await root.prune_subtree()
+
+
+def test_a_loop_without_add_reader_settles_a_ready_answer_at_once(smollm2: Path) -> None:
+    async def main() -> list[int]:
+        async with await lloyal.create_context(smollm2, n_ctx=256, n_seq_max=2) as ctx:
+            root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+            await root.prefill(await ctx.tokenize("1, 2, 3, 4,"))
+            ran: list[int] = []
+            asyncio.get_running_loop().call_soon(ran.append, 1)
+            await lloyal.BranchStore(ctx).produce([root])
+            seen = list(ran)
+            await root.prune()
+            return seen
+
+    loop = _NoReaderLoop()
+    try:
+        assert loop.run_until_complete(main()) == []
+    finally:
+        loop.close()

@@ -325,6 +325,12 @@ def test_bad_input_is_refused_and_leaves_the_state_usable(smollm2: Path) -> None
                 await s.fork(2)
             with pytest.raises(lloyal.GrammarError):
                 await s.gen(regex="(")
+            # Refused with per-call sampling: the state's sampling stays.
+            before = s.branch.sampler_params
+            for refused in ({"regex": "("}, {"regex": "a\\"}, {"json_schema": {"type": "x"}}):
+                with pytest.raises((lloyal.GrammarError, ValueError)):
+                    await s.gen(temperature=0.9, top_p=0.5, **refused)  # type: ignore[arg-type]
+                assert s.branch.sampler_params == before, refused
             assert s.text == "The capital of France is"
             assert await s.select("city", [" Paris", " London"]) == " Paris"
             await s.close()

@@ -19,6 +19,13 @@ for whichever event loop is running:
   their run's ``TrioToken`` (one wake-up for the batch, and the tasks run
   in the same round).
 
+A call the native side answers while it is being made (a validation
+error, a greedy produce, a short job run on the caller's thread) is
+settled before ``call_native`` returns: asyncio's future is already done
+when awaited (the caller goes on without yielding), and trio's task finds
+its result at its checkpoint; neither goes through the socket or a
+wake-up.
+
 Cancelling the awaiting task abandons the wait; the native operation still
 runs to completion on the worker.
 """
@@ -68,6 +75,13 @@ class _LoopWaker:
             loop.add_reader(self._queue.read_fd, self._queue.settle)
         except NotImplementedError:
             self._queue = None  # closes both ends
+
+    def settle_ready(self) -> None:
+        """Settle what is queued now, on the loop's thread: the answer of a
+        call made just now that the native side knew at once."""
+        queue = self._queue
+        if queue is not None and queue.pending:
+            queue.settle()
 
     def completion(self, fut: asyncio.Future[Any]) -> _lloyal.Completion | Done:
         """The ``done`` object that settles ``fut`` from the worker."""
@@ -130,7 +144,12 @@ def call_native(start: Start) -> Awaitable[Any]:
         return _call_native_trio(start)
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[Any] = loop.create_future()
-    start(_waker(loop).completion(fut))
+    waker = _waker(loop)
+    start(waker.completion(fut))
+    # Answered already (an error, a greedy produce, a job run inline)?
+    # Then the future is done before it is awaited: no round trip through
+    # the socket and the loop, and the caller goes on without yielding.
+    waker.settle_ready()
     return fut
 
 
@@ -167,11 +186,22 @@ def _deliver(calls: list[tuple[Done, BaseException | None, Any]]) -> None:
     per loop."""
     by_run: dict[Any, list[tuple[Callable[[Any], None], Any]]] = {}
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, Any]]] = {}
+    # Answers given on the thread that waits for them (a call answered
+    # while it was made) are delivered here and now, without a wake-up.
+    here_loop = asyncio._get_running_loop()
+    here_run = _current_trio_token() if here_loop is None and _in_trio() else None
     for done, error, value in calls:
         if isinstance(done, _TrioDone):
-            by_run.setdefault(done.token, []).append((done.wake, _outcome(error, value)))
+            if done.token is here_run:
+                done.wake(_outcome(error, value))
+            else:
+                by_run.setdefault(done.token, []).append((done.wake, _outcome(error, value)))
         elif isinstance(done, _LoopDone):
-            by_loop.setdefault(done.fut.get_loop(), []).append((done.fut, error, value))
+            loop = done.fut.get_loop()
+            if loop is here_loop:
+                _settle(done.fut, error, value)
+            else:
+                by_loop.setdefault(loop, []).append((done.fut, error, value))
         else:
             done(error, value)
     for loop, results in by_loop.items():
@@ -184,6 +214,15 @@ def _deliver(calls: list[tuple[Done, BaseException | None, Any]]) -> None:
     for token, wakes in by_run.items():
         with contextlib.suppress(trio.RunFinishedError):
             token.run_sync_soon(_wake_all, wakes)
+
+
+def _current_trio_token() -> Any:
+    import trio
+
+    try:
+        return trio.lowlevel.current_trio_token()
+    except RuntimeError:  # not in a trio run after all
+        return None
 
 
 def _call_native_trio(start: Start) -> Awaitable[Any]:

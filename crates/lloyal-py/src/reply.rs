@@ -142,6 +142,15 @@ impl ResultQueue {
         end::handle(&self.shared.read)
     }
 
+    /// Whether results are queued: a call answered while it was being made
+    /// (a validation error, a greedy produce, a job run on the caller's
+    /// thread) is settled at once by `call_native`, without waiting for the
+    /// loop to see the socket.
+    #[getter]
+    fn pending(&self) -> bool {
+        !self.shared.items().is_empty()
+    }
+
     /// Settle every queued future with its result, oldest first (a future
     /// already done -- cancelled while the worker ran -- is skipped). The
     /// event loop's reader callback for [`Self::read_fd`].

@@ -287,10 +287,17 @@ class ProgramState:
         stops = _stops(stop)
         branch = self._live()
         await self.flush()
+        # The grammar first: one that is refused leaves the state as it was
+        # (its sampling too).
         grammar = _grammar(regex, json_schema)
-        changed = self._sampling(temperature, top_p)
         if grammar is not None:
             branch.set_grammar(**grammar)
+        try:
+            changed = self._sampling(temperature, top_p)
+        except BaseException:
+            if grammar is not None:
+                branch.set_grammar()
+            raise
         start = branch.position
         # Where a stop string cuts every generated token off, the branch
         # goes back to here, logits and all.
