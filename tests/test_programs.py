@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from lloyal.programs import choice_logprobs
 
+from tests.conftest import ROUTE_NOISE, route_distance
+
 NO_EOS = {t: -100.0 for t in range(3)}
 """Bias keeping both test models off their end tokens (ids 1 and 2)."""
 
@@ -267,6 +269,69 @@ def test_chat_turns_are_the_template_text(model: Path) -> None:
                 assert s.text == rendered.prompt
                 s += lloyal.assistant()
                 assert await s.gen("again", max_tokens=6)
+
+    run(main)
+
+
+# A template that rewrites earlier text as turns are added: only the last
+# message is marked, so every new turn changes the one before it.
+_MARK_LAST = (
+    "{% for m in messages %}{% if loop.last %}>> {% endif %}"
+    "{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def test_a_rewriting_template_is_synced_as_a_session_syncs(model: Path) -> None:
+    """A turn whose template rewrites earlier text re-renders the chat, as
+    a Session does: the text is the template's render of the messages,
+    and the branch keeps the tokens it shares with it and re-decodes from
+    the first changed one (the same KV as decoding the text afresh)."""
+
+    async def main() -> None:
+        async with await lloyal.create_context(model, n_ctx=1024, n_seq_max=2) as ctx:
+            s = await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY, chat_template=_MARK_LAST)
+            s += "Preamble. "  # before the chat: kept as it is
+            s += lloyal.user("What colour is the sky?")
+            s += lloyal.assistant()
+            await s.gen("answer", max_tokens=4)
+            s += lloyal.user("And grass?")
+            rendered = ctx.format_chat(
+                s.messages, add_generation_prompt=False, template=_MARK_LAST
+            ).prompt
+            assert s.text == "Preamble. " + rendered
+            held = s.branch.position
+            decoded = ctx.stats.tokens_decoded
+            await s.flush()
+            fresh = await ctx.tokenize(s.text)
+            assert s.branch.position == len(fresh)
+            # Only the tail from the first changed token was decoded again.
+            assert 0 < ctx.stats.tokens_decoded - decoded < len(fresh)
+            assert s.branch.position - held < len(fresh)
+            again = lloyal.Branch.create(ctx, lloyal.GREEDY)
+            await again.prefill(fresh)
+            assert route_distance(again.logits, s.branch.logits) <= ROUTE_NOISE
+            await again.prune()
+            s += lloyal.assistant()
+            assert await s.gen("again", max_tokens=3)
+            await s.close()
+
+    run(main)
+
+
+def test_a_rewriting_template_after_text_of_its_own_is_refused(smollm2: Path) -> None:
+    async def main() -> None:
+        async with await lloyal.create_context(smollm2, n_ctx=512) as ctx:
+            s = await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY, chat_template=_MARK_LAST)
+            s += lloyal.user("Hi")
+            s += "a note of the program's own\n"
+            text, messages = s.text, s.messages
+            with pytest.raises(ValueError, match="rewrites earlier text"):
+                s += lloyal.user("Again")
+            assert (s.text, s.messages) == (text, messages)
+            await s.flush()
+            assert await s.select("x", [" yes", " no"])
+            await s.close()
 
     run(main)
 

@@ -17,11 +17,9 @@ checks it), about a hundred lines of this file; the code is under 550.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import json
 import os
-import re
 import struct
 import zlib
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -30,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from lloyal._generation import Generation
+from lloyal._held import Held, with_keys
 from lloyal.branch import Branch
 from lloyal.chat.format import check_messages
 from lloyal.chat.output import ChatOutput
 from lloyal.errors import StateError
-from lloyal.media import MEDIA_MARKER, Media, portable_content
+from lloyal.media import portable_content
 from lloyal.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -74,8 +73,7 @@ class Session:
         *,
         messages: list[dict[str, Any]],
         chat_options: dict[str, Any],
-        held: bytes,
-        ends: list[int],
+        held: Held,
     ) -> None:
         self._ctx = ctx
         self._branch = branch
@@ -83,7 +81,6 @@ class Session:
         self._options = chat_options
         # The bytes the branch's tokens stand for, and where each token ends.
         self._held = held
-        self._ends = ends
         self.tokens_decoded = 0
         """Tokens this session object has decoded (prefills and generation)."""
         self.last_delta = 0
@@ -124,7 +121,7 @@ class Session:
             "enable_thinking": enable_thinking,
         }
         branch = Branch.create(ctx, params)
-        session = cls(ctx, branch, messages=[], chat_options=options, held=b"", ends=[])
+        session = cls(ctx, branch, messages=[], chat_options=options, held=Held())
         try:
             if messages:
                 await session.extend(messages)
@@ -149,8 +146,7 @@ class Session:
     def text(self) -> str:
         """The text the branch's KV holds (a :data:`MEDIA_MARKER
         <lloyal.MEDIA_MARKER>` for each medium)."""
-        held = _KEY.sub(MEDIA_MARKER.encode(), self._held)
-        return held.decode("utf-8", errors="replace")
+        return self._held.text
 
     def render(self, *, add_generation_prompt: bool = True) -> ChatPrompt:
         """The whole chat rendered now (what the branch is synced to).
@@ -323,21 +319,17 @@ class Session:
         # The answer's bytes, joined onto what the branch holds at the end
         # (appending to one bytes object per token would copy it each time).
         held: list[bytes] = []
-        at = len(self._held)
         try:
             async with contextlib.aclosing(gen.drive(branch)) as steps:
                 async for step in steps:
                     if step.token is not None:
                         self.tokens_decoded += 1
                         special = step.token in preserved
-                        piece = self._ctx.token_bytes(step.token, render_special=special)
-                        held.append(piece)
-                        at += len(piece)
-                        self._ends.append(at)
+                        held.append(self._ctx.token_bytes(step.token, render_special=special))
                     if step.text:
                         yield step.text
         finally:
-            self._held += b"".join(held)
+            self._held.extend(held)
             if grammar is not None:
                 branch.set_grammar(None)
             gen.close()  # (left early: the text held back is the answer's too)
@@ -406,8 +398,7 @@ class Session:
             child,
             messages=self.messages,
             chat_options=dict(self._options),
-            held=self._held,
-            ends=list(self._ends),
+            held=self._held.copy(),
         )
         return twin
 
@@ -430,8 +421,8 @@ class Session:
             {
                 "messages": self._messages,
                 "options": self._options,
-                "held": self._held.hex(),
-                "ends": self._ends,
+                "held": self._held.data.hex(),
+                "ends": self._held.ends,
             }
         ).encode()
         state = await self._branch.save()
@@ -491,7 +482,7 @@ class Session:
         if branch.position != len(ends):
             await branch.prune()
             raise StateError("the saved session's text and KV state disagree")
-        return cls(ctx, branch, messages=messages, chat_options=options, held=held, ends=ends)
+        return cls(ctx, branch, messages=messages, chat_options=options, held=Held(held, ends))
 
     @classmethod
     async def load_file(
@@ -536,116 +527,18 @@ class Session:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def __repr__(self) -> str:
-        return f"<Session messages={len(self._messages)} tokens={len(self._ends)}>"
-
-    # -- the delta -----------------------------------------------------------------
-
     async def _sync(self, chat: ChatPrompt) -> None:
-        """Make the branch hold exactly ``chat``'s prompt: keep the longest
-        prefix (at a token boundary) it holds already, decode the rest.
-        Media are compared by content: each stands in the held bytes as a
-        key of its digest, and all its positions end where the key ends,
-        so a cut never falls inside one."""
-        want, media = _with_keys(chat)
-        if want == self._held:
-            self.last_delta = 0
-            return
-        # Tokens wholly inside the common prefix stay.
-        keep = bisect.bisect_right(self._ends, _common_prefix(self._held, want))
-        if keep > 0 and self._ends[keep - 1] == len(want):
-            keep -= 1  # nothing left to decode: redo the last token for its logits
-        # The cut must fall on a character boundary (and not inside a
-        # medium's run) to tokenize the rest.
-        while keep > 0 and (
-            not _char_boundary(want, self._ends[keep - 1])
-            or (keep < len(self._ends) and self._ends[keep] == self._ends[keep - 1])
-        ):
-            keep -= 1
-        start = self._ends[keep - 1] if keep else 0
-        tokens: list[int] = []
-        ends: list[int] = []
-        at = start
-        for i, piece in enumerate(_KEY.split(want[start:])):
-            if i % 2:  # a medium's digest
-                run = await self._ctx._media.placeholders(media[piece.decode()])
-                at += len(piece) + 2
-                tokens += run
-                ends += [at] * len(run)
-            elif piece:
-                more, more_ends = self._tokenize(
-                    piece.decode(), first=keep == 0 and at == 0, base=at
-                )
-                tokens += more
-                ends += more_ends
-                at += len(piece)
-        if keep < len(self._ends):
-            await self._branch.truncate(keep)
-            self._held, self._ends = self._held[:start], self._ends[:keep]
-        if tokens:
-            await self._branch.prefill(tokens)
-        self._held = want
-        self._ends = self._ends[:keep] + ends
-        self.tokens_decoded += len(tokens)
-        self.last_delta = len(tokens)
+        """Make the branch hold exactly ``chat``'s prompt (see
+        :class:`lloyal._held.Held`)."""
+        want, media = with_keys(chat)
+        self.last_delta = await self._held.sync(self._ctx, self._branch, want, media)
+        self.tokens_decoded += self.last_delta
 
-    def _tokenize(self, text: str, *, first: bool, base: int) -> tuple[list[int], list[int]]:
-        """Tokens of ``text`` and the byte offset each ends at. Tokens
-        whose bytes do not add up to the text (a normalising tokenizer)
-        are treated as one unit, so no cut ever falls inside them."""
-        ctx = self._ctx
-        tokens = ctx.tokenize_sync(text, add_special=bool(first))
-        pieces = [ctx.token_bytes(t, render_special=True) for t in tokens]
-        data = text.encode()
-        if first and tokens and ctx.bos_token is not None and tokens[0] == ctx.bos_token:
-            if not data.startswith(pieces[0]):
-                pieces[0] = b""  # the tokenizer added BOS; the text has none
-            elif len(tokens) > 1 and tokens[1] == tokens[0]:
-                tokens, pieces = tokens[1:], pieces[1:]  # the template wrote BOS too
-        ends, at = [], base
-        for piece in pieces:
-            at += len(piece)
-            ends.append(at)
-        if b"".join(pieces) != data:
-            ends = [base + len(data)] * len(tokens)
-        return tokens, ends
-
-
-# A medium in the held bytes: its digest between NUL bytes (no template
-# writes NUL).
-_KEY = re.compile(rb"\x00([0-9a-f]{64})\x00")
-
-
-def _with_keys(chat: ChatPrompt) -> tuple[bytes, dict[str, Media]]:
-    """The prompt's bytes with each media marker replaced by its medium's
-    key, and the media by digest."""
-    pieces = chat.prompt.split(MEDIA_MARKER)
-    out = [pieces[0].encode()]
-    for medium, piece in zip(chat.media, pieces[1:], strict=True):
-        out.append(b"\x00" + medium.digest.encode() + b"\x00")
-        out.append(piece.encode())
-    return b"".join(out), {m.digest: m for m in chat.media}
+    def __repr__(self) -> str:
+        return f"<Session messages={len(self._messages)} tokens={self._held.tokens}>"
 
 
 def _text(content: object) -> str:
     if not isinstance(content, str):
         raise TypeError(f"content must be str, got {type(content).__name__}")
     return content
-
-
-def _common_prefix(a: bytes, b: bytes) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n
-    while lo < hi:  # the first differing byte, by halving
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _char_boundary(data: bytes, at: int) -> bool:
-    return at >= len(data) or (data[at] & 0xC0) != 0x80

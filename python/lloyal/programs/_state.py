@@ -1,5 +1,9 @@
 """The state a program writes to: text, chat turns, generations and choices
-on one branch, forked into siblings that share its KV prefix."""
+on one branch, forked into siblings that share its KV prefix.
+
+Length: every public method carries a runnable example (tests/test_docs.py
+checks it), about a hundred lines of this file; the code is under 530.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from lloyal import _check
 from lloyal._generation import Generation
+from lloyal._held import Held
 from lloyal.branch import Branch
 from lloyal.errors import StateError
 from lloyal.programs._roles import Chat, Turn
@@ -46,14 +51,24 @@ class ProgramState:
     """
 
     def __init__(
-        self, ctx: Context, branch: Branch, params: SamplingParams | None, chat: Chat
+        self,
+        ctx: Context,
+        branch: Branch,
+        params: SamplingParams | None,
+        chat: Chat,
+        held: Held | None = None,
     ) -> None:
         self._ctx = ctx
         self._branch: Branch | None = branch
         self._params = params
         self._chat = chat
         self._text = ""
+        # What the branch holds (as a Session's does), the text appended
+        # since, and the whole text to hold instead when a chat template
+        # rewrote earlier text (synced by the next flush).
+        self._held = held if held is not None else Held(base=branch.position)
         self._pending = ""
+        self._want: bytes | None = None
         # A generation's last token: chosen (accepted by the sampler), not
         # decoded yet. It waits for whatever comes next, so that it is
         # decoded with it, or never if the state ends.
@@ -157,7 +172,19 @@ class ProgramState:
     def __iadd__(self, other: str | Turn) -> ProgramState:
         self._live()
         if isinstance(other, Turn):
-            self._append(self._chat.turn_text(self._ctx, other))
+            mark = (len(self._text), len(self._stream()))
+            added, rendered = self._chat.add(self._ctx, other)
+            if self._chat.start is None:
+                self._chat.start = mark
+            if added is not None:
+                self._append(added)
+            else:
+                # The template rewrote earlier text: the chat's text is the
+                # new render, and the next flush syncs the branch to it.
+                chars, at = self._chat.start
+                self._want = self._stream()[:at] + rendered.encode()
+                self._text = self._text[:chars] + rendered
+                self._pending = ""
         elif isinstance(other, str):
             self._chat.append_text(other)
             self._append(other)
@@ -169,7 +196,18 @@ class ProgramState:
 
     def _append(self, text: str) -> None:
         self._text += text
-        self._pending += text
+        if self._want is not None:
+            self._want += text.encode()
+        else:
+            self._pending += text
+
+    def _stream(self) -> bytes:
+        """The bytes the branch is to hold once flushed."""
+        if self._want is not None:
+            return self._want
+        deferred = self._deferred
+        last = b"" if deferred is None else self._ctx.token_bytes(deferred, render_special=True)
+        return self._held.data + last + self._pending.encode()
 
     def _live(self) -> Branch:
         if self._branch is None:
@@ -193,19 +231,16 @@ class ProgramState:
         (0, True)
         """
         branch = self._live()
-        if not self._pending and self._deferred is None:
+        if not self._pending and self._deferred is None and self._want is None:
             return
-        tokens = [] if self._deferred is None else [self._deferred]
-        if self._pending:
-            first = branch.position == 0 and not tokens
-            text = self._ctx.tokenize_sync(self._pending, add_special=first)
-            bos = self._ctx.bos_token
-            if first and len(text) > 1 and text[0] == text[1] == bos:
-                text = text[1:]  # the template wrote BOS and the tokenizer added one
-            tokens += text
-        await branch.prefill(tokens)
+        # Session's delta sync: the deferred token is decoded as itself,
+        # what follows it tokenized; a rewritten chat is re-decoded from
+        # its first changed token.
+        first = () if self._deferred is None else (self._deferred,)
+        await self._held.sync(self._ctx, branch, self._stream(), first=first)
         self._pending = ""
         self._deferred = None
+        self._want = None
 
     # -- generation ------------------------------------------------------------
 
@@ -338,6 +373,9 @@ class ProgramState:
             # Also when the stream is closed early or a step fails: the
             # text is what the branch holds.
             gen.close()
+            if not branch.disposed:  # the tokens of this generation the branch holds
+                decoded = gen.tokens[: branch.position - start]
+                self._held.extend([self._ctx.token_bytes(t, render_special=True) for t in decoded])
             out = gen.output
             self._text += out
             self._chat.append_text(out)
@@ -387,11 +425,14 @@ class ProgramState:
         """
         branch = self._live()
         await self.flush()
+        start = branch.position
         picked, scores, kept = await choose(self._ctx, branch, choices, normalize=normalize)
         if kept is not branch:
             await branch.prune()
             self._branch = kept
         text = choices[picked]
+        decoded = self._ctx.tokenize_sync(text, add_special=False)[: kept.position - start]
+        self._held.extend([self._ctx.token_bytes(t) for t in decoded])
         self._text += text
         self._chat.append_text(text)
         self._scores[name] = scores
@@ -440,7 +481,9 @@ class ProgramState:
                 child = await branch.fork(root=True)
                 seed = random.getrandbits(32) if base is None else _fork_seed(base, self._forks + i)
                 child.reseed_sampler(seed)
-                state = ProgramState(self._ctx, child, self._params, self._chat.copy())
+                state = ProgramState(
+                    self._ctx, child, self._params, self._chat.copy(), self._held.copy()
+                )
                 state._text = self._text
                 state._captures = dict(self._captures)
                 forks.append(state)
@@ -539,7 +582,9 @@ class ProgramState:
         state._chat = Chat()
         state._chat.messages = [dict(m) for m in data["messages"]]
         state._text = data["text"]
+        state._held = Held()
         state._pending = ""
+        state._want = None
         state._deferred = None
         state._captures = dict(data["captures"])
         state._scores = dict(data["scores"])
