@@ -140,6 +140,44 @@ def test_tool_calls_whole_and_streamed(client: openai.OpenAI) -> None:
     assert (name, json.loads(streamed), finish) == ("get_weather", args, "tool_calls")
 
 
+def test_a_call_cut_by_max_tokens_streams_as_it_collects(client: openai.OpenAI) -> None:
+    """A forced call cut by ``max_tokens``: ``finish_reason: "length"`` with
+    the call and the arguments it got, streamed or not; its markup is never
+    sent again as content (the finish chunk used to repeat it)."""
+    cut = 0
+    for max_tokens in (12, 16, 20, 24):
+        kwargs: dict[str, Any] = {
+            "messages": ASK,
+            "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+        whole = client.chat.completions.create(model="m", **kwargs).choices[0]
+        calls = whole.message.tool_calls or []
+        got = [(c.function.name, c.function.arguments) for c in calls]  # type: ignore[union-attr]
+        content, names, arguments, finish = "", {}, {}, None
+        for chunk in client.chat.completions.create(model="m", stream=True, **kwargs):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for tc in delta.tool_calls or []:
+                names[tc.index] = tc.function.name or names.get(tc.index)  # type: ignore[union-attr]
+                arguments[tc.index] = arguments.get(tc.index, "") + (tc.function.arguments or "")  # type: ignore[union-attr]
+            finish = chunk.choices[0].finish_reason or finish
+        streamed = [(names[i], arguments[i]) for i in sorted(names)]
+        assert (streamed, finish) == (got, whole.finish_reason), max_tokens
+        assert content == (whole.message.content or ""), max_tokens
+        assert "tool_call" not in content, max_tokens
+        if whole.finish_reason == "tool_calls":
+            assert got, max_tokens  # finished within max_tokens
+        else:
+            assert whole.finish_reason == "length", (max_tokens, whole)
+            # Cut before the call was named: nothing; after: the cut call.
+            cut += bool(got)
+            assert all(name == "get_weather" for name, _ in got)
+    assert cut, "some max_tokens cut the call"
+
+
 def test_json_schema_response(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",

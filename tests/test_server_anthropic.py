@@ -175,3 +175,46 @@ def test_a_stop_sequence_is_named_and_cached_input_counted_apart(
     total = cut.usage.input_tokens + cut.usage.cache_read_input_tokens
     counted = client.messages.count_tokens(model="m", messages=kw["messages"])
     assert total == counted.input_tokens
+
+
+def test_a_call_cut_by_max_tokens_is_a_cut_call_streamed_or_not(
+    client: anthropic.Anthropic,
+) -> None:
+    """A forced call that ``max_tokens`` cuts off is a ``tool_use`` block
+    with the input it got and ``stop_reason: "max_tokens"``, the same
+    streamed as whole; never its markup as text, never ``tool_use`` as
+    the stop reason (an agent loop keyed on it would run the tool on cut
+    input). Found with the SDK: the stream ended ``tool_use`` and sent the
+    raw call again as text."""
+    cut = 0
+    for max_tokens in (12, 16, 20, 24):
+        call: dict[str, Any] = {
+            "model": "m",
+            "max_tokens": max_tokens,
+            "extra_body": GREEDY,
+            "tools": [WEATHER],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+            "messages": ASK,
+        }
+        whole = client.messages.create(**call)
+        with client.messages.stream(**call) as stream:
+            final = stream.get_final_message()
+
+        def shape(m: anthropic.types.Message) -> list[tuple[str, Any]]:
+            return [
+                (b.type, (b.name, b.input) if b.type == "tool_use" else getattr(b, "text", ""))
+                for b in m.content
+            ]
+
+        assert shape(final) == shape(whole), max_tokens
+        assert final.stop_reason == whole.stop_reason, max_tokens
+        assert not any("tool_call" in b.text for b in whole.content if b.type == "text")
+        calls = [b for b in whole.content if b.type == "tool_use"]
+        if whole.stop_reason == "tool_use":
+            assert calls, max_tokens  # finished within max_tokens
+        else:
+            assert whole.stop_reason == "max_tokens", (max_tokens, whole)
+            # Cut before the call was named: nothing; after: the cut call.
+            cut += bool(calls)
+            assert all(c.name == "get_weather" and isinstance(c.input, dict) for c in calls)
+    assert cut, "some max_tokens cut the call"

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from lloyal.chat._families import FAMILIES
 from lloyal.chat._markers import THINKING
 from lloyal.chat.budget import ReasoningBudget, Tokenizer
 from lloyal.chat.output import ChatOutput, parse_chat_output
@@ -81,3 +82,30 @@ class ChatPrompt:
             partial=partial,
             thinking_started=self.thinking_started,
         )
+
+    def parse_cut(self, text: str) -> ChatOutput:
+        """Read a reply that ``max_tokens`` cut off: as :meth:`parse`, except
+        that a tool call the cut fell inside stays a call, with the
+        arguments it got (what OpenAI and Anthropic report), and a call's
+        markup cut before it named its function is left out rather than
+        taken for content. Text that merely could have begun a marker
+        stays content.
+
+        >>> from lloyal.chat.prompt import ChatPrompt
+        >>> p = ChatPrompt("", (), "", chat_format="hermes")
+        >>> p.parse_cut('<tool_call>\\n{"name": "get_weather", "arguments": {"ci').tool_calls
+        (ToolCall(name='get_weather', arguments='{"ci', id=None),)
+        >>> p.parse_cut('<tool_call>\\n{"na').content, p.parse_cut("1 < 2 <").content
+        ('', '1 < 2 <')
+        """
+        whole = self.parse(text)
+        cut = self.parse(text, partial=True)
+        if len(cut.tool_calls) > len(whole.tool_calls):
+            return cut
+        family = FAMILIES.get(self.chat_format)
+        markers = family.markers if family is not None else ()
+        if whole.content.startswith(cut.content):
+            tail = whole.content[len(cut.content) :]
+            if any(m and m in tail for m in markers):
+                return cut
+        return whole

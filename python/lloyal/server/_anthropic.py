@@ -270,8 +270,17 @@ def _stop_reason(finish: str, stop: str | None) -> dict[str, Any]:
 
 
 def _input(arguments: str) -> Any:
+    """A call's ``input``. Arguments that ``max_tokens`` cut off are read
+    as the SDKs read a stream's partial JSON (jiter's partial mode), so a
+    reply says the same streamed or not."""
     try:
         return json.loads(arguments) if arguments else {}
+    except ValueError:
+        pass
+    from jiter import from_json
+
+    try:
+        return from_json(arguments.encode(), partial_mode=True)
     except ValueError:
         return {}
 
@@ -368,7 +377,7 @@ async def _stream(
     finish, stop = "stop", None
     async for event in source:
         if event.finish is not None:
-            for out in blocks.feed(choice.closing()):
+            for out in blocks.feed(choice.closing(event.finish)):
                 yield out
             finish = choice.final(event.finish).finish
             stop = event.stop
@@ -379,7 +388,7 @@ async def _stream(
         yield out
     yield {
         "type": "message_delta",
-        "delta": _stop_reason("tool_calls" if blocks.calls else finish, stop),
+        "delta": _stop_reason(finish, stop),
         "usage": {"output_tokens": usage()["output_tokens"]},
     }
     yield {"type": "message_stop"}

@@ -97,11 +97,20 @@ class ChatChoice:
         """What ``more`` text adds to the reply."""
         return self._since_seen(self.stream.feed(more))
 
-    def closing(self) -> list[Delta]:
+    def closing(self, finish: str) -> list[Delta]:
         """What the final parse has that the deltas did not send: text held
-        back as a possible marker's start, a call cut by ``max_tokens``
-        (the stream then ends as the whole reply would)."""
-        return self._since_seen(self.stream.finish()) if self.stream.text else []
+        back as a possible marker's start (the stream then ends as the
+        whole reply would: see :meth:`final`)."""
+        return self._since_seen(self._parsed(finish)) if self.stream.text else []
+
+    def _parsed(self, finish: str) -> ChatOutput:
+        """The whole reply parsed. A call that ``max_tokens`` cut off stays
+        a call, with the arguments it got (as OpenAI and Anthropic report
+        one), not its markup as text: streamed or not, the reply is the
+        same, and its finish says it was cut (``ChatPrompt.parse_cut``)."""
+        if finish == "length":
+            return self.prompt.parse_cut(self.stream.text or self.text)
+        return self.stream.finish() if self.stream.text else self.prompt.parse(self.text)
 
     def _view(self, out: ChatOutput) -> ChatOutput:
         """``out`` as the request asked for it (see ``split_reasoning``)."""
@@ -142,8 +151,7 @@ class ChatChoice:
     def final(self, finish: str) -> Reply:
         """The whole reply (``finish``: why generation ended; a reply with
         calls that stopped finishes with ``"tool_calls"``)."""
-        out = self.stream.finish() if self.stream.text else self.prompt.parse(self.text)
-        out = self._view(out)
+        out = self._view(self._parsed(finish))
         calls = tuple(
             Call(self._id(j, c.id), c.name, c.arguments) for j, c in enumerate(out.tool_calls)
         )

@@ -137,7 +137,7 @@ async def chat_completions(request: Request, state: State) -> Response:
                     "finish_reason": None,
                 }
                 if event.finish is not None:
-                    choice["delta"] = _delta(c.closing())
+                    choice["delta"] = _delta(c.closing(event.finish))
                     choice["finish_reason"] = c.final(event.finish).finish
                 else:
                     choice["delta"] = _delta(c.delta(event.text))
