@@ -178,6 +178,48 @@ def test_a_call_cut_by_max_tokens_streams_as_it_collects(client: openai.OpenAI) 
     assert cut, "some max_tokens cut the call"
 
 
+def test_a_schema_that_says_nothing_of_other_keys_is_closed(client: openai.OpenAI) -> None:
+    """Tool parameters and a response format without ``additionalProperties``
+    are read as closed objects, as llama-server reads them: the model
+    cannot add keys of its own (it did, until ``max_tokens`` cut the call:
+    most clients leave the keyword out)."""
+    params = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+    }
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
+    calls = 0
+    for content in ("What is the weather in Paris?", "Weather for Tokyo and Lima, in detail?"):
+        r = client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": content}],
+            tools=[tool],  # type: ignore[list-item]
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=80,
+            temperature=0,
+        )
+        for call in r.choices[0].message.tool_calls or []:
+            calls += 1
+            assert set(json.loads(call.function.arguments)) == {"city"}  # type: ignore[union-attr]
+        assert r.choices[0].finish_reason == "tool_calls", r
+    assert calls
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 10}},
+        "required": ["answer"],
+    }
+    r = client.chat.completions.create(
+        model="m",
+        messages=ASK,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
+    assert set(json.loads(r.choices[0].message.content or "")) == {"answer"}
+
+
 def test_json_schema_response(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",

@@ -128,6 +128,47 @@ def inline_refs(schema: Mapping[str, Any], what: str = "the schema") -> dict[str
     return dict(walk(top, frozenset()))
 
 
+# Where a JSON schema holds schemas: maps of them, lists of them, one.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with every object that lists ``properties`` and says
+    nothing of other keys closed (``additionalProperties: false``), as
+    llama.cpp's converter (and so llama-server) reads tool parameters and
+    response formats. JSON Schema's default would let a model add keys of
+    its own until ``max_tokens`` cuts the call, and most clients leave the
+    keyword out. An object that opens itself (``additionalProperties``,
+    ``patternProperties``, ``unevaluatedProperties``) or lists no
+    properties is left as it is.
+
+    >>> closed_objects({"type": "object", "properties": {"a": {"type": "object",
+    ...     "properties": {"b": {}}}}, "additionalProperties": True})
+    {'type': 'object', 'properties': {'a': {'type': 'object', 'properties': {'b': {}}, \
+'additionalProperties': False}}, 'additionalProperties': True}
+    """
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: closed_objects(v) for name, v in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(v) for v in out[key]]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), list):  # draft 4 tuple items
+            out[key] = [closed_objects(v) for v in out[key]]
+        elif key in out:
+            out[key] = closed_objects(out[key])
+    opened = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if isinstance(out.get("properties"), Mapping) and not any(k in out for k in opened):
+        out["additionalProperties"] = False
+    return out
+
+
 def _functions(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The ``function`` objects of OpenAI-style tools (bare function objects
     are accepted too), checked enough to build a grammar from."""
@@ -324,7 +365,7 @@ def prepare_chat(
     if not functions:
         grammar = None
         if json_schema is not None:
-            grammar = f"start: %json {inline_json(json_schema)}\n"
+            grammar = f"start: %json {inline_json(closed_objects(json_schema))}\n"
         rendered = [dict(m) for m in messages] if native else _as_text(messages, None)
         return ToolSpec(
             rendered, variables, chat_format if tools else "content", grammar, (), think, opens
@@ -332,12 +373,13 @@ def prepare_chat(
     allowed, required = _chosen(functions, tool_choice)
     ids = {m: special_id(m) for m in FAMILIES[chat_format].markers}
     specials = {m: i for m, i in ids.items() if i is not None}
-    grammar, triggers = tool_grammar(chat_format, allowed, parallel_tool_calls, specials)
+    closed = [{**f, "parameters": closed_objects(f["parameters"])} for f in allowed]
+    grammar, triggers = tool_grammar(chat_format, closed, parallel_tool_calls, specials)
     if json_schema is not None and not required:
         # Tools and a reply format, as OpenAI takes them: the reply is the
         # calls or an answer in the format, from its first token.
         calls = re.sub(r"^start:", "tool_calls_:", grammar, count=1, flags=re.M)
-        grammar = f"start: tool_calls_ | %json {inline_json(json_schema)}\n{calls}"
+        grammar = f"start: tool_calls_ | %json {inline_json(closed_objects(json_schema))}\n{calls}"
         triggers = ()
     if native:
         variables["tools"] = [{"type": "function", "function": f} for f in functions]
