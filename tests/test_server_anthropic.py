@@ -11,8 +11,10 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
+from lloyal.models import model_path
 
 from tests._hang import HANG_GUARD_S
+from tests.conftest import open_sync
 from tests.server_fuzz import start_server, stop_server
 
 WEATHER: dict[str, Any] = {
@@ -218,3 +220,53 @@ def test_a_call_cut_by_max_tokens_is_a_cut_call_streamed_or_not(
             cut += bool(calls)
             assert all(c.name == "get_weather" and isinstance(c.input, dict) for c in calls)
     assert cut, "some max_tokens cut the call"
+
+
+def test_a_final_assistant_message_is_continued(client: anthropic.Anthropic) -> None:
+    """A final assistant message is a prefill: the reply continues its text
+    (the usual way to force a format), and the prompt is the chat up to the
+    assistant's opener, then that text (it used to be closed as a turn of
+    its own, and a new one opened after it)."""
+    lead = "The capital of France is"
+    chat: list[Any] = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": lead},
+    ]
+    reply = client.messages.create(model="m", max_tokens=4, extra_body=GREEDY, messages=chat)
+    assert reply.content[0].type == "text"
+    assert "Paris" in reply.content[0].text
+    assert not reply.content[0].text.startswith(lead)
+    ctx = open_sync(model_path("smollm2"), n_ctx=512)
+    try:
+        expected = ctx.tokenize_sync(ctx.format_chat(chat[:1]).prompt + lead)
+    finally:
+        ctx.close()
+    counted = client.messages.count_tokens(model="m", messages=chat)
+    assert counted.input_tokens == len(expected)
+
+
+def test_structured_output_through_the_sdks_parse(client: anthropic.Anthropic) -> None:
+    """``messages.parse(output_format=Model)`` sends ``output_config.format``:
+    the reply is constrained to the schema (it used to be ignored, and the
+    SDK failed to validate prose)."""
+    import pydantic
+
+    class City(pydantic.BaseModel):
+        name: str
+        country: str
+
+    parsed = client.messages.parse(
+        model="m",
+        max_tokens=40,
+        extra_body=GREEDY,
+        messages=[{"role": "user", "content": "Name a large city."}],
+        output_format=City,
+    )
+    assert isinstance(parsed.parsed_output, City)
+    with pytest.raises(anthropic.BadRequestError, match="output_config"):
+        client.messages.create(
+            model="m",
+            max_tokens=4,
+            messages=ASK,
+            extra_body={"output_config": {"format": {"type": "xml"}}},
+        )

@@ -92,6 +92,19 @@ impl PyContext {
     fn seedling(&self, branch: Branch) -> Seedling {
         Seedling(branch, Arc::clone(&self.objects))
     }
+
+    /// `branch`'s handle, if it is this context's: the one-branch verbs a
+    /// store calls run on the branch's own context, so one of another
+    /// context's is refused here, as an id of it is by the engine.
+    fn own<'b>(&self, branch: &'b PyBranch) -> PyResult<&'b Branch> {
+        if Arc::ptr_eq(branch.inner.context(), &self.inner) {
+            Ok(&branch.inner)
+        } else {
+            Err(to_pyerr(lloyal_core::Error::InvalidArgument(
+                "the branch belongs to another context".to_owned(),
+            )))
+        }
+    }
 }
 
 #[pymethods]
@@ -176,7 +189,7 @@ impl PyContext {
         let mut views = Vec::with_capacity(items.len());
         for (branch, token) in &items {
             self.inner.model().check_token(*token).py_err()?;
-            views.push((branch.get().inner.logits_view().py_err()?, *token));
+            views.push((self.own(branch.get())?.logits_view().py_err()?, *token));
         }
         py.detach(move || {
             views
@@ -209,7 +222,8 @@ impl PyContext {
         tokens: Vec<i32>,
         parents: Vec<i32>,
         done: Py<PyAny>,
-    ) {
+    ) -> PyResult<()> {
+        let root = self.own(root)?;
         let out = py_reply(done, tree_seeds);
         let ctx = Arc::clone(&self.inner);
         let objects = Arc::clone(&self.objects);
@@ -231,12 +245,14 @@ impl PyContext {
                 }
             }))
         });
-        root.inner.prefill_tree(tokens, parents, reply);
+        root.prefill_tree(tokens, parents, reply);
+        Ok(())
     }
 
     /// Keep ``winner``'s KV and prune every other branch.
-    fn branch_retain_only(&self, winner: &PyBranch, done: Py<PyAny>) {
-        winner.inner.retain_only(py_reply(done, none));
+    fn branch_retain_only(&self, winner: &PyBranch, done: Py<PyAny>) -> PyResult<()> {
+        self.own(winner)?.retain_only(py_reply(done, none));
+        Ok(())
     }
 
     fn leases_available(&self) -> usize {

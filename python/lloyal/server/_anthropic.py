@@ -255,7 +255,32 @@ def messages_request(raw: object, *, vocab_size: int, need_max_tokens: bool = Tr
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=parallel,
+        json_schema=_output_format(body),
     )
+
+
+def _output_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The JSON schema of ``output_config.format`` (structured outputs: what
+    the SDK's ``messages.parse(output_format=...)`` sends), or None."""
+    config = body.get("output_config")
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise ApiError("output_config must be an object", param="output_config")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
+        raise ApiError(
+            'output_config.format must be {"type": "json_schema", "schema": {...}}',
+            param="output_config",
+        )
+    schema: dict[str, Any] = fmt["schema"]
+    return schema
 
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}

@@ -162,10 +162,26 @@ class ChatChoice:
 
 def chat_prompt(ctx: Context, template: str | None, req: ChatRequest) -> ChatPrompt:
     """The request's messages and tools rendered (400 naming the messages
-    when the template cannot take them)."""
+    when the template cannot take them). A final assistant message with
+    text and no calls is a prefill: the reply continues it (Anthropic's
+    Messages API; llama-server does the same for chat completions), so
+    the chat is rendered without it, up to the assistant's opener, and
+    its text follows."""
+    messages = req.messages
+    last = messages[-1] if messages else None
+    prefill = ""
+    if (
+        len(messages) > 1
+        and last is not None
+        and last.get("role") == "assistant"
+        and not last.get("tool_calls")
+        and isinstance(last.get("content"), str)
+        and last["content"]
+    ):
+        messages, prefill = messages[:-1], last["content"]
     try:
-        return ctx.format_chat(
-            req.messages,
+        prompt = ctx.format_chat(
+            messages,
             template=template,
             tools=req.tools,
             tool_choice=req.tool_choice,
@@ -177,6 +193,9 @@ def chat_prompt(ctx: Context, template: str | None, req: ChatRequest) -> ChatPro
         # The tools were checked with the request: what is left is the
         # messages' (text the template or its JSON cannot take).
         raise ApiError(f"the chat could not be rendered: {e}", param="messages") from None
+    if prefill:
+        prompt = dataclasses.replace(prompt, prompt=prompt.prompt + prefill)
+    return prompt
 
 
 async def prompt_tokens(ctx: Context, prompt: ChatPrompt) -> list[int]:
