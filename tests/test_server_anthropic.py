@@ -270,3 +270,47 @@ def test_structured_output_through_the_sdks_parse(client: anthropic.Anthropic) -
             messages=ASK,
             extra_body={"output_config": {"format": {"type": "xml"}}},
         )
+
+
+def test_documents_and_many_stop_sequences(client: anthropic.Anthropic) -> None:
+    """Plain-text ``document`` blocks reach the model under their title; a
+    PDF is a clear 400 (not read here); more than OpenAI's 4
+    ``stop_sequences`` are taken (all were 400s)."""
+    note = "The secret word is PINEAPPLE."
+    doc = {
+        "type": "document",
+        "title": "Note",
+        "source": {"type": "text", "media_type": "text/plain", "data": note},
+    }
+    ask = {"type": "text", "text": "What is the secret word?"}
+    plain = client.messages.count_tokens(model="m", messages=[{"role": "user", "content": [ask]}])
+    with_doc = client.messages.count_tokens(
+        model="m",
+        messages=[{"role": "user", "content": [doc, ask]}],  # type: ignore[list-item]
+    )
+    assert with_doc.input_tokens > plain.input_tokens + 5
+    encoded = {
+        **doc,
+        "source": {
+            "type": "base64",
+            "media_type": "text/plain",
+            "data": "VGhlIHNlY3JldCB3b3JkIGlzIFBJTkVBUFBMRS4=",
+        },
+    }
+    same = client.messages.count_tokens(
+        model="m",
+        messages=[{"role": "user", "content": [encoded, ask]}],  # type: ignore[list-item]
+    )
+    assert same.input_tokens == with_doc.input_tokens
+    pdf = {**doc, "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
+    with pytest.raises(anthropic.BadRequestError, match="plain-text"):
+        client.messages.create(
+            model="m",
+            max_tokens=4,
+            messages=[{"role": "user", "content": [pdf, ask]}],  # type: ignore[list-item]
+        )
+    stops = [f"<stop{i}>" for i in range(10)]
+    r = client.messages.create(
+        model="m", max_tokens=4, extra_body=GREEDY, messages=ASK, stop_sequences=stops
+    )
+    assert r.stop_reason in ("end_turn", "max_tokens", "stop_sequence")

@@ -108,3 +108,42 @@ def test_a_server_without_a_projector_refuses_images() -> None:
         assert "--mmproj" in r.json()["error"]["message"]
     finally:
         stop_server(proc)
+
+
+def test_an_image_in_an_anthropic_tool_result(server: str) -> None:
+    """A ``tool_result`` holding an image (a screenshot tool's answer) goes
+    to the model with its image: its 16 positions count as input (it was a
+    400)."""
+    import anthropic
+
+    image = {
+        "type": "image",
+        "source": {
+            "type": "base64",
+            "media_type": "image/png",
+            "data": base64.b64encode(png(picture(2))).decode(),
+        },
+    }
+    call = {"type": "tool_use", "id": "t1", "name": "screenshot", "input": {}}
+    tool = {"name": "screenshot", "input_schema": {"type": "object", "properties": {}}}
+
+    def chat(result: list[Any]) -> list[Any]:
+        return [
+            {"role": "user", "content": "Take a screenshot."},
+            {"role": "assistant", "content": [call]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t1", "content": result}],
+            },
+        ]
+
+    text = [{"type": "text", "text": "Here it is."}]
+    with anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0) as client:
+        kw: dict[str, Any] = {"model": "m", "tools": [tool]}
+        with_image = client.messages.count_tokens(messages=chat([*text, image]), **kw)
+        without = client.messages.count_tokens(messages=chat(text), **kw)
+        assert with_image.input_tokens == without.input_tokens + 16
+        r = client.messages.create(max_tokens=4, messages=chat([*text, image]), **kw)
+        assert r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0) == (
+            with_image.input_tokens
+        )

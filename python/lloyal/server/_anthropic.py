@@ -16,6 +16,7 @@ Errors use Anthropic's body:
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from collections.abc import AsyncGenerator
@@ -53,6 +54,10 @@ from lloyal.server._protocol import (
     tool_choice,
 )
 from lloyal.server._state import State
+
+# Anthropic documents no limit of 4 (OpenAI's); clients send more. Each is
+# matched on every token, so there is one, generous.
+MAX_STOP_SEQUENCES = 64
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -106,6 +111,48 @@ def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
 
 
+def _document(block: dict[str, Any], where: str) -> str:
+    """A ``document`` block's text (a plain-text source, or text blocks),
+    under its title. Nothing is fetched, and PDFs are not read here."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "text" and isinstance(source, dict) and isinstance(source.get("data"), str):
+        text: str = source["data"]
+    elif kind == "content" and isinstance(source, dict):
+        text = _text_of(source.get("content"), f"{where}.source")
+    elif kind == "base64" and isinstance(source, dict) and source.get("media_type") == "text/plain":
+        try:
+            text = base64.b64decode(str(source.get("data", "")), validate=True).decode()
+        except ValueError:
+            raise _bad(f"{where}: the document's data is not base64 UTF-8 text") from None
+    elif kind == "base64":
+        media = source.get("media_type") if isinstance(source, dict) else None
+        raise _bad(f"{where}: only plain-text documents are read here, not {media!r}")
+    else:
+        raise _bad(
+            f"{where}: a document needs a text, content or base64 source (nothing is fetched)"
+        )
+    title = block.get("title")
+    return f"{title}\n\n{text}" if isinstance(title, str) and title else text
+
+
+def _result(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A ``tool_result``'s content: its text, or parts when it holds
+    images."""
+    if not isinstance(content, list) or not any(
+        isinstance(b, dict) and b.get("type") == "image" for b in content
+    ):
+        return _text_of(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if isinstance(block, dict) and block.get("type") == "image":
+            parts.append(_image_part(block, at))
+        else:
+            parts.append({"type": "text", "text": _text_of([block], at)})
+    return parts
+
+
 def _user(content: Any, where: str) -> list[dict[str, Any]]:
     """A user turn: its tool results as ``tool`` messages first, then
     the rest as one user message."""
@@ -122,15 +169,21 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
             parts.append({"type": "text", "text": block["text"]})
         elif kind == "image":
             parts.append(_image_part(block, at))
+        elif kind == "document":
+            parts.append({"type": "text", "text": _document(block, at)})
         elif kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str):
                 raise _bad(f"{at}: a tool_result needs its tool_use_id")
-            result = _text_of(block.get("content", ""), at)
+            result = _result(block.get("content", ""), at)
             if block.get("is_error"):
-                result = f"Error: {result}"
+                result = (
+                    f"Error: {result}"
+                    if isinstance(result, str)
+                    else [{"type": "text", "text": "Error: "}, *result]
+                )
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
         else:
-            raise _bad(f"{at}: user blocks are text, image or tool_result, got {kind!r}")
+            raise _bad(f"{at}: user blocks are text, image, document or tool_result, got {kind!r}")
     if parts:
         text_only = all(p["type"] == "text" for p in parts)
         body = "".join(p["text"] for p in parts) if text_only else parts
@@ -243,7 +296,7 @@ def messages_request(raw: object, *, vocab_size: int, need_max_tokens: bool = Tr
         max_tokens=max_tokens,
         params=params,
         seed=None,
-        stop=stop_strings(body.get("stop_sequences"), "stop_sequences"),
+        stop=stop_strings(body.get("stop_sequences"), "stop_sequences", most=MAX_STOP_SEQUENCES),
         stream=flag_field(body, "stream", False),
         include_usage=False,
         logprobs=None,

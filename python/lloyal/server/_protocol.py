@@ -236,16 +236,17 @@ def lora_field(value: object, *, param: str = "lora") -> tuple[tuple[int, float]
     return tuple(pairs)
 
 
-def stop_strings(value: object, param: str = "stop") -> tuple[str, ...]:
-    """Stop strings: one string or a list of at most 4, none empty."""
+def stop_strings(value: object, param: str = "stop", *, most: int = 4) -> tuple[str, ...]:
+    """Stop strings: one string or a list of at most ``most`` (OpenAI's 4),
+    none empty."""
     if value is None:
         stops: tuple[str, ...] = ()
     elif isinstance(value, str):
         stops = (value,)
-    elif isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= 4:
+    elif isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= most:
         stops = tuple(value)
     else:
-        raise ApiError(f"{param} must be a string or a list of at most 4 strings", param=param)
+        raise ApiError(f"{param} must be a string or a list of at most {most} strings", param=param)
     if any(not s for s in stops):
         raise ApiError(f"{param} strings must not be empty", param=param)
     if any(len(s) > MAX_STOP_CHARS for s in stops):
