@@ -219,6 +219,8 @@ SAMPLING: dict[str, Field] = {
         _broken({"include_usage": _flag()}),
     ),
     "ignore_eos": _flag(),
+    # llama-server's name for max_tokens (-1: no limit).
+    "n_predict": (st.integers(1, 4), _BAD_COUNT | st.just(0)),
 }
 
 _CALL: dict[str, Field] = {
@@ -281,6 +283,12 @@ CHAT_FIELDS: dict[str, Field] = {
         | st.builds(lambda s: {"type": "json_schema", "json_schema": {"schema": s}}, SCHEMA[0]),
         JSON
         | st.builds(lambda s: {"type": "json_schema", "json_schema": {"schema": s}}, SCHEMA[1]),
+    ),
+    # llama-server's own constraints on a chat.
+    "json_schema": SCHEMA,
+    "grammar": (
+        st.sampled_from(['root ::= "a" | "b"', "root ::= [0-9]+"]),
+        JSON | st.sampled_from(["", "root ::= missing", "root ::= (", "::="]),
     ),
 }
 COMPLETION_FIELDS: dict[str, Field] = {

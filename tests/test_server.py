@@ -220,6 +220,48 @@ def test_a_schema_that_says_nothing_of_other_keys_is_closed(client: openai.OpenA
     assert set(json.loads(r.choices[0].message.content or "")) == {"answer"}
 
 
+def test_llama_servers_own_chat_fields_are_applied_or_refused(client: openai.OpenAI) -> None:
+    """``n_predict``, ``json_schema`` and a GBNF ``grammar`` on a chat request
+    (llama-server's fields) are applied, and what cannot go together is a
+    400; ``tool_choice: "required"`` without tools is a 400. All were
+    silently ignored."""
+    short = client.chat.completions.create(
+        model="m", messages=ASK, temperature=0, extra_body={"n_predict": 3}
+    )
+    assert short.usage is not None
+    assert short.usage.completion_tokens == 3
+    assert short.choices[0].finish_reason == "length"
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+    }
+    r = client.chat.completions.create(
+        model="m", messages=ASK, max_tokens=30, temperature=0, extra_body={"json_schema": schema}
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
+    r = client.chat.completions.create(
+        model="m",
+        messages=ASK,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"grammar": 'root ::= "sunny" | "rainy"'},
+    )
+    assert r.choices[0].message.content in ("sunny", "rainy")
+    refused = [
+        ({"grammar": "root ::= missing", "max_tokens": 4}, "grammar"),
+        ({"grammar": 'root ::= "a"', "tools": [WEATHER]}, "grammar"),
+        ({"json_schema": schema, "response_format": {"type": "json_object"}}, "json_schema"),
+        ({"n_predict": 0}, "n_predict"),
+        ({"tool_choice": "required"}, "tool_choice"),
+    ]
+    for extra, param in refused:
+        with pytest.raises(openai.BadRequestError) as e:  # noqa: PT012
+            client.chat.completions.create(model="m", messages=ASK, extra_body=extra)
+            pytest.fail(f"{extra} was taken")
+        assert param in str(e.value), extra
+
+
 def test_json_schema_response(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",

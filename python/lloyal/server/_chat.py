@@ -232,9 +232,14 @@ def _effort(req: ChatRequest) -> dict[str, Any]:
 
 def chat_grammar(ctx: Context, req: ChatRequest, prompt: ChatPrompt) -> Grammar | None:
     try:
+        if req.grammar is not None:
+            return ctx.create_grammar(req.grammar)
         return prompt.create_grammar(ctx)
     except GrammarError as e:
-        param = "response_format" if req.json_schema is not None else "tools"
+        if req.grammar is not None:
+            param = "grammar"
+        else:
+            param = "response_format" if req.json_schema is not None else "tools"
         raise ApiError(str(e), param=param) from None
 
 

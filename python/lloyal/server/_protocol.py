@@ -99,6 +99,9 @@ class ChatRequest:
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
     json_schema: Mapping[str, Any] | bool | None = None
+    # llama-server's GBNF ``grammar`` for the whole reply (not with tools
+    # or a JSON schema).
+    grammar: str | None = None
     reasoning_effort: str | None = None  # a template variable (GPT-OSS reads it)
     # llama-server's: "none" leaves the reasoning in the content, with its
     # markers; "auto" / "deepseek" split it out; None: the server's.
@@ -292,6 +295,12 @@ def _generation(body: dict[str, Any], *, logprobs: int | None, vocab_size: int) 
     max_tokens = integer_field(body, "max_completion_tokens", None, 1, 1 << 20)
     if max_tokens is None:
         max_tokens = integer_field(body, "max_tokens", None, 1, 1 << 20)
+    if max_tokens is None:  # llama-server's name; -1: no limit
+        max_tokens = integer_field(body, "n_predict", None, -1, 1 << 20)
+        if max_tokens == 0:
+            raise ApiError("n_predict must be -1 (no limit) or at least 1", param="n_predict")
+        if max_tokens == -1:
+            max_tokens = None
     return RequestOptions(
         n=integer_field(body, "n", 1, 1, MAX_N) or 1,
         max_tokens=max_tokens,
@@ -354,6 +363,10 @@ def tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> Any:
             "tool_choice must be 'auto', 'none', 'required' or "
             '{"type": "function", "function": {"name": ...}}',
             param="tool_choice",
+        )
+    if choice != "auto" and choice != "none" and not tools:
+        raise ApiError(
+            f"tool_choice {choice!r} needs tools: this request has none", param="tool_choice"
         )
     try:
         check_tools(tools, choice)
@@ -462,6 +475,23 @@ def chat_request(raw: object, *, vocab_size: int) -> ChatRequest:
                     param="response_format",
                 )
             schema = spec.get("schema", {"type": "object"})
+    # llama-server's own fields for the same: a schema, or a GBNF grammar.
+    if body.get("json_schema") is not None:
+        if schema is not None:
+            raise ApiError("give json_schema or response_format, not both", param="json_schema")
+        if not isinstance(body["json_schema"], (dict, bool)):
+            raise ApiError("json_schema must be a JSON schema", param="json_schema")
+        schema = body["json_schema"]
+    grammar = body.get("grammar")
+    if grammar is not None:
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise ApiError("grammar must be a GBNF grammar (a string)", param="grammar")
+        if schema is not None or (tools and choice != "none"):
+            raise ApiError(
+                "grammar constrains the whole reply: not with tools, json_schema or "
+                "response_format",
+                param="grammar",
+            )
     return ChatRequest(
         messages=messages,
         generation=_generation(body, logprobs=top, vocab_size=vocab_size),
@@ -469,6 +499,7 @@ def chat_request(raw: object, *, vocab_size: int) -> ChatRequest:
         tool_choice=choice,
         parallel_tool_calls=flag_field(body, "parallel_tool_calls", True),
         json_schema=schema,
+        grammar=grammar,
         reasoning_effort=_effort(body.get("reasoning_effort")),
         reasoning_format=reasoning_format(body.get("reasoning_format")),
     )
