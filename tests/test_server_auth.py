@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from lloyal.server import ServerConfig
 
 from tests._hang import HANG_GUARD_S, deadline
 from tests.server_fuzz import _free_port, start_server, stop_server
@@ -131,3 +132,46 @@ def test_tls(tmp_path: Path) -> None:
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
     finally:
         stop_server(proc)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_cors_only_for_the_origins_allowed(smollm2: Path) -> None:
+    """``--cors-origin`` lets a browser page of that origin call the server
+    (its preflight answered before the key check, which a preflight cannot
+    pass); other origins get no CORS headers; without the flag a preflight
+    is a 405 as before."""
+    from tests._asgi import in_process
+
+    preflight = {
+        "Origin": "http://app.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    config = ServerConfig(
+        model_path=smollm2,
+        n_ctx=256,
+        n_seq_max=2,
+        api_keys=("k",),
+        cors_origins=("http://app.example",),
+    )
+    async with in_process(config) as (client, _):
+        r = await client.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "http://app.example"
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        r = await client.post(
+            "/v1/chat/completions",
+            json=body,
+            headers={"Origin": "http://app.example", "Authorization": "Bearer k"},
+        )
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "http://app.example"
+        r = await client.options(
+            "/v1/chat/completions", headers={**preflight, "Origin": "http://evil.example"}
+        )
+        assert "access-control-allow-origin" not in r.headers
+    async with in_process(ServerConfig(model_path=smollm2, n_ctx=256, n_seq_max=2)) as (c, _):
+        r = await c.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code == 405
+        assert "access-control-allow-origin" not in r.headers

@@ -107,6 +107,13 @@ def add_serve_parser(sub: Any) -> None:
     srv.add_argument("--api-key-file", action="append", default=[], metavar="FNAME")
     srv.add_argument("--ssl-keyfile", metavar="FNAME")
     srv.add_argument("--ssl-certfile", metavar="FNAME")
+    srv.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN call the server (repeatable; * for any)",
+    )
     srv.set_defaults(run=serve)
 
 
@@ -216,4 +223,5 @@ def _config(
         reasoning_format=args.reasoning_format,
         mmproj=args.mmproj,
         api_keys=keys,
+        cors_origins=tuple(args.cors_origin),
     )

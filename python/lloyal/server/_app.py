@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -137,8 +138,25 @@ def create_app(config: ServerConfig) -> Starlette:
         routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _unhandled},
-        middleware=[Middleware(RequireKey, keys=config.api_keys)],
+        middleware=[*_cors(config.cors_origins), Middleware(RequireKey, keys=config.api_keys)],
     )
+
+
+def _cors(origins: tuple[str, ...]) -> list[Middleware]:
+    """Starlette's CORS middleware for ``origins`` (outside the key check:
+    a browser's preflight carries no key), or none."""
+    if not origins:
+        return []
+    return [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=list(origins),
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["*"],
+            max_age=600,
+        )
+    ]
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

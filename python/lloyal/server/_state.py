@@ -76,6 +76,9 @@ class ServerConfig:
     n_keep: int = 4
     # Keys a request must carry (``lloyal.server._auth``); none: open.
     api_keys: tuple[str, ...] = ()
+    # Origins whose browser pages may call the server (CORS); "*": any;
+    # none: no CORS headers, and a preflight is a 405.
+    cors_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         served = self.served()
