@@ -262,6 +262,38 @@ def test_llama_servers_own_chat_fields_are_applied_or_refused(client: openai.Ope
         assert param in str(e.value), extra
 
 
+def test_llama_servers_completion_and_slots(server: str) -> None:
+    """``/completion`` (llama-server's native completion: ``n_predict``,
+    streaming, a GBNF ``grammar`` or ``json_schema``) and ``/slots`` (one per
+    lease); both were 404s."""
+    url = f"{server}/completion"
+    body = {"prompt": "1, 2, 3, 4,", "n_predict": 4, "temperature": 0}
+    whole = httpx.post(url, json=body, timeout=HANG_GUARD_S).json()
+    assert whole["stop"] is True
+    assert whole["tokens_predicted"] == 4
+    assert whole["stop_type"] == "limit"
+    assert whole["tokens_evaluated"] > 0
+    r = httpx.post(url, json={**body, "stream": True}, timeout=HANG_GUARD_S)
+    events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: ")]
+    assert "".join(e["content"] for e in events) == whole["content"]
+    assert events[-1]["stop"] is True
+    picked = httpx.post(
+        url, json={**body, "grammar": 'root ::= " five" | " six"'}, timeout=HANG_GUARD_S
+    ).json()
+    assert picked["content"] in (" five", " six")
+    for bad, param in (
+        ({"grammar": "root ::= missing"}, "grammar"),
+        ({"json_schema": 3}, "json_schema"),
+        ({"n": 2}, "prompt"),
+    ):
+        r = httpx.post(url, json={**body, **bad}, timeout=HANG_GUARD_S)
+        assert r.status_code == 400, bad
+        assert r.json()["error"]["param"] == param
+    slots = httpx.get(f"{server}/slots", timeout=HANG_GUARD_S).json()
+    assert [s["id"] for s in slots] == list(range(N_SEQ_MAX))
+    assert all(isinstance(s["is_processing"], bool) for s in slots)
+
+
 def test_json_schema_response(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",

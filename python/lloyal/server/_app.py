@@ -20,7 +20,16 @@ from lloyal.server._adapters import lora_adapters as _lora_adapters
 from lloyal.server._anthropic import count_tokens, error_body, messages
 from lloyal.server._auth import RequireKey
 from lloyal.server._http import error_response, handler, internal_error, registry_handler
-from lloyal.server._llama import apply_template, detokenize, infill, props, rerank, tokenize
+from lloyal.server._llama import (
+    apply_template,
+    completion,
+    detokenize,
+    infill,
+    props,
+    rerank,
+    slots,
+    tokenize,
+)
 from lloyal.server._models import Models
 from lloyal.server._openai import chat_completions, completions, embeddings, model, models
 from lloyal.server._protocol import ApiError
@@ -130,6 +139,8 @@ def create_app(config: ServerConfig) -> Starlette:
         Route("/apply-template", handler(apply_template), methods=["POST"]),
         Route("/props", handler(props), methods=["GET"]),
         Route("/infill", handler(infill), methods=["POST"]),
+        Route("/completion", handler(completion), methods=["POST"]),
+        Route("/slots", handler(slots), methods=["GET"]),
         *(Route(p, handler(rerank), methods=["POST"]) for p in ("/v1/rerank", "/rerank")),
         Route("/metrics", registry_handler(metrics), methods=["GET"]),
         Route("/lora-adapters", handler(lora_adapters), methods=["GET", "POST"]),

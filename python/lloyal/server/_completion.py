@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from lloyal.grammar import Grammar
 from lloyal.infill import NoFimError, fim_prompt
 from lloyal.server._engine import ChoiceEvent
 from lloyal.server._protocol import ApiError, CompletionRequest
@@ -26,8 +27,11 @@ def usage_body(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 class CompletionRun:
     """One prompt's choices of a completions request, as they grow."""
 
-    def __init__(self, state: State, req: CompletionRequest, offset: int) -> None:
+    def __init__(
+        self, state: State, req: CompletionRequest, offset: int, *, grammar: Grammar | None = None
+    ) -> None:
         self.state, self.req, self.gen, self.offset = state, req, req.generation, offset
+        self.grammar = grammar
         n = self.gen.n
         self.texts = [""] * n
         self.counts = [0] * n
@@ -92,7 +96,7 @@ class CompletionRun:
     async def events(self) -> AsyncGenerator[ChoiceEvent, None]:
         engine = self.state.engine
         async with engine.admitted(self.tokens, self.gen):
-            async for event in engine.generate(self.tokens, self.gen):
+            async for event in engine.generate(self.tokens, self.gen, grammar=self.grammar):
                 self.record(event)
                 yield event
 

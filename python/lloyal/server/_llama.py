@@ -1,6 +1,6 @@
 """llama-server's own routes that editors and tools call: ``/tokenize``,
-``/detokenize``, ``/apply-template``, ``/props``, ``/v1/rerank`` and
-``/infill``, in its shapes."""
+``/detokenize``, ``/apply-template``, ``/props``, ``/v1/rerank``,
+``/infill``, ``/completion`` and ``/slots``, in its shapes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from lloyal._lloyal import LLAMA_CPP_2_VERSION
+from lloyal.errors import GrammarError
 from lloyal.rerank import Rerank
 from lloyal.server._chat import chat_prompt
 from lloyal.server._completion import CompletionRun
@@ -169,7 +170,7 @@ async def rerank(request: Request, state: State) -> Response:
 
 
 _STOP_TYPES = {"stop": "eos", "length": "limit"}
-_FIM_FIELDS = ("input_prefix", "input_suffix", "input_extra", "prompt", "n_predict")
+_FIM_FIELDS = ("input_prefix", "input_suffix", "input_extra", "prompt")
 
 
 async def infill(request: Request, state: State) -> Response:
@@ -188,8 +189,6 @@ async def infill(request: Request, state: State) -> Response:
             raise ApiError(f"{name} must be a string", param=name)
     files = _extra_files(body.get("input_extra", []))
     rest = {k: v for k, v in body.items() if k not in _FIM_FIELDS}
-    if "n_predict" in body and "max_tokens" not in rest:
-        rest["max_tokens"] = body["n_predict"]
     # The sampling fields checked as a completion's ("prompt" is replaced).
     req = completion_request({**rest, "prompt": "-"}, vocab_size=state.ctx.vocab_size)
     if req.generation.n != 1:
@@ -198,6 +197,55 @@ async def infill(request: Request, state: State) -> Response:
     await run.prepare_fim(
         texts["input_prefix"], texts["input_suffix"], middle=texts["prompt"], files=files
     )
+    return await _reply(request, state, run)
+
+
+async def completion(request: Request, state: State) -> Response:
+    """llama-server's ``/completion``: ``{"prompt" (text or token ids),
+    "n_predict", "stream", "grammar" (GBNF), "json_schema"}`` and the
+    completion sampling fields -> the same objects as :func:`infill`."""
+    body = _body(await request.body())
+    rest = {k: v for k, v in body.items() if k not in ("grammar", "json_schema")}
+    req = completion_request(rest, vocab_size=state.ctx.vocab_size)
+    if req.generation.n != 1 or len(req.prompts) != 1:
+        raise ApiError("/completion makes one reply to one prompt", param="prompt")
+    grammar, schema = body.get("grammar"), body.get("json_schema")
+    if grammar is not None and schema is not None:
+        raise ApiError("give grammar or json_schema, not both", param="grammar")
+    if grammar is not None and (not isinstance(grammar, str) or not grammar.strip()):
+        raise ApiError("grammar must be a GBNF grammar (a string)", param="grammar")
+    if schema is not None and not isinstance(schema, (dict, bool)):
+        raise ApiError("json_schema must be a JSON schema", param="json_schema")
+    try:
+        if grammar is not None:
+            compiled = state.ctx.create_grammar(grammar)
+        elif schema is not None:
+            compiled = state.ctx.create_grammar(json_schema=schema)
+        else:
+            compiled = None
+    except GrammarError as e:
+        raise ApiError(str(e), param="grammar" if grammar is not None else "json_schema") from None
+    run = CompletionRun(state, req, 0, grammar=compiled)
+    await run.prepare(req.prompts[0])
+    return await _reply(request, state, run)
+
+
+async def slots(request: Request, state: State) -> Response:
+    """llama-server's ``/slots``, as far as lloyal has slots: one per KV
+    lease (``--n-seq-max``), ``is_processing`` for as many as requests run
+    now (a request holds branches, not a numbered slot)."""
+    running = state.engine.metrics.active
+    n = state.ctx.n_seq_max
+    return JSONResponse(
+        [{"id": i, "n_ctx": state.ctx.n_ctx, "is_processing": i < running} for i in range(n)]
+    )
+
+
+async def _reply(request: Request, state: State, run: CompletionRun) -> Response:
+    """A one-choice run in llama-server's shapes: ``{"content", "stop":
+    true, "stop_type", "stopping_word", "tokens_predicted",
+    "tokens_evaluated", "tokens_cached"}``; streamed, each piece as
+    ``{"content", "stop": false}`` and the same last object."""
     finish: dict[str, Any] = {}
 
     def last() -> dict[str, Any]:
@@ -220,7 +268,7 @@ async def infill(request: Request, state: State) -> Response:
                 finish.update(finish=event.finish, stop=event.stop)
             yield event
 
-    if req.generation.stream:
+    if run.gen.stream:
         source = await primed(events(), request)
 
         async def bodies() -> AsyncGenerator[dict[str, Any], None]:
