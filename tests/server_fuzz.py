@@ -28,9 +28,11 @@ from tests._hang import HANG_GUARD_S, deadline
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 GOOD: dict[str, dict[str, Any]] = {
     CHAT: {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
     COMPLETIONS: {"prompt": "Hi", "max_tokens": 2},
+    RESPONSES: {"input": "Hi", "max_output_tokens": 2},
 }
 VOCAB = 49152  # SmolLM2's: token ids on both sides of its end are tried
 
@@ -302,6 +304,70 @@ COMPLETION_FIELDS: dict[str, Field] = {
 }
 
 
+_ITEM: dict[str, Field] = {
+    "type": (
+        st.sampled_from(["message", "function_call", "function_call_output", "reasoning"]),
+        JSON,
+    ),
+    "role": (st.sampled_from(["user", "assistant", "system", "developer"]), JSON),
+    "content": (
+        TEXT | st.lists(st.fixed_dictionaries({"type": st.just("input_text"), "text": TEXT})),
+        JSON | st.lists(JSON, min_size=1, max_size=2),
+    ),
+    "call_id": (TEXT, JSON),
+    "name": (st.sampled_from(_NAMES), JSON),
+    "arguments": (TEXT, JSON),
+    "output": (TEXT, JSON),
+}
+RESPONSES_FIELDS: dict[str, Field] = {
+    "model": (TEXT, JSON),
+    "input": (
+        st.text(min_size=1, max_size=12)
+        | st.lists(_whole(_ITEM, ("role", "content")), min_size=1, max_size=3),
+        JSON | st.lists(_broken(_ITEM), min_size=1, max_size=3),
+    ),
+    "instructions": (TEXT, JSON),
+    "max_output_tokens": (st.integers(1, 4), _BAD_COUNT),
+    "temperature": _number(0, 2),
+    "top_p": _number(0, 1),
+    "stream": _flag(),
+    "store": _flag(),
+    "tools": (
+        st.lists(
+            st.builds(
+                lambda name, schema: {"type": "function", "name": name, "parameters": schema},
+                st.sampled_from(_NAMES),
+                SCHEMA[0],
+            ),
+            max_size=2,
+            unique_by=lambda t: t["name"],
+        ),
+        JSON | st.lists(JSON, min_size=1, max_size=2),
+    ),
+    "tool_choice": (
+        st.sampled_from(["auto", "none"])
+        | st.builds(lambda name: {"type": "function", "name": name}, st.sampled_from(_NAMES)),
+        JSON,
+    ),
+    "text": (
+        st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}])
+        | st.builds(lambda s: {"format": {"type": "json_schema", "schema": s}}, SCHEMA[0]),
+        JSON | st.builds(lambda s: {"format": {"type": "json_schema", "schema": s}}, SCHEMA[1]),
+    ),
+    "reasoning": (
+        st.fixed_dictionaries({"effort": st.sampled_from(["minimal", "low", "medium", "high"])}),
+        JSON,
+    ),
+    "previous_response_id": (st.just("resp_none"), JSON),
+}
+
+
+def responses_requests() -> st.SearchStrategy[tuple[str, bytes]]:
+    """``(path, body)`` for ``/v1/responses``."""
+    body = _record(RESPONSES_FIELDS, ("input", "max_output_tokens"))
+    return st.tuples(st.just(RESPONSES), body.map(_dumps) | ODD_BODIES)
+
+
 def _dumps(body: object) -> bytes:
     return json.dumps(body).encode()
 
@@ -342,10 +408,15 @@ def check(r: httpx.Response) -> None:
         assert isinstance(error["type"], str)
         return
     assert r.status_code == 200, f"{r.status_code}: {r.text[:2000]}"
+    responses = r.request.url.path == RESPONSES
     if not r.headers["content-type"].startswith("text/event-stream"):
-        assert r.json()["choices"]
+        assert r.json()["output" if responses else "choices"]
         return
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    if responses:
+        last = json.loads(events[-1])
+        assert last["type"] in ("response.completed", "response.incomplete"), r.text[-2000:]
+        return
     assert events[-1] == "[DONE]", r.text[-2000:]
     for event in events[:-1]:
         assert "error" not in json.loads(event), event

@@ -33,6 +33,9 @@ from lloyal.server._llama import (
 from lloyal.server._models import Models
 from lloyal.server._openai import chat_completions, completions, embeddings, model, models
 from lloyal.server._protocol import ApiError
+from lloyal.server._responses import ResponseStore, delete_response, get_response
+from lloyal.server._responses import create as create_response
+from lloyal.server._responses import input_tokens as response_input_tokens
 from lloyal.server._state import ServerConfig, State
 
 __all__ = ["ServerConfig", "create_app"]
@@ -105,6 +108,7 @@ def create_app(config: ServerConfig) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         registry = Models(config)
         app.state.lloyal = registry
+        app.state.responses = ResponseStore()
         try:
             await registry.start()
             yield
@@ -115,8 +119,15 @@ def create_app(config: ServerConfig) -> Starlette:
         ("/chat/completions", chat_completions, ["POST"]),
         ("/completions", completions, ["POST"]),
         ("/embeddings", embeddings, ["POST"]),
+        ("/responses", create_response, ["POST"]),
+        ("/responses/input_tokens", response_input_tokens, ["POST"]),
     ]
-    registry_routes = [("/models", models), ("/models/{model:path}", model)]
+    registry_routes = [
+        ("/models", models, ["GET"]),
+        ("/models/{model:path}", model, ["GET"]),
+        ("/responses/{response_id}", get_response, ["GET"]),
+        ("/responses/{response_id}", delete_response, ["DELETE"]),
+    ]
     routes = [
         # Under /v1 and, as llama-server also serves them, without it.
         *(
@@ -125,9 +136,9 @@ def create_app(config: ServerConfig) -> Starlette:
             for path, fn, methods in openai_routes
         ),
         *(
-            Route(prefix + path, registry_handler(fn), methods=["GET"])
+            Route(prefix + path, registry_handler(fn), methods=methods)
             for prefix in ("/v1", "")
-            for path, fn in registry_routes
+            for path, fn, methods in registry_routes
         ),
         # Anthropic's Messages API.
         Route("/v1/messages", handler(messages, error_body), methods=["POST"]),

@@ -30,9 +30,11 @@ from lloyal.server._http import event_stream, primed, read_body, until_disconnec
 from lloyal.server._models import Models
 from lloyal.server._protocol import (
     ApiError,
+    EmbeddingRequest,
     chat_request,
     completion_request,
-    embedding_request,
+    integer_field,
+    json_object,
 )
 from lloyal.server._state import State
 
@@ -236,6 +238,37 @@ async def _stream_completion(
 
 
 # -- the rest ------------------------------------------------------------------------
+
+
+def embedding_request(raw: object, *, vocab_size: int) -> EmbeddingRequest:
+    body = json_object(raw)
+    value = body.get("input")
+    # A string, strings, a list of token ids, or lists of them (OpenAI's
+    # four shapes; langchain sends token ids by default).
+    if isinstance(value, list) and value and all(_is_id(t) for t in value):
+        value = [value]
+    inputs = [value] if isinstance(value, str) else value
+    texts = isinstance(inputs, list) and all(isinstance(t, str) and t for t in inputs)
+    ids = isinstance(inputs, list) and all(
+        isinstance(t, list) and t and all(_is_id(x) for x in t) for t in inputs
+    )
+    if not isinstance(inputs, list) or not inputs or not (texts or ids):
+        raise ApiError(
+            "input must be a non-empty string, a list of strings, a list of token ids "
+            "or a list of such lists",
+            param="input",
+        )
+    if ids and any(not 0 <= x < vocab_size for t in inputs for x in t):
+        raise ApiError(f"input token ids must be in [0, {vocab_size})", param="input")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise ApiError("encoding_format must be 'float' or 'base64'", param="encoding_format")
+    dimensions = integer_field(body, "dimensions", None, 1, 1 << 20)
+    return EmbeddingRequest(inputs=list(inputs), base64=encoding == "base64", dimensions=dimensions)
+
+
+def _is_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
 
 
 async def embeddings(request: Request, state: State) -> Response:

@@ -166,7 +166,7 @@ def _unicode(text: str) -> None:
             ) from None
 
 
-def _object(body: object) -> dict[str, Any]:
+def json_object(body: object) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     return body
@@ -444,7 +444,7 @@ def checked_tools(tools: object) -> list[dict[str, Any]] | None:
 
 def chat_request(raw: object, *, vocab_size: int) -> ChatRequest:
     """An OpenAI chat completion request."""
-    body = _object(raw)
+    body = json_object(raw)
     messages = checked_messages(body.get("messages"))
     top: int | None = None
     if flag_field(body, "logprobs", False):
@@ -535,7 +535,7 @@ MAX_PROMPTS = 64
 
 
 def completion_request(raw: object, *, vocab_size: int) -> CompletionRequest:
-    body = _object(raw)
+    body = json_object(raw)
     prompt = body.get("prompt")
     # One prompt (text or token ids) or several (a list of either):
     # langchain's batch sends several.
@@ -577,34 +577,3 @@ def completion_request(raw: object, *, vocab_size: int) -> CompletionRequest:
         echo=flag_field(body, "echo", False),
         suffix=suffix or None,
     )
-
-
-def embedding_request(raw: object, *, vocab_size: int) -> EmbeddingRequest:
-    body = _object(raw)
-    value = body.get("input")
-    # A string, strings, a list of token ids, or lists of them (OpenAI's
-    # four shapes; langchain sends token ids by default).
-    if isinstance(value, list) and value and all(_is_id(t) for t in value):
-        value = [value]
-    inputs = [value] if isinstance(value, str) else value
-    texts = isinstance(inputs, list) and all(isinstance(t, str) and t for t in inputs)
-    ids = isinstance(inputs, list) and all(
-        isinstance(t, list) and t and all(_is_id(x) for x in t) for t in inputs
-    )
-    if not isinstance(inputs, list) or not inputs or not (texts or ids):
-        raise ApiError(
-            "input must be a non-empty string, a list of strings, a list of token ids "
-            "or a list of such lists",
-            param="input",
-        )
-    if ids and any(not 0 <= x < vocab_size for t in inputs for x in t):
-        raise ApiError(f"input token ids must be in [0, {vocab_size})", param="input")
-    encoding = body.get("encoding_format") or "float"
-    if encoding not in ("float", "base64"):
-        raise ApiError("encoding_format must be 'float' or 'base64'", param="encoding_format")
-    dimensions = integer_field(body, "dimensions", None, 1, 1 << 20)
-    return EmbeddingRequest(inputs=list(inputs), base64=encoding == "base64", dimensions=dimensions)
-
-
-def _is_id(t: object) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
