@@ -29,7 +29,14 @@ from tests._hang import HANG_GUARD_S, deadline
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
+OLLAMA_CHAT = "/api/chat"
 GOOD: dict[str, dict[str, Any]] = {
+    OLLAMA_CHAT: {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "stream": False,
+        "options": {"num_predict": 2},
+    },
     CHAT: {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
     COMPLETIONS: {"prompt": "Hi", "max_tokens": 2},
     RESPONSES: {"input": "Hi", "max_output_tokens": 2},
@@ -362,6 +369,39 @@ RESPONSES_FIELDS: dict[str, Field] = {
 }
 
 
+OLLAMA_FIELDS: dict[str, Field] = {
+    "model": (TEXT, JSON),
+    "messages": CHAT_FIELDS["messages"],
+    "tools": CHAT_FIELDS["tools"],
+    "format": (
+        st.sampled_from(["json", ""]) | SCHEMA[0],
+        st.sampled_from(["xml", 5]) | SCHEMA[1],
+    ),
+    "options": (
+        st.fixed_dictionaries(
+            {"num_predict": st.integers(1, 4)},
+            optional={
+                "temperature": st.floats(0, 2),
+                "top_k": st.integers(0, 100),
+                "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
+                "num_ctx": st.integers(1, 9999),
+            },
+        ),
+        JSON | st.fixed_dictionaries({"num_predict": _BAD_COUNT}),
+    ),
+    "stream": _flag(),
+    "think": (st.booleans() | st.sampled_from(["low", "high"]), JSON),
+    "keep_alive": (st.sampled_from(["5m", 30, "1h", -1]), JSON | st.just("soon")),
+}
+
+
+def ollama_requests() -> st.SearchStrategy[tuple[str, bytes]]:
+    """``(path, body)`` for Ollama's ``/api/chat`` (bounded by
+    ``options.num_predict``)."""
+    body = _record(OLLAMA_FIELDS, ("messages", "options"))
+    return st.tuples(st.just(OLLAMA_CHAT), body.map(_dumps) | ODD_BODIES)
+
+
 def responses_requests() -> st.SearchStrategy[tuple[str, bytes]]:
     """``(path, body)`` for ``/v1/responses``."""
     body = _record(RESPONSES_FIELDS, ("input", "max_output_tokens"))
@@ -401,14 +441,24 @@ def requests() -> st.SearchStrategy[tuple[str, bytes]]:
 
 def check(r: httpx.Response) -> None:
     """A success with a well-formed body, or a 4xx with OpenAI's error body."""
+    ollama = r.request.url.path == OLLAMA_CHAT
     if 400 <= r.status_code < 500:
         error = r.json()["error"]
+        if ollama:  # Ollama's body: {"error": "..."}
+            assert isinstance(error, str)
+            assert error
+            return
         assert isinstance(error["message"], str)
         assert error["message"]
         assert isinstance(error["type"], str)
         return
     assert r.status_code == 200, f"{r.status_code}: {r.text[:2000]}"
     responses = r.request.url.path == RESPONSES
+    if ollama:
+        lines = [json.loads(x) for x in r.text.splitlines() if x.strip()]
+        assert lines[-1]["done"] is True, r.text[-2000:]
+        assert all("error" not in x for x in lines), r.text[-2000:]
+        return
     if not r.headers["content-type"].startswith("text/event-stream"):
         assert r.json()["output" if responses else "choices"]
         return

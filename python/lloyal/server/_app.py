@@ -31,6 +31,14 @@ from lloyal.server._llama import (
     tokenize,
 )
 from lloyal.server._models import Models
+from lloyal.server._ollama import chat as ollama_chat
+from lloyal.server._ollama import embed as ollama_embed
+from lloyal.server._ollama import error_body as ollama_error
+from lloyal.server._ollama import generate as ollama_generate
+from lloyal.server._ollama import ps as ollama_ps
+from lloyal.server._ollama import show as ollama_show
+from lloyal.server._ollama import tags as ollama_tags
+from lloyal.server._ollama import version as ollama_version
 from lloyal.server._openai import chat_completions, completions, embeddings, model, models
 from lloyal.server._protocol import ApiError
 from lloyal.server._responses import ResponseStore, delete_response, get_response
@@ -143,6 +151,14 @@ def create_app(config: ServerConfig) -> Starlette:
         # Anthropic's Messages API.
         Route("/v1/messages", handler(messages, error_body), methods=["POST"]),
         Route("/v1/messages/count_tokens", handler(count_tokens, error_body), methods=["POST"]),
+        # Ollama's API.
+        Route("/api/chat", handler(ollama_chat, ollama_error), methods=["POST"]),
+        Route("/api/generate", handler(ollama_generate, ollama_error), methods=["POST"]),
+        Route("/api/embed", handler(ollama_embed, ollama_error), methods=["POST"]),
+        Route("/api/show", handler(ollama_show, ollama_error), methods=["POST"]),
+        Route("/api/tags", registry_handler(ollama_tags), methods=["GET"]),
+        Route("/api/ps", registry_handler(ollama_ps), methods=["GET"]),
+        Route("/api/version", registry_handler(ollama_version), methods=["GET"]),
         Route("/health", registry_handler(health), methods=["GET"]),
         # llama-server's own.
         Route("/tokenize", handler(tokenize), methods=["POST"]),

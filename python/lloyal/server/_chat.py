@@ -187,6 +187,7 @@ def chat_prompt(ctx: Context, template: str | None, req: ChatRequest) -> ChatPro
             tool_choice=req.tool_choice,
             parallel_tool_calls=req.parallel_tool_calls,
             json_schema=req.json_schema,
+            enable_thinking=req.enable_thinking,
             **_effort(req),
         )
     except (ChatTemplateError, ValueError, MediaError) as e:

@@ -218,6 +218,7 @@ def event_stream(
     encode: Callable[[dict[str, Any]], bytes] | None = None,
     done: bytes | None = b"data: [DONE]\n\n",
     error_body: ErrorBody = ApiError.body,
+    media_type: str = "text/event-stream",
 ) -> StreamingResponse:
     """Server-sent events: each body (``encode``: OpenAI's ``data:``
     lines by default), then ``done``; an error mid-stream as an error body;
@@ -241,4 +242,4 @@ def event_stream(
             await bodies.aclose()
             await source.aclose()
 
-    return StreamingResponse(stream(), media_type="text/event-stream")
+    return StreamingResponse(stream(), media_type=media_type)

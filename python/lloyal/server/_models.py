@@ -79,6 +79,8 @@ class _Slot:
         self.loads = 0
         # Bytes it took when last open (None: never opened; see _footprint).
         self.footprint: int | None = None
+        # Close it once no request holds it (Ollama's keep_alive: 0).
+        self.close_when_idle = False
 
 
 class Models:
@@ -143,6 +145,10 @@ class Models:
         """Requests in line for a model to open (or for room to open it)."""
         return self._waiting
 
+    def last_used(self, name: str) -> float:
+        """When ``name`` was last used (``time.monotonic()``)."""
+        return self._slot(name).last_used
+
     def loads(self, name: str) -> int:
         """How many times ``name`` has been opened."""
         return self._slot(name).loads
@@ -206,6 +212,16 @@ class Models:
             slot.users -= 1
             slot.last_used = time.monotonic()
             self._released.set()
+            if slot.close_when_idle and slot.users == 0:
+                async with self._lock:
+                    if slot.close_when_idle and slot.users == 0:
+                        slot.close_when_idle = False
+                        await self._close(slot)
+
+    def close_when_idle(self, name: str | None) -> None:
+        """Close the model ``name`` as soon as no request holds it (Ollama's
+        ``keep_alive: 0``); the next request opens it again."""
+        self._slot(name).close_when_idle = True
 
     def _full(self, slot: _Slot) -> bool:
         """Whether opening ``slot`` would pass ``models_max`` or

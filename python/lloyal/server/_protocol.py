@@ -103,6 +103,7 @@ class ChatRequest:
     # or a JSON schema).
     grammar: str | None = None
     reasoning_effort: str | None = None  # a template variable (GPT-OSS reads it)
+    enable_thinking: bool | None = None  # a template variable (Qwen 3 reads it)
     # llama-server's: "none" leaves the reasoning in the content, with its
     # markers; "auto" / "deepseek" split it out; None: the server's.
     reasoning_format: str | None = None
