@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from lloyal._mcp import MCPToolError, mcp_tools
 from lloyal._tasks import gather
+from lloyal._tool import Tool
 from lloyal.branch import BranchStore
 from lloyal.session import Session
 
@@ -41,40 +43,16 @@ __all__ = [
     "AgentResult",
     "Diverged",
     "Event",
+    "MCPToolError",
     "Tool",
     "chain",
     "diverge",
     "fan_out",
+    "mcp_tools",
     "tool",
 ]
 
 _TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
-
-
-@dataclass(frozen=True)
-class Tool:
-    """A function the model may call: its name, description, JSON-schema
-    parameters, and the Python callable (sync or async) that runs it."""
-
-    name: str
-    description: str
-    parameters: Mapping[str, Any]
-    fn: Callable[..., Any]
-
-    def schema(self) -> dict[str, Any]:
-        """The OpenAI-style tool entry ``format_chat(tools=...)`` takes."""
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": self.description,
-                "parameters": dict(self.parameters),
-            },
-        }
-
-    async def call(self, arguments: Mapping[str, Any]) -> Any:
-        out = self.fn(**arguments)
-        return await out if inspect.isawaitable(out) else out
 
 
 def tool(
