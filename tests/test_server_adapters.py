@@ -95,3 +95,17 @@ def test_bad_lora_fields_are_400_naming_the_field(server: str, lora: object, nee
     error = r.json()["error"]
     assert error["param"] == "lora", error
     assert needle in error["message"], error
+
+
+@pytest.mark.parametrize("body", [b"null", b'{"id": 0}', b'"x"', b"3"])
+def test_a_lora_adapters_body_that_is_not_a_list_is_a_400(server: str, body: bytes) -> None:
+    """``null`` was a 500 (an assertion: it reads as "the default set" in a
+    request's ``lora`` field, which means nothing here)."""
+    r = httpx.post(
+        f"{server}/lora-adapters",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=HANG_GUARD_S,
+    )
+    assert r.status_code == 400, r.text
+    assert "body" in r.json()["error"]["message"]

@@ -175,3 +175,22 @@ async def test_cors_only_for_the_origins_allowed(smollm2: Path) -> None:
         r = await c.options("/v1/chat/completions", headers=preflight)
         assert r.status_code == 405
         assert "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_non_ascii_key_matches_what_a_client_sends(smollm2: Path) -> None:
+    """A key with non-ASCII characters matches the UTF-8 bytes a client
+    sends in ``Authorization`` or ``x-api-key`` (it was accepted at startup
+    and then never matched)."""
+    from tests._asgi import in_process
+
+    key = "clé-ключ-鍵"
+    config = ServerConfig(model_path=smollm2, n_ctx=256, n_seq_max=2, api_keys=(key,))
+    async with in_process(config) as (client, _):
+        sent = key.encode("utf-8")
+        for headers in ({"Authorization": b"Bearer " + sent}, {"x-api-key": sent}):
+            r = await client.get("/v1/models", headers=headers)
+            assert r.status_code == 200, headers
+        r = await client.get("/v1/models", headers={"x-api-key": sent[:-1]})
+        assert r.status_code == 401

@@ -82,7 +82,10 @@ async def lora_adapters(request: Request, ctx: Context, loras: Sequence[Lora]) -
     """``GET``: the adapters with their default scales; ``POST`` a list of
     ``{"id", "scale"}``: new default scales (adapters left out are off)."""
     if request.method == "POST":
-        wanted = lora_field(parse_json(await request.body()), param="body")
+        body = parse_json(await request.body())
+        if not isinstance(body, list):  # null included: lora_field takes it for "the default set"
+            raise ApiError('the body must be a list of {"id", "scale"}', param="body")
+        wanted = lora_field(body, param="body")
         assert wanted is not None
         ctx.set_adapters(
             list(request_set(ctx, loras, wanted).loras), control_vector=ctx.adapters.control_vector

@@ -39,12 +39,14 @@ def api_keys(
     return tuple(dict.fromkeys(out))
 
 
-def _given(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+def _given(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The key a request carries, as the bytes it sent: a key written in
+    UTF-8 (non-ASCII) is compared with the configured key's UTF-8."""
     for name, value in headers:
         if name == b"authorization" and value[:7].lower() == b"bearer ":
-            return value[7:].decode("latin-1").strip()
+            return value[7:].strip()
         if name == b"x-api-key":
-            return value.decode("latin-1").strip()
+            return value.strip()
     return None
 
 
@@ -53,7 +55,7 @@ class RequireKey:
 
     def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
         self.app = app
-        self.keys = [k.encode() for k in keys]
+        self.keys = [k.encode("utf-8") for k in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
@@ -61,7 +63,7 @@ class RequireKey:
             return
         given = _given(scope["headers"])
         # Every key compared, in constant time each.
-        ok = given is not None and any([hmac.compare_digest(given.encode(), k) for k in self.keys])
+        ok = given is not None and any([hmac.compare_digest(given, k) for k in self.keys])
         if ok:
             await self.app(scope, receive, send)
             return
