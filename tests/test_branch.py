@@ -624,3 +624,31 @@ async def test_forks_are_made_at_once_and_share_a_round_with_their_prefill(
         assert a.position == b.position == len(tokens) - 1 + len(suffix)
         np.testing.assert_array_equal(a.logits, b.logits)
         await root.commit(5)  # free again
+
+
+async def test_a_prune_right_after_a_prefill_waits_for_it(smollm2: Path) -> None:
+    """A prefill issued in a task is handed to the worker at the end of the
+    tick; a prune issued before then waits for it (it used to see an idle
+    worker, dispose of the branch at once and fail the prefill with
+    ``BranchDisposedError``). docs/cancellation.md's promise."""
+    async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=2) as ctx:
+        prompt = await ctx.tokenize("The quick brown fox jumps over the lazy dog.")
+        x = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        outcome: list[BaseException | None] = []
+        issuing = anyio.Event()
+
+        async def prefill() -> None:
+            try:
+                issuing.set()  # this task goes on into prefill without yielding
+                await x.prefill(prompt)
+                outcome.append(None)
+            except BaseException as e:
+                outcome.append(e)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(prefill)
+            await issuing.wait()  # the prefill is issued, not yet sent to the worker
+            await x.prune()
+        assert outcome == [None]
+        assert x.disposed
+        assert lloyal.BranchStore(ctx).available == 2

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from lloyal._lloyal import NativeBranch
     from lloyal.context import Context
 
-__all__ = ["submit"]
+__all__ = ["sent", "submit"]
 
 # An item: (branch, token) to commit or (branch, [tokens]) to prefill. A
 # group: (items, all_rows, done).
@@ -78,3 +78,13 @@ async def submit(
         ctx._native.branch_step(tick)
     errors = await result
     return errors
+
+
+async def sent(ctx: Context) -> None:
+    """Return once this thread's pending tick (groups issued but not yet
+    handed to the worker) has been sent, so that what the caller queues
+    next runs after them: a prune issued right after a prefill waits for
+    it instead of disposing of the branch under it."""
+    local = _local(ctx)
+    while getattr(local, "tick", None) is not None:
+        await _checkpoint()

@@ -475,7 +475,11 @@ class Branch(NativeBranch):
         await self._dispose(cascade=True)
 
     async def _dispose(self, cascade: bool) -> None:
-        # At once when the worker is idle, else queued behind its work.
+        # Decodes this tick issued go to the worker first (a wait of a
+        # checkpoint, shielded: a prune must not be lost to a cancellation);
+        # then at once when the worker is idle, else queued behind its work.
+        with anyio.CancelScope(shield=True):
+            await _step.sent(self._ctx)
         if not self._prune_now(cascade):
             await call_native(lambda done: self._prune(cascade, done))
 
