@@ -449,3 +449,23 @@ def test_a_failing_program_in_a_batch_raises_its_own_error(smollm2: Path) -> Non
             assert lloyal.BranchStore(ctx).available == 4
 
     run(main)
+
+
+def test_forks_a_program_leaves_open_are_closed_with_it(smollm2: Path) -> None:
+    """A program that forks and never joins gives every lease back when it
+    ends (its forks used to hold theirs until collected, and starved the
+    other programs of a batch)."""
+
+    @lloyal.program
+    async def leaky(s: lloyal.ProgramState, word: str) -> str:
+        s += f"Say {word}:"
+        forks = await s.fork(2)
+        return forks[0].text
+
+    async def main() -> None:
+        async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=3) as ctx:
+            states = await lloyal.run_batch(leaky, ctx, ["a", "b", "c"], concurrency=1)
+            assert [s.result for s in states] == ["Say a:", "Say b:", "Say c:"]
+            assert lloyal.BranchStore(ctx).available == 3
+
+    run(main)

@@ -76,6 +76,9 @@ class ProgramState:
         self._captures: dict[str, Any] = {}
         self._scores: dict[str | None, list[tuple[float, int]]] = {}
         self._forks = 0  # forks made so far (their seeds differ)
+        # The fork states made here: closed with this one if the program
+        # left them open (their leases come back when it ends).
+        self._children: list[ProgramState] = []
         self.result: Any = None
         """What the program function returned (set by :meth:`Program.run`)."""
 
@@ -492,6 +495,7 @@ class ProgramState:
                 await state.close()
             raise
         self._forks += n
+        self._children += forks
         return forks
 
     async def join(self, forks: Sequence[ProgramState]) -> None:
@@ -519,7 +523,8 @@ class ProgramState:
             await state.close()
 
     async def close(self) -> None:
-        """Free this state's branch; text and captures stay readable.
+        """Free this state's branch, and those of its forks the program left
+        open; text and captures stay readable.
 
         >>> import asyncio, lloyal
         >>> async def main():
@@ -531,6 +536,9 @@ class ProgramState:
         >>> asyncio.run(main())
         (True, 'Hi')
         """
+        children, self._children = self._children, []
+        for child in children:  # forks the program did not join
+            await child.close()
         branch, self._branch = self._branch, None
         if branch is not None and not branch.disposed:
             await branch.prune()
@@ -589,6 +597,7 @@ class ProgramState:
         state._captures = dict(data["captures"])
         state._scores = dict(data["scores"])
         state._forks = 0
+        state._children = []
         state.result = data["result"]
         return state
 
