@@ -39,8 +39,9 @@ def server() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def client(server: str) -> ollama.Client:
-    return ollama.Client(host=server)
+def client(server: str) -> Iterator[ollama.Client]:
+    with ollama.Client(host=server) as c:
+        yield c
 
 
 def test_chat_whole_and_streamed(client: ollama.Client) -> None:
@@ -161,10 +162,9 @@ def test_the_client_reads_a_400(client: ollama.Client) -> None:
     assert e.value.status_code == 400
 
 
-def test_keep_alive_zero_closes_the_model_after_the_request(server: str) -> None:
+def test_keep_alive_zero_closes_the_model_after_the_request(client: ollama.Client) -> None:
     """``keep_alive: 0`` closes the model once answered (Ollama unloads it);
     the next request opens it again."""
-    client = ollama.Client(host=server)
     client.chat(model="smollm2", messages=ASK, options={"num_predict": 1}, keep_alive=0)
     assert client.ps().models == []
     again = client.chat(model="smollm2", messages=ASK, options={"num_predict": 1})

@@ -35,6 +35,7 @@ from lloyal.server._chat import (
     TextDelta,
     chat_events,
     chat_prompt,
+    collect,
     prepare,
     prompt_tokens,
 )
@@ -422,13 +423,8 @@ async def messages(request: Request, state: State) -> Response:
             error_body=error_body,
         )
 
-    async def collect() -> Response:
-        finish, stop = "stop", None
-        async for event in events():
-            if event.finish is not None:
-                finish, stop = event.finish, event.stop
-            else:
-                choice.text += event.text
+    async def whole() -> Response:
+        finish, stop = await collect(choice, events())
         reply = choice.final(finish)
         return JSONResponse(
             {
@@ -439,7 +435,7 @@ async def messages(request: Request, state: State) -> Response:
             }
         )
 
-    return await until_disconnect(request, collect())
+    return await until_disconnect(request, whole())
 
 
 async def _stream(

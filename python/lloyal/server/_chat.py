@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from lloyal.chat.output import ChatOutput, ChatOutputStream
@@ -158,6 +158,18 @@ class ChatChoice:
         if calls and finish == "stop":
             finish = "tool_calls"
         return Reply(out.content, out.reasoning, calls, finish)
+
+
+async def collect(choice: ChatChoice, events: AsyncIterator[ChoiceEvent]) -> tuple[str, str | None]:
+    """Run one choice's ``events`` to the end, gathering its text; why it
+    ended and the stop string that ended it, if one did."""
+    finish, stop = "stop", None
+    async for event in events:
+        if event.finish is not None:
+            finish, stop = event.finish, event.stop
+        else:
+            choice.text += event.text
+    return finish, stop
 
 
 def chat_prompt(ctx: Context, template: str | None, req: ChatRequest) -> ChatPrompt:

@@ -38,6 +38,7 @@ from lloyal.server._chat import (
     Reply,
     TextDelta,
     chat_events,
+    collect,
     prepare,
 )
 from lloyal.server._engine import ChoiceEvent
@@ -332,18 +333,13 @@ async def _run(
             media_type="application/x-ndjson",
         )
 
-    async def collect() -> Response:
-        finish = "stop"
-        async for event in events():
-            if event.finish is not None:
-                finish = event.finish
-            else:
-                choice.text += event.text
+    async def whole() -> Response:
+        finish, _ = await collect(choice, events())
         reply = choice.final(finish)
         body = piece(reply.content, reply.reasoning, _calls_out(reply))
         return JSONResponse({**body, **counts(reason(reply.finish))})
 
-    return await until_disconnect(request, collect())
+    return await until_disconnect(request, whole())
 
 
 async def chat(request: Request, state: State) -> Response:

@@ -26,7 +26,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from lloyal.server._chat import ChatChoice, Reply, chat_events, chat_prompt, prepare, prompt_tokens
+from lloyal.server._chat import (
+    ChatChoice,
+    Reply,
+    chat_events,
+    chat_prompt,
+    collect,
+    prepare,
+    prompt_tokens,
+)
 from lloyal.server._engine import ChoiceEvent
 from lloyal.server._http import event_stream, primed, read_body, until_disconnect
 from lloyal.server._models import Models
@@ -389,16 +397,11 @@ async def create(request: Request, state: State) -> Response:
             done=None,
         )
 
-    async def collect() -> Response:
-        finish = "stop"
-        async for event in events():
-            if event.finish is not None:
-                finish = event.finish
-            else:
-                choice.text += event.text
+    async def whole() -> Response:
+        finish, _ = await collect(choice, events())
         return JSONResponse(finished(choice.final(finish)))
 
-    return await until_disconnect(request, collect())
+    return await until_disconnect(request, whole())
 
 
 async def input_tokens(request: Request, state: State) -> Response:
