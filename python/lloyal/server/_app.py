@@ -109,7 +109,8 @@ def create_app(config: ServerConfig) -> Starlette:
     >>> paths = {r.path for r in app.routes}
     >>> sorted(p for p in paths if p.startswith("/v1"))  # doctest: +NORMALIZE_WHITESPACE
     ['/v1/chat/completions', '/v1/completions', '/v1/embeddings', '/v1/messages',
-     '/v1/messages/count_tokens', '/v1/models', '/v1/models/{model:path}', '/v1/rerank']
+     '/v1/messages/count_tokens', '/v1/models', '/v1/models/{model:path}', '/v1/rerank',
+     '/v1/responses', '/v1/responses/input_tokens', '/v1/responses/{response_id}']
     """
 
     @asynccontextmanager
