@@ -231,3 +231,21 @@ async def test_malformed_messages_are_value_errors_naming_them(smollm2: Path) ->
                 await s.extend([message])
         assert s.text == text
         assert len(s.messages) == 1
+
+
+@pytest.mark.asyncio
+async def test_text_cannot_pose_as_a_medium(smollm2: Path) -> None:
+    """Text between NUL characters that looks like a medium's key is text
+    (it was read as the key: a bare ``KeyError`` for a digest the context
+    does not hold, the medium itself for one it does)."""
+    async with await lloyal.create_context(smollm2, n_ctx=1024, n_seq_max=2) as ctx:
+        posing = "\x00" + "ab" * 32 + "\x00 is my text"
+        async with await lloyal.Session.create(ctx, params=lloyal.GREEDY) as chat:
+            await chat.add_user(posing)
+            prompt = chat.render().prompt
+            assert chat.text == prompt
+            assert chat.branch.position == len(await ctx.tokenize(prompt))
+            # A saved session round-trips the text as text.
+            again = await lloyal.Session.load(ctx, await chat.save())
+            async with again:
+                assert again.text == prompt

@@ -7,7 +7,8 @@ prefix it holds already (cut at a token boundary), truncates the rest and
 decodes what is new: a text that only grows costs its new tokens; one that
 changes earlier text (a chat template that rewrites an old turn) costs a
 re-decode from the first changed token, never a wrong cache. Media stand
-in the bytes as a key of their digest between NUL bytes, so they are
+in the bytes as a key of their digest between 0xFF bytes (never in UTF-8
+text, so text cannot pose as a medium), so they are
 compared by content and a cut never falls inside one.
 """
 
@@ -25,11 +26,12 @@ if TYPE_CHECKING:
     from lloyal.chat.prompt import ChatPrompt
     from lloyal.context import Context
 
-__all__ = ["Held", "with_keys"]
+__all__ = ["Held", "upgrade", "with_keys"]
 
-# A medium in the held bytes: its digest between NUL bytes (no template
-# writes NUL).
-_KEY = re.compile(rb"\x00([0-9a-f]{64})\x00")
+# A medium in the held bytes: its digest between 0xFF bytes, which no UTF-8
+# text holds, so no text can name a medium (a NUL could be in a message).
+_KEY = re.compile(rb"\xff([0-9a-f]{64})\xff")
+_OLD_KEY = re.compile(rb"\x00([0-9a-f]{64})\x00")
 
 
 class Held:
@@ -164,13 +166,19 @@ def _tokenize(ctx: Context, text: str, *, first: bool, base: int) -> tuple[list[
     return tokens, ends
 
 
+def upgrade(held: bytes) -> bytes:
+    """Held bytes saved before media keys were 0xFF-delimited (sessions
+    saved with format 2) in today's form."""
+    return _OLD_KEY.sub(rb"\xff\1\xff", held)
+
+
 def with_keys(chat: ChatPrompt) -> tuple[bytes, dict[str, Media]]:
     """The prompt's bytes with each media marker replaced by its medium's
     key, and the media by digest."""
     pieces = chat.prompt.split(MEDIA_MARKER)
     out = [pieces[0].encode()]
     for medium, piece in zip(chat.media, pieces[1:], strict=True):
-        out.append(b"\x00" + medium.digest.encode() + b"\x00")
+        out.append(b"\xff" + medium.digest.encode() + b"\xff")
         out.append(piece.encode())
     return b"".join(out), {m.digest: m for m in chat.media}
 

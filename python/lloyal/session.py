@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from lloyal._generation import Generation
-from lloyal._held import Held, with_keys
+from lloyal._held import Held, upgrade, with_keys
 from lloyal.branch import Branch
 from lloyal.chat.format import check_messages
 from lloyal.chat.output import ChatOutput
@@ -42,7 +42,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Session"]
 
-_MAGIC = b"LLOYAL-SESSION\x002"
+_MAGIC = b"LLOYAL-SESSION\x003"
+# Format 2 keyed media between NUL bytes (read, and upgraded).
+_MAGIC_2 = b"LLOYAL-SESSION\x002"
 
 
 class Session:
@@ -465,7 +467,8 @@ class Session:
         """
         raw = bytes(data)
         head = len(_MAGIC) + 12
-        if len(raw) < head or not raw.startswith(_MAGIC):
+        old = raw.startswith(_MAGIC_2)
+        if len(raw) < head or not (raw.startswith(_MAGIC) or old):
             raise StateError("not a saved lloyal session")
         size, crc = struct.unpack("<QI", raw[len(_MAGIC) : head])
         if zlib.crc32(raw[head : head + size]) != crc:
@@ -473,6 +476,7 @@ class Session:
         try:
             meta = json.loads(raw[head : head + size])
             held = bytes.fromhex(meta["held"])
+            held = upgrade(held) if old else held
             ends = [int(e) for e in meta["ends"]]
             messages = list(meta["messages"])
             options = dict(meta["options"])
