@@ -76,29 +76,22 @@ def test_a_response_whole_and_streamed(client: openai.OpenAI) -> None:
 
 
 def test_a_tool_round_trip_through_previous_response_id(client: openai.OpenAI) -> None:
-    first = client.responses.create(
-        model="m",
-        input="What is the weather in Paris?",
-        tools=[WEATHER],  # type: ignore[list-item]
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_output_tokens=60,
-        temperature=0,
-    )
+    forced: dict[str, Any] = {
+        "model": "m",
+        "input": "What is the weather in Paris?",
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_output_tokens": 60,
+        "temperature": 0,
+    }
+    first = client.responses.create(**forced)
     calls = [item for item in first.output if item.type == "function_call"]
     assert len(calls) == 1
     assert calls[0].name == "get_weather"
     assert set(json.loads(calls[0].arguments)) == {"city"}
     # Streamed, the same call.
-    with client.responses.stream(
-        model="m",
-        input="What is the weather in Paris?",
-        tools=[WEATHER],  # type: ignore[list-item]
-        tool_choice="required",
-        parallel_tool_calls=False,
-        max_output_tokens=60,
-        temperature=0,
-    ) as stream:
+    with client.responses.stream(**forced) as stream:
         args = "".join(
             e.delta for e in stream if e.type == "response.function_call_arguments.delta"
         )

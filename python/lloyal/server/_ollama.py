@@ -20,7 +20,6 @@ Errors are Ollama's ``{"error": "..."}``.
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 import time
@@ -50,6 +49,7 @@ from lloyal.server._protocol import (
     RequestOptions,
     checked_messages,
     checked_tools,
+    flag_field,
     json_object,
     sampling,
     stop_strings,
@@ -100,13 +100,6 @@ def _options(body: dict[str, Any], vocab_size: int, stream: bool) -> RequestOpti
         include_usage=False,
         logprobs=None,
     )
-
-
-def _stream_flag(body: dict[str, Any]) -> bool:
-    stream = body.get("stream", True)
-    if not isinstance(stream, bool):
-        raise ApiError("stream must be true or false", param="stream")
-    return stream
 
 
 def _format(body: dict[str, Any]) -> dict[str, Any] | bool | None:
@@ -202,7 +195,7 @@ def chat_request(raw: object, vocab_size: int) -> tuple[ChatRequest, float | Non
     tools = checked_tools(body.get("tools") or None)
     chat = ChatRequest(
         messages=_messages(body.get("messages")),
-        generation=_options(body, vocab_size, _stream_flag(body)),
+        generation=_options(body, vocab_size, flag_field(body, "stream", True)),
         tools=tools,
         # lloyal's extension (Ollama has none): OpenAI's tool_choice.
         tool_choice=tool_choice(body.get("tool_choice"), tools),
@@ -232,7 +225,7 @@ def generate_request(raw: object, vocab_size: int) -> tuple[ChatRequest, float |
     messages = ([{"role": "system", "content": system}] if system else []) + [user]
     chat = ChatRequest(
         messages=_messages(messages),
-        generation=_options(body, vocab_size, _stream_flag(body)),
+        generation=_options(body, vocab_size, flag_field(body, "stream", True)),
         json_schema=_format(body),
         enable_thinking=_think(body),
     )
@@ -470,8 +463,3 @@ async def show(request: Request, state: State) -> Response:
             "capabilities": capabilities,
         }
     )
-
-
-def image_b64(data: bytes) -> str:
-    """Bytes as Ollama's ``images`` entries are written (tests)."""
-    return base64.b64encode(data).decode()
