@@ -9,9 +9,18 @@ layout over http.server, served from a folder (``ROOT/org/repo/path``).
   ``X-Repo-Commit``; 404 with ``X-Error-Message`` for a missing repo or file;
 - ``GET /cdn/...``: the bytes, with Range (206 and ``Content-Range``).
 
+HEAD answers as GET does, without the body (the hub's client asks HEAD of
+``resolve`` for a file's metadata).
+
 Knobs: ``wrong_sha`` (advertise another SHA-256), ``cut_after`` (the first
 CDN reply closes the connection after that many bytes), ``ignore_range``
-(answer 200 to a Range), ``cdn_host`` (redirect to another host name).
+(answer 200 to a Range), ``cdn_host`` (the host name the CDN redirect
+names: ``localhost``, another host than the hub's 127.0.0.1, as the real
+CDN is; the hub's client follows a redirect to its own host itself), and
+for a hostile hub: ``commit`` and ``etag`` (the ``X-Repo-Commit`` and
+``X-Linked-Etag`` sent), ``endless`` (a CDN body without a length that never
+ends), ``self_link`` (each page of the file list links to itself as the
+next), ``empty_pages`` (empty pages, each linking to another, for ever).
 ``requests`` records ``(method, path, headers)`` of every request.
 """
 
@@ -36,11 +45,20 @@ class FakeHub:
         self.wrong_sha = False
         self.cut_after: int | None = None
         self.ignore_range = False
-        self.cdn_host: str | None = None
+        self.cdn_host = "localhost"
+        self.commit = COMMIT
+        self.etag: str | None = None
+        self.endless = False
+        self.self_link = False
+        self.empty_pages = False
+        self.sent = 0  # bytes of the last endless body
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                hub._serve(self)
+
+            def do_HEAD(self) -> None:
                 hub._serve(self)
 
             def log_message(self, format: str, *args: object) -> None:
@@ -70,20 +88,20 @@ class FakeHub:
 
     def cdn_gets(self) -> list[dict[str, str]]:
         """The headers of each request for bytes."""
-        return [h for m, p, h in self.requests if p.startswith("/cdn/")]
+        return [h for m, p, h in self.requests if p.startswith("/cdn/") and m == "GET"]
 
     # -- the routes -------------------------------------------------------------
 
     def _serve(self, h: BaseHTTPRequestHandler) -> None:
-        self.requests.append(("GET", h.path, dict(h.headers.items())))
+        self.requests.append((h.command, h.path, dict(h.headers.items())))
         url = urlsplit(h.path)
-        path = unquote(url.path)
-        if tree := re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)", path):
-            self._tree(h, tree[1], parse_qs(url.query), url.path)
-        elif resolve := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
-            self._resolve(h, resolve[1], resolve[3])
-        elif path.startswith("/cdn/"):
-            self._cdn(h, self.root / path.removeprefix("/cdn/"))
+        raw = url.path  # a revision's "/" comes quoted, as %2F
+        if tree := re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)", raw):
+            self._tree(h, unquote(tree[1]), parse_qs(url.query), raw)
+        elif resolve := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", raw):
+            self._resolve(h, unquote(resolve[1]), unquote(resolve[3]))
+        elif raw.startswith("/cdn/"):
+            self._cdn(h, self.root / unquote(raw).removeprefix("/cdn/"))
         else:
             self._reply(h, 404, b"", {"X-Error-Message": "no such route"})
 
@@ -110,23 +128,31 @@ class FakeHub:
         start = int(query.get("cursor", ["0"])[0])
         page = entries[start : start + self.page_size]
         headers = {"Content-Type": "application/json"}
-        if start + self.page_size < len(entries):
-            headers["Link"] = f'<{at}?recursive=true&cursor={start + self.page_size}>; rel="next"'
+        cursor: int | None = None
+        if self.self_link:
+            cursor = start
+        elif self.empty_pages:
+            page, cursor = [], start + 1
+        elif start + self.page_size < len(entries):
+            cursor = start + self.page_size
+        if cursor is not None:
+            headers["Link"] = f'<{self.url}{at}?recursive=true&cursor={cursor}>; rel="next"'
         self._reply(h, 200, json.dumps(page).encode(), headers)
 
     def _resolve(self, h: BaseHTTPRequestHandler, repo: str, path: str) -> None:
         f = self.root / repo / path
         if not f.is_file():
-            self._reply(h, 404, b"", {"X-Error-Message": "Entry not found"})
+            headers = {"X-Error-Message": "Entry not found", "X-Repo-Commit": self.commit}
+            self._reply(h, 404, b"", headers)
             return
         data = f.read_bytes()
-        host = f"{self.cdn_host}:{self.port}" if self.cdn_host else f"127.0.0.1:{self.port}"
+        host = f"{self.cdn_host}:{self.port}"
         headers = {
             "Location": f"http://{host}/cdn/{repo}/{path}",
-            "X-Linked-Etag": f'"{self.sha(data)}"',
+            "X-Linked-Etag": f'"{self.etag or self.sha(data)}"',
             "X-Linked-Size": str(len(data)),
             "ETag": f'"{hashlib.sha1(data).hexdigest()}"',
-            "X-Repo-Commit": COMMIT,
+            "X-Repo-Commit": self.commit,
         }
         self._reply(h, 302, b"", headers)
 
@@ -135,6 +161,9 @@ class FakeHub:
             self._reply(h, 404, b"", {})
             return
         data = f.read_bytes()
+        if self.endless and h.command == "GET":
+            self._endless(h)
+            return
         asked = re.fullmatch(r"bytes=(\d+)-", h.headers.get("Range", ""))
         cut, self.cut_after = self.cut_after, None  # the first reply only
         if asked and not self.ignore_range:
@@ -151,7 +180,22 @@ class FakeHub:
         for k, v in extra.items():
             h.send_header(k, v)
         h.end_headers()
-        h.wfile.write(body if cut is None else body[:cut])
+        if h.command == "GET":
+            h.wfile.write(body if cut is None else body[:cut])
+        h.close_connection = True
+
+    def _endless(self, h: BaseHTTPRequestHandler) -> None:
+        """A body with no length that goes on until the client leaves."""
+        h.send_response(200)
+        h.end_headers()
+        self.sent = 0
+        chunk = b"x" * 65536
+        try:
+            while self.sent < 1 << 30:
+                h.wfile.write(chunk)
+                self.sent += len(chunk)
+        except OSError:
+            pass
         h.close_connection = True
 
     @staticmethod
@@ -163,4 +207,5 @@ class FakeHub:
         for k, v in headers.items():
             h.send_header(k, v)
         h.end_headers()
-        h.wfile.write(body)
+        if h.command == "GET":
+            h.wfile.write(body)

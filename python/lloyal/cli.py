@@ -538,7 +538,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     pull_.add_argument("spec", help="hf:org/repo[@REV][:QUANT], hf:org/repo/PATH or a URL")
     pull_.add_argument("--revision", help="branch, tag or commit of an hf: repo (default: main)")
-    pull_.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    pull_.add_argument("--quiet", action="store_true", help="no progress bars on stderr")
     pull_.set_defaults(run=_pull)
 
     info = sub.add_parser(

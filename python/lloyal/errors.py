@@ -42,9 +42,10 @@ class WorkerLostError(LloyalError):
 
 class PullError(LloyalError):
     """A model could not be pulled from the Hugging Face hub or a URL
-    (:mod:`lloyal.hub`): the network failed, the server answered an HTTP
-    error, or the download was cut short (the ``.part`` file stays, and the
-    next pull resumes it)."""
+    (:mod:`lloyal.hub`): the network failed (and the cache lacks the file),
+    the server answered an HTTP error, an answer of the hub was refused
+    (a name that would leave the cache, a body past its listed size, a file
+    list without end), or ``huggingface_hub`` is not installed."""
 
 
 class PullNotFoundError(PullError):

@@ -1,31 +1,16 @@
 """Models from the Hugging Face hub or a URL: ``lloyal pull`` and ``--model hf:...``.
 
-:func:`resolve_model` turns what a user gives as a model into a file:
+:func:`resolve_model` turns a model spec into a file: a local path as it
+is; ``hf:org/repo[@REV][:QUANT]`` (the ``Q4_K_M`` file by default, never a
+``mmproj*`` projector; a split model whole, its first part returned) or
+``hf:org/repo[@REV]/path/file.gguf`` pulled into the standard Hugging Face
+cache; ``https://...[#sha256=<hex>]`` into ``$LLOYAL_CACHE_DIR/url``.
 
-* a local path, returned as it is;
-* ``hf:org/repo``: the repository's ``Q4_K_M`` file, else its first
-  ``.gguf`` (projectors, ``mmproj*``, are skipped); ``hf:org/repo:Q8_0``:
-  the file whose name has that tag (any case; the shortest name if several
-  do); ``hf:org/repo/path/file.gguf``: that file. ``@REV`` after the
-  repository names a branch, tag or commit (``hf:org/repo@v1.0:Q8_0``;
-  default ``main``). A model split into ``-00001-of-0000N.gguf`` parts is
-  pulled whole and its first part returned (llama.cpp finds the others);
-* ``https://host/path/file.gguf``, with ``#sha256=<hex>`` to check it.
-
-A download goes into a ``.part`` file beside its final name, which the next
-try resumes with an HTTP Range request (a cut connection is retried at once
-while bytes keep coming). The bytes are checked against the SHA-256 the hub
-gives (the file's LFS object id, or the ``X-Linked-Etag`` of its redirect)
-or the URL's fragment, and renamed into the cache only when they match; a
-mismatch raises :class:`~lloyal.errors.ChecksumMismatchError` and keeps
-nothing. The cache is :func:`lloyal.models.cache_dir` (``$LLOYAL_CACHE_DIR``):
-``hub/ORG/REPO/REV/PATH`` and ``url/SHA256-OF-URL/NAME``, each file with a
-``.pulled.json`` beside it (its size, SHA-256 and source). A file the cache
-holds is returned without a request, so a pull of ``main`` is not refreshed
-when the repository changes: name a commit, or delete the folder.
-
-``$HF_ENDPOINT`` replaces https://huggingface.co; ``$HF_TOKEN`` is sent as
-a bearer token to that host only (not to the CDN it redirects to).
+The transfer is ``huggingface_hub``'s (``pip install 'lloyal[hub]'``). This
+module is the glue, and the checks a cache of files that a parser will read
+needs: new bytes against the SHA-256 and size in the hub's file list, a
+bounded file list, and the hub's names (revisions, commits, ETags) and the
+cache's links confined to the cache. docs/pull.md has the whole contract.
 
 >>> from lloyal.hub import resolve_model
 >>> resolve_model(MODEL).name
@@ -40,16 +25,13 @@ import json
 import os
 import re
 import sys
-import time
-import urllib.error
-import urllib.request
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from email.message import Message
-from http.client import HTTPMessage
 from pathlib import Path
-from typing import IO, Any
-from urllib.parse import quote, unquote, urldefrag, urljoin, urlsplit
+from types import ModuleType
+from typing import Any
+from urllib.parse import quote, unquote, urldefrag, urlsplit
 
 from lloyal._lloyal import __version__
 from lloyal.errors import ChecksumMismatchError, PullError, PullNotFoundError
@@ -64,13 +46,14 @@ _HF_SPEC = re.compile(
 )
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+# What an ETag may be when the hub's client makes a file name of it.
+_ETAG = re.compile(r'(?:W/)?"?[0-9A-Za-z_-]{1,128}"?')
+_MAX_FILES = 100_000  # entries of one repository's listing
+_MAX_PAGES = 1_000  # pages of one listing (the hub sends 1,000 entries a page)
 _CHUNK = 1 << 20
-_ATTEMPTS = 5  # tries of one file, while each cut try brought bytes
-_MAX_REDIRECTS = 10
-_TIMEOUT_S = 60.0
-_REDIRECTS = (301, 302, 303, 307, 308)
-_LINKED = ("X-Linked-Etag", "X-Linked-Size", "X-Repo-Commit")
 _HEADERS = {"User-Agent": f"lloyal/{__version__}", "Accept-Encoding": "identity"}
+_OFF = ("", "0", "false", "no", "off")
 
 
 def resolve_model(
@@ -91,13 +74,14 @@ def resolve_model(
 
 def pull(spec: str, *, revision: str | None = None, progress: bool | None = None) -> Path:
     """Download ``hf:org/repo[@rev][:QUANT]``, ``hf:org/repo[@rev]/path``
-    or a URL into the cache, checked, and return its path; a verified file
-    already there is returned without a request. ``progress``: one
-    rewritten line on stderr (default: when stderr is a terminal).
+    or a URL into the cache, checked, and return its path. ``progress``:
+    progress bars on stderr (default: when stderr is a terminal).
 
     Raises :class:`~lloyal.errors.PullNotFoundError` (404, or no file
-    matching the quantization), :class:`~lloyal.errors.ChecksumMismatchError`
-    and :class:`~lloyal.errors.PullError` (the network, other HTTP errors).
+    matching the quantization, or offline and not cached),
+    :class:`~lloyal.errors.ChecksumMismatchError` and
+    :class:`~lloyal.errors.PullError` (the network, other HTTP errors, a
+    hub answer refused, ``huggingface_hub`` not installed).
 
     >>> pull("hf:bartowski/SmolLM2-135M-Instruct-GGUF:Q8_0").name  # doctest: +SKIP
     'SmolLM2-135M-Instruct-Q8_0.gguf'
@@ -116,82 +100,251 @@ def _is_remote(spec: str) -> bool:
     return spec.startswith(("hf:", "http://", "https://"))
 
 
+def _hf() -> ModuleType:
+    try:
+        import huggingface_hub
+        import huggingface_hub.constants
+        import huggingface_hub.errors
+        import huggingface_hub.file_download
+        import huggingface_hub.utils
+    except ImportError as e:
+        raise PullError(
+            "pulling a model needs the Hugging Face hub's client: pip install 'lloyal[hub]'"
+        ) from e
+    return huggingface_hub
+
+
 # -- hf: specs ----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class _Remote:
-    """A file the repository's tree lists."""
+    """A file the repository's listing gives."""
 
     size: int | None
     sha256: str | None
 
 
-def _pull_hf(spec: str, revision: str | None, show: bool) -> Path:
+_UNLISTED = _Remote(None, None)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    repo: str
+    rev: str
+    quant: str | None
+    path: str | None
+
+    @property
+    def where(self) -> str:
+        return f"{self.repo}@{self.rev}"
+
+
+def _parse(spec: str, revision: str | None) -> _Spec:
     found = _HF_SPEC.fullmatch(spec)
     if not found:
         raise ValueError(
             f"not a hub model: {spec!r}; expected hf:org/repo, hf:org/repo:QUANT "
             "or hf:org/repo/path/file.gguf (@REV after the repo for a revision)"
         )
-    repo, quant, path = found["repo"], found["quant"], found["path"]
     if found["rev"] and revision and found["rev"] != revision:
         raise ValueError(f"{spec!r} names revision {found['rev']!r} but --revision is {revision!r}")
-    rev = found["rev"] or revision or DEFAULT_REVISION
+    rev = _relative(found["rev"] or revision or DEFAULT_REVISION, spec, ValueError, "revision")
+    path = found["path"]
     if path is not None:
         path = _relative(path, spec, ValueError)
-    base = cache_dir() / "hub" / repo / quote(rev, safe="")
-    choices = base / ".choices.json"
-    key = f"path:{path}" if path is not None else f"quant:{(quant or '').lower()}"
-    chosen = _read_json(choices).get(key)
-    if isinstance(chosen, list) and chosen and all(_cached(base / p) for p in chosen):
-        return base / str(chosen[0])
-
-    endpoint = _endpoint()
-    tree: dict[str, _Remote] = {}
-    if path is None:
-        tree = _list_tree(endpoint, repo, rev)
-        paths = _choose(tree, quant, f"{repo}@{rev}")
-    else:
-        paths = _split_parts(path, None, spec)
-    for i, p in enumerate(paths):
-        remote = tree.get(p, _Remote(None, None))
-        label = p if len(paths) == 1 else f"{p} ({i + 1}/{len(paths)})"
-        url = f"{endpoint}/{repo}/resolve/{quote(rev, safe='')}/{quote(p)}"
-        _download(url, base / p, remote.sha256, remote.size, label, show)
-    _write_json(choices, {**_read_json(choices), key: paths})
-    return base / paths[0]
+    return _Spec(found["repo"], rev, found["quant"], path)
 
 
-def _list_tree(endpoint: str, repo: str, rev: str) -> dict[str, _Remote]:
-    """Every file of the repository at ``rev`` (the tree API, page by page)."""
-    url: str | None = f"{endpoint}/api/models/{repo}/tree/{quote(rev, safe='')}?recursive=true"
-    files: dict[str, _Remote] = {}
-    while url is not None:
-        response, _ = _open(url, {"Accept": "application/json"}, f"{repo}@{rev}")
-        with response:
+def _pull_hf(spec: str, revision: str | None, show: bool) -> Path:
+    want = _parse(spec, revision)
+    hf = _hf()
+    cache = _hub_cache(hf)
+    offline = _offline(hf)
+    with _guarded(hf), _translated(hf, want.where):
+        listing: dict[str, _Remote] = {}
+        unreachable: str | None = None
+        if not offline:
             try:
-                entries = json.loads(response.read())
-            except (ValueError, OSError) as e:
-                raise PullError(f"{repo}@{rev}: unreadable file list from {url}") from e
-            link = response.headers.get("Link", "")
+                listing = _listing(hf, want)
+            except _Unreachable as e:
+                offline = True  # the cache answers, as the hub's client does
+                unreachable = str(e)
+        if offline:
+            listing = _cached_listing(cache, want, unreachable)
+        why = f"cannot reach the hub: {unreachable}" if unreachable else "offline"
+        where = f"{want.where} ({why}; the cache's files)" if offline else want.where
+        try:
+            if want.path is None:
+                paths = _choose(listing, want.quant, where)
+            else:
+                paths = _split_parts(want.path, listing, where)
+        except PullNotFoundError as e:
+            if unreachable is None:
+                raise
+            raise PullError(str(e)) from e  # the network's fault, not the hub's answer
+        got = [
+            _download(hf, cache, want, p, listing.get(p, _UNLISTED), label, show, offline)
+            for p, label in zip(paths, _labels(paths), strict=True)
+        ]
+    return got[0]
+
+
+def _labels(paths: list[str]) -> list[str]:
+    return paths if len(paths) == 1 else [f"{p} ({i}/{len(paths)})" for i, p in enumerate(paths, 1)]
+
+
+class _Unreachable(Exception):
+    """The hub cannot be reached: the cache is asked instead."""
+
+
+def _listing(hf: ModuleType, want: _Spec) -> dict[str, _Remote]:
+    """Every file of the repository at the revision: the hub's tree API, its
+    pages followed through the hub client's session, bounded (a list that
+    repeats itself, or runs past :data:`_MAX_FILES` files or
+    :data:`_MAX_PAGES` pages, is refused). Asked once, not retried: a hub
+    that cannot be reached sends the pull to the cache at once."""
+    session = hf.utils.get_session()
+    headers = hf.utils.build_hf_headers(library_name="lloyal", library_version=__version__)
+    url: str | None = (
+        f"{_endpoint(hf)}/api/models/{want.repo}/tree/{quote(want.rev, safe='')}?recursive=true"
+    )
+    files: dict[str, _Remote] = {}
+    pages = 0
+    while url is not None:
+        pages += 1
+        if pages > _MAX_PAGES:
+            raise PullError(f"{want.where}: the hub's file list runs on; refused")
+        try:
+            response = session.get(url, headers=headers, timeout=hf.constants.HF_HUB_ETAG_TIMEOUT)
+        except _transport_errors() as e:
+            raise _Unreachable(_first_line(e)) from e
+        hf.utils.hf_raise_for_status(response)
+        try:
+            entries = response.json()
+        except ValueError:
+            entries = None
         if not isinstance(entries, list):
-            raise PullError(f"{repo}@{rev}: unexpected file list from {url}")
+            raise PullError(f"{want.where}: unreadable file list from {url}")
         for entry in entries:
             if not isinstance(entry, dict) or entry.get("type", "file") != "file":
                 continue
+            path = entry.get("path")
+            if not isinstance(path, str):
+                continue
+            if path in files or len(files) >= _MAX_FILES:
+                raise PullError(f"{want.where}: the hub's file list repeats or runs on; refused")
             lfs = entry.get("lfs")
-            if not isinstance(lfs, dict):
-                lfs = {}
+            lfs = lfs if isinstance(lfs, dict) else {}
             size = lfs.get("size", entry.get("size"))
             sha = lfs.get("oid")
-            files[str(entry.get("path", ""))] = _Remote(
-                size if isinstance(size, int) else None,
+            files[path] = _Remote(
+                size if isinstance(size, int) and size >= 0 else None,
                 sha.lower() if isinstance(sha, str) and _SHA256.fullmatch(sha.lower()) else None,
             )
-        after = re.search(r'<([^>]+)>\s*;\s*rel="?next"?', link)
-        url = urljoin(url, after[1]) if after else None
+        url = response.links.get("next", {}).get("url")
     return files
+
+
+def _cached_listing(cache: Path, want: _Spec, unreachable: str | None) -> dict[str, _Remote]:
+    """The files the cache holds of the repository at the revision, when
+    offline (``unreachable``: why the hub could not be asked)."""
+    storage = cache / _folder(want.repo)
+    commit = want.rev
+    if not _COMMIT.fullmatch(commit):
+        try:
+            commit = (storage / "refs" / want.rev).read_text().strip()
+        except OSError:
+            commit = ""
+    snapshot = storage / "snapshots" / commit
+    if not _COMMIT.fullmatch(commit) or not snapshot.is_dir():
+        if unreachable is not None:
+            raise PullError(
+                f"{want.where}: cannot reach the hub ({unreachable}), and the "
+                f"Hugging Face cache ({cache}) does not hold it"
+            )
+        raise PullNotFoundError(
+            f"{want.where}: offline ($HF_HUB_OFFLINE), and the Hugging Face cache "
+            f"({cache}) does not hold it"
+        )
+    return {
+        f.relative_to(snapshot).as_posix(): _UNLISTED for f in snapshot.rglob("*") if f.is_file()
+    }
+
+
+def _download(
+    hf: ModuleType,
+    cache: Path,
+    want: _Spec,
+    path: str,
+    remote: _Remote,
+    label: str,
+    show: bool,
+    offline: bool,
+) -> Path:
+    """One file into the cache (or found there), confined and checked."""
+    storage = cache / _folder(want.repo)
+    before = set((storage / "snapshots").glob(f"*/{path}"))
+    got = Path(
+        hf.hf_hub_download(
+            want.repo,
+            path,
+            revision=want.rev,
+            cache_dir=cache,
+            endpoint=_endpoint(hf),
+            local_files_only=offline,
+            library_name="lloyal",
+            library_version=__version__,
+            tqdm_class=_bar(label, show, remote.size),
+        )
+    )
+    target = _confined(got, storage, want.where)
+    if got in before or offline:
+        return got  # the cache's, named by its hash when it was stored
+    if remote.size is not None and target.stat().st_size != remote.size:
+        problem: str | None = f"{target.stat().st_size} bytes where the hub lists {remote.size}"
+    else:
+        problem = _mismatch(target, remote.sha256 or _named_sha(target))
+    if problem is not None:
+        for f in (got, target):
+            f.unlink(missing_ok=True)
+        raise ChecksumMismatchError(f"{label}: {problem}; not kept")
+    return got
+
+
+def _confined(got: Path, storage: Path, where: str) -> Path:
+    """The file a cache entry stands for, if it lies in the repository's
+    folder: a link the cache did not make (one that leads out) is refused."""
+    root = storage.resolve()
+    target = got.resolve()
+    if root not in target.parents or not target.is_file():
+        if got.is_symlink():
+            got.unlink()  # the link itself, never what it leads to
+        raise PullError(
+            f"{where}: {got} leads to {target}, outside the cache's folder {root}; "
+            "refused (delete the link to pull again)"
+        )
+    return target
+
+
+def _named_sha(blob: Path) -> str | None:
+    """A blob's SHA-256 from its name: the hub's ETag of a large (LFS) file."""
+    return blob.name if _SHA256.fullmatch(blob.name) else None
+
+
+def _mismatch(file: Path, sha256: str | None) -> str | None:
+    if sha256 is None:
+        return None
+    actual = _sha256(file)
+    return None if actual == sha256 else f"SHA-256 {actual}, expected {sha256}"
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with file.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _choose(tree: Mapping[str, _Remote], quant: str | None, where: str) -> list[str]:
@@ -215,7 +368,7 @@ def _choose(tree: Mapping[str, _Remote], quant: str | None, where: str) -> list[
     return [_relative(p, where, PullError) for p in parts]
 
 
-def _split_parts(path: str, tree: Mapping[str, _Remote] | None, where: str) -> list[str]:
+def _split_parts(path: str, tree: Mapping[str, _Remote], where: str) -> list[str]:
     """``path`` alone, or every part of the split model it is a part of."""
     split = _SPLIT.search(path)
     if not split:
@@ -223,22 +376,135 @@ def _split_parts(path: str, tree: Mapping[str, _Remote] | None, where: str) -> l
     count = int(split[2])
     stem, suffix = path[: split.start()], path[split.end() - len(".gguf") :]
     parts = [f"{stem}-{i:05d}-of-{split[2]}{suffix}" for i in range(1, count + 1)]
-    missing = [p for p in parts if tree is not None and p not in tree]
-    if missing:
+    missing = [p for p in parts if p not in tree]
+    if missing and path in tree:  # an unlisted file is the hub's to refuse
         raise PullNotFoundError(f"{where}: split model without its parts {', '.join(missing)}")
     return parts
 
 
-def _relative(path: str, where: str, error: type[Exception]) -> str:
-    """A repository path that stays inside its folder in the cache."""
+def _relative(path: str, where: str, error: type[Exception], what: str = "file path") -> str:
+    """A repository path (or revision) that stays inside its folder in the cache."""
     parts = path.split("/")
     if any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
-        raise error(f"{where}: not a file path in a repository: {path!r}")
+        raise error(f"{where}: not a {what} in a repository: {path!r}")
     return path
 
 
-def _endpoint() -> str:
-    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+def _folder(repo: str) -> str:
+    return "models--" + repo.replace("/", "--")
+
+
+def _endpoint(hf: ModuleType) -> str:
+    """``$HF_ENDPOINT`` as it is now (the hub's client reads it at import)."""
+    return str(os.environ.get("HF_ENDPOINT", hf.constants.ENDPOINT)).rstrip("/")
+
+
+def _hub_cache(hf: ModuleType) -> Path:
+    """The Hugging Face cache as the environment names it now."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return Path(hf.constants.HF_HUB_CACHE)
+
+
+def _offline(hf: ModuleType) -> bool:
+    flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    return bool(hf.constants.HF_HUB_OFFLINE) or (flag or "").strip().lower() not in _OFF
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Connection errors of ``httpx2`` (``huggingface_hub`` 2) or ``httpx`` (1)."""
+    modules = (sys.modules.get(name) for name in ("httpx2", "httpx"))
+    return tuple(m.TransportError for m in modules if m is not None)
+
+
+@contextlib.contextmanager
+def _translated(hf: ModuleType, where: str) -> Iterator[None]:
+    """The hub client's errors as :mod:`lloyal.errors`."""
+    errors = hf.errors
+    try:
+        yield
+    except PullError:
+        raise
+    except (errors.EntryNotFoundError, errors.HfHubHTTPError) as e:
+        # Private and gated repositories answer 401/403 without access.
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        missing = status in (401, 403, 404) or isinstance(e, errors.EntryNotFoundError)
+        if isinstance(e, errors.GatedRepoError):
+            where += " (gated: accept its terms on the hub and set $HF_TOKEN)"
+        error = PullNotFoundError if missing else PullError
+        raise error(f"{where}: not found or refused: {_first_line(e)}") from e
+    except (errors.OfflineModeIsEnabled, *_transport_errors(), OSError) as e:
+        raise PullError(f"{where}: {_first_line(e)}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+# -- what the hub sends -------------------------------------------------------
+
+_guard_lock = threading.Lock()
+_guard_users = 0
+
+
+class _Refused(PullError):
+    """A hub answer that would make the cache reach outside itself."""
+
+
+def _check_response(response: Any) -> None:
+    """An event hook on the hub client's HTTP session, while a pull runs:
+    it refuses commits and ETags that the client would make file names of
+    and are not such names."""
+    headers = response.headers
+    commit = headers.get("X-Repo-Commit")
+    if commit is not None and not _COMMIT.fullmatch(commit):
+        raise _Refused(f"the hub sent commit {commit[:80]!r}, not a commit id; refused")
+    if response.request.method == "HEAD":
+        for name in ("X-Linked-Etag", "ETag"):
+            value = headers.get(name)
+            if value is not None and not _ETAG.fullmatch(value):
+                raise _Refused(f"the hub sent {name} {value[:80]!r}, not a file name; refused")
+
+
+@contextlib.contextmanager
+def _guarded(hf: ModuleType) -> Iterator[None]:
+    """:func:`_check_response` on the hub client's session while pulls run."""
+    global _guard_users
+    hooks = hf.utils.get_session().event_hooks["response"]
+    with _guard_lock:
+        if _check_response not in hooks:
+            hooks.append(_check_response)
+        _guard_users += 1
+    try:
+        yield
+    finally:
+        with _guard_lock:
+            _guard_users -= 1
+            if _guard_users == 0 and _check_response in hooks:
+                hooks.remove(_check_response)
+
+
+def _bar(label: str, show: bool, limit: int | None) -> type:
+    """A progress bar class for the hub's client that also stops a body
+    running past the size the listing gave (``limit``)."""
+    from tqdm.auto import tqdm  # type: ignore[import-untyped]
+
+    class Bar(tqdm):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.pop("name", None)
+            kwargs.update(desc=f"pulling {label}", disable=not show, file=sys.stderr)
+            self.seen = kwargs.get("initial", 0) or 0
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            self.seen += n or 0
+            if limit is not None and self.seen > limit:
+                raise PullError(f"{label}: the body runs past the listed {limit:,} bytes; cut off")
+            return bool(super().update(n))
+
+    return Bar
 
 
 # -- URLs -------------------------------------------------------------------------
@@ -253,16 +519,53 @@ def _pull_url(spec: str, show: bool) -> Path:
             raise ValueError(f"the only fragment a model URL takes is #sha256=<64 hex>: {spec!r}")
         sha = given[1].lower()
     name = unquote(urlsplit(url).path).rsplit("/", 1)[-1]
-    if name in ("", ".", "..") or "\\" in name or "\0" in name:
+    if name in ("", ".", "..") or "\\" in name or "\0" in name or name.startswith("."):
         name = "download"
     key = hashlib.sha256((url + (f"#sha256={sha}" if sha else "")).encode()).hexdigest()
     dest = cache_dir() / "url" / key / name
-    if not _cached(dest):
-        _download(url, dest, sha, None, name, show)
+    if _cached(dest):
+        return dest
+    hf = _hf()
+    import filelock
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(dest.parent / ".lock"), _translated(hf, name):
+        if not _cached(dest):
+            _fetch(hf, url, dest, sha, name, show)
     return dest
 
 
-# -- downloads ----------------------------------------------------------------
+def _fetch(hf: ModuleType, url: str, dest: Path, sha: str | None, name: str, show: bool) -> None:
+    """``url`` into ``dest``: resumed from ``NAME.part``, checked, renamed."""
+    part = dest.with_name(dest.name + ".part")
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    if part.is_symlink():
+        part.unlink()  # not a file this cache made
+    with os.fdopen(os.open(part, flags, 0o644), "r+b") as f:
+        # From where an interrupted pull left the part; once more from zero
+        # if the server refuses the range (416) or the part was other bytes.
+        for start in (f.seek(0, os.SEEK_END), 0):
+            f.seek(start)
+            f.truncate()
+            try:
+                bar = _bar(name, show, None)
+                hf.file_download.http_get(
+                    url, f, resume_size=start, headers=_HEADERS, tqdm_class=bar
+                )
+            except hf.errors.HfHubHTTPError as e:
+                if start and getattr(e.response, "status_code", None) == 416:
+                    continue
+                raise
+            f.flush()
+            if not start or sha is None or _sha256(part) == sha:
+                break
+    actual = _sha256(part)
+    if sha is not None and actual != sha:
+        part.unlink()
+        raise ChecksumMismatchError(f"{name}: SHA-256 {actual}, expected {sha}; not kept")
+    os.replace(part, dest)  # replaces a link at dest, never writes through it
+    record = {"size": dest.stat().st_size, "sha256": actual, "checked": sha is not None}
+    _write_json(_sidecar(dest), {**record, "url": url})
 
 
 def _sidecar(dest: Path) -> Path:
@@ -270,239 +573,12 @@ def _sidecar(dest: Path) -> Path:
 
 
 def _cached(dest: Path) -> bool:
-    """The file is there, whole, and was checked when it was pulled."""
+    """The file is there, whole, a file of the cache's own (not a link)."""
     size = _read_json(_sidecar(dest)).get("size")
     try:
-        return isinstance(size, int) and dest.stat().st_size == size
+        return not dest.is_symlink() and isinstance(size, int) and dest.stat().st_size == size
     except OSError:
         return False
-
-
-class _Partial:
-    """A ``.part`` file and the SHA-256 of the bytes in it so far."""
-
-    def __init__(self, path: Path) -> None:
-        self.hash = hashlib.sha256()
-        self.size = 0
-        self.resumed = False
-        if path.is_file():
-            with path.open("rb") as f:
-                while chunk := f.read(_CHUNK):
-                    self.hash.update(chunk)
-                    self.size += len(chunk)
-            self.resumed = self.size > 0
-        self.file: IO[bytes] = path.open("ab")
-
-    def restart(self) -> None:
-        self.file.seek(0)
-        self.file.truncate()
-        self.hash = hashlib.sha256()
-        self.size = 0
-
-    def write(self, chunk: bytes) -> None:
-        self.file.write(chunk)
-        self.hash.update(chunk)
-        self.size += len(chunk)
-
-
-class _Cut(Exception):
-    """A transfer that ended early; ``progressed`` if it brought bytes."""
-
-    def __init__(self, reason: str, progressed: bool) -> None:
-        super().__init__(reason)
-        self.progressed = progressed
-
-
-def _download(
-    url: str, dest: Path, sha256: str | None, size: int | None, label: str, show: bool
-) -> None:
-    """Fetch ``url`` into ``dest`` through ``dest.part``, checked (see the
-    module docs); ``sha256`` and ``size`` as the file list gives them."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(dest.parent):
-        if _cached(dest):  # another process pulled it meanwhile
-            return
-        part = dest.with_name(dest.name + ".part")
-        if dest.is_file():  # renamed but not recorded: check it as a part
-            dest.replace(part)
-        meter = _Meter(label, show)
-        partial = _Partial(part)
-        try:
-            linked = _fetch(url, partial, size, meter)
-            want_sha = sha256 or linked["sha256"]
-            want_size = size if size is not None else linked["size"]
-            if partial.resumed and _mismatch(partial, want_sha, want_size):
-                partial.restart()  # an old .part may hold other bytes: once more from zero
-                linked = _fetch(url, partial, size, meter)
-        finally:
-            partial.file.close()
-            meter.close()
-        problem = _mismatch(partial, want_sha, want_size)
-        if problem:
-            part.unlink(missing_ok=True)
-            raise ChecksumMismatchError(f"{label}: {problem}; the download was deleted")
-        part.replace(dest)
-        record = {
-            "size": partial.size,
-            "sha256": partial.hash.hexdigest(),
-            "checked": bool(want_sha),  # False: no checksum to compare with
-            "url": url,
-            "commit": linked["commit"],
-        }
-        _write_json(_sidecar(dest), record)
-
-
-def _mismatch(partial: _Partial, sha256: str | None, size: int | None) -> str | None:
-    """What is wrong with the bytes, or None."""
-    digest = partial.hash.hexdigest()
-    if sha256 and digest != sha256:
-        return f"its SHA-256 is {digest}, but the source says {sha256}"
-    if size is not None and partial.size != size:
-        return f"it has {partial.size} bytes, but the source says {size}"
-    return None
-
-
-def _fetch(url: str, partial: _Partial, size: int | None, meter: _Meter) -> dict[str, Any]:
-    """Bring ``partial`` to the whole file, resuming and retrying cuts; the
-    hub's headers about it (``sha256``, ``size``, ``commit``)."""
-    attempt = 0
-    while True:
-        attempt += 1
-        if size is not None and partial.size > size:
-            partial.restart()
-        if size is not None and 0 < size == partial.size:
-            # Whole already: a pull that stopped before its rename.
-            return {"sha256": None, "size": None, "commit": None}
-        try:
-            return _transfer(url, partial, meter)
-        except _Cut as e:
-            if attempt < _ATTEMPTS and e.progressed:
-                continue
-            again = "; pull again to resume" if partial.size else ""
-            raise PullError(f"{meter.label}: {e}{again}") from e.__cause__
-
-
-def _transfer(url: str, partial: _Partial, meter: _Meter) -> dict[str, Any]:
-    """One request: the rest of the file from ``partial.size`` on."""
-    start = partial.size
-    headers = {"Range": f"bytes={start}-"} if start else {}
-    try:
-        response, linked = _open(url, headers, meter.label)
-    except _RangeRefused:
-        partial.restart()  # the part is longer than the file: start over
-        raise _Cut("the server refused the resume", progressed=True) from None
-    with response:
-        if response.status == 206:
-            content_range = response.headers.get("Content-Range", "")
-            got = re.fullmatch(r"bytes (\d+)-\d+/(\d+|\*)", content_range)
-            if not got or int(got[1]) != start:
-                partial.restart()
-                raise _Cut("the server resumed at the wrong offset", progressed=True)
-            total = int(got[2]) if got[2] != "*" else None
-        elif response.status == 200:
-            partial.restart()  # the server ignored the Range: from zero
-            length = response.headers.get("Content-Length")
-            total = int(length) if length and length.isdigit() else None
-        else:
-            raise PullError(f"{meter.label}: unexpected HTTP {response.status} from {url}")
-        before = partial.size
-        meter.begin(before)
-        try:
-            while chunk := response.read(_CHUNK):
-                partial.write(chunk)
-                meter.show(partial.size, total)
-        except OSError as e:
-            raise _Cut(f"the connection failed ({e})", partial.size > before) from e
-        if total is not None and partial.size < total:
-            raise _Cut(
-                f"the connection closed after {partial.size} of {total} bytes",
-                partial.size > before,
-            )
-    sha = linked.get("x-linked-etag", "").strip().removeprefix("W/").strip('"').lower()
-    size = linked.get("x-linked-size", "")
-    return {
-        "sha256": sha if _SHA256.fullmatch(sha) else None,
-        "size": int(size) if size.isdigit() else None,
-        "commit": linked.get("x-repo-commit"),
-    }
-
-
-# -- HTTP ------------------------------------------------------------------------
-
-
-class _RangeRefused(PullError):
-    """HTTP 416: a Range past the end of the file (caught by _transfer)."""
-
-
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    """Redirects come back as errors: :func:`_open` follows them itself, to
-    read the hub's headers on the way and keep the token off other hosts."""
-
-    def redirect_request(
-        self,
-        req: urllib.request.Request,
-        fp: IO[bytes],
-        code: int,
-        msg: str,
-        headers: HTTPMessage,
-        newurl: str,
-    ) -> urllib.request.Request | None:
-        return None
-
-
-_OPENER = urllib.request.build_opener(_NoRedirects)
-
-
-def _open(url: str, headers: Mapping[str, str], label: str) -> tuple[Any, dict[str, str]]:
-    """The response at the end of ``url``'s redirects, and the hub's
-    ``X-Linked-*`` / ``X-Repo-Commit`` headers met on the way (lower case)."""
-    linked: dict[str, str] = {}
-    hub_host = urlsplit(_endpoint()).netloc
-    token = os.environ.get("HF_TOKEN")
-    for _ in range(_MAX_REDIRECTS):
-        request = urllib.request.Request(url, headers={**_HEADERS, **headers})
-        if token and urlsplit(url).netloc == hub_host:
-            request.add_header("Authorization", f"Bearer {token}")
-        try:
-            response = _OPENER.open(request, timeout=_TIMEOUT_S)
-        except urllib.error.HTTPError as e:
-            with contextlib.closing(e):
-                _collect(e.headers, linked)
-                location = e.headers.get("Location")
-                if e.code in _REDIRECTS and location:
-                    url = urljoin(url, location)
-                    continue
-                raise _http_error(e, url, label) from None
-        except OSError as e:  # URLError, refused, reset, timeouts
-            reason = getattr(e, "reason", e)
-            raise PullError(f"{label}: cannot reach {urlsplit(url).netloc}: {reason}") from e
-        _collect(response.headers, linked)
-        return response, linked
-    raise PullError(f"{label}: more than {_MAX_REDIRECTS} redirects from {url}")
-
-
-def _collect(headers: Message, into: dict[str, str]) -> None:
-    for name in _LINKED:
-        value = headers.get(name)
-        if value:
-            into.setdefault(name.lower(), value)
-
-
-def _http_error(e: urllib.error.HTTPError, url: str, label: str) -> PullError:
-    why = e.headers.get("X-Error-Message") or e.reason
-    if e.code == 404:
-        return PullNotFoundError(f"{label}: not found: {url} ({why})")
-    if e.code in (401, 403):
-        return PullNotFoundError(
-            f"{label}: not found, or private or gated (set HF_TOKEN to a token with "
-            f"access): {url} (HTTP {e.code}: {why})"
-        )
-    if e.code == 416:
-        return _RangeRefused(f"{label}: HTTP 416 from {url}")
-    return PullError(f"{label}: HTTP {e.code} from {url} ({why})")
-
-
-# -- the cache's small files, the lock, the progress line -------------------------
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -518,71 +594,3 @@ def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     temp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     temp.write_text(json.dumps(data, indent=1, sort_keys=True))
     temp.replace(path)
-
-
-@contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    """One pull at a time into ``folder`` across processes (two would append
-    to one ``.part``): ``flock`` on the folder, or on Windows a byte-range
-    lock (``msvcrt.locking``) on a ``<folder>.lock`` file beside it (in it,
-    it would be a file of the download)."""
-    try:
-        import fcntl
-    except ImportError:
-        with _locked_windows(folder):
-            yield
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
-
-
-@contextlib.contextmanager
-def _locked_windows(folder: Path) -> Iterator[None]:
-    import msvcrt
-
-    lock = folder.with_name(folder.name + ".lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o600)
-    try:
-        while True:
-            try:  # LK_LOCK tries for ten seconds, then raises
-                msvcrt.locking(fd, msvcrt.LK_LOCK, 1)  # type: ignore[attr-defined]
-                break
-            except OSError:
-                continue
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
-
-
-class _Meter:
-    """One rewritten progress line on stderr, at most ten times a second."""
-
-    def __init__(self, label: str, enabled: bool) -> None:
-        self.label = label
-        self.enabled = enabled
-        self.started = time.monotonic()
-        self.offset = 0  # where this transfer began (a resume's offset)
-        self.shown = 0.0
-
-    def begin(self, offset: int) -> None:
-        self.started, self.offset = time.monotonic(), offset
-
-    def show(self, done: int, total: int | None) -> None:
-        now = time.monotonic()
-        if not self.enabled or now - self.shown < 0.1:
-            return
-        self.shown = now
-        rate = (done - self.offset) / 2**20 / max(now - self.started, 1e-3)
-        of = f" / {total / 2**20:,.1f} MiB ({100 * done / total:.0f}%)" if total else " MiB"
-        line = f"pulling {self.label}: {done / 2**20:,.1f}{of}, {rate:.1f} MiB/s"
-        sys.stderr.write(f"\r\033[K{line}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled and self.shown:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
