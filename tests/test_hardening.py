@@ -458,6 +458,26 @@ def test_costly_templates_hit_a_limit(
     assert "hi" in shared_ctx.format_chat(messages, template="chatml").prompt
 
 
+def test_a_string_doubled_in_a_loop_is_refused_before_it_grows_large(
+    shared_ctx: lloyal.Context,
+) -> None:
+    """Each doubling is charged to the render's fuel before it allocates,
+    and the fuel buys 256 MiB of strings in all: a string doubled to
+    256 MiB (512 MiB built on the way) is refused. With the fuel at
+    20,000,000 it rendered, and doubling on to 2^40 peaked at 1.4 GiB
+    before the refusal (issue 48)."""
+    doubled = (
+        "{% set ns = namespace(s='ab') %}{% for i in range(27) %}"
+        "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}"
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(lloyal.ChatTemplateError, match="fuel"):
+        shared_ctx.format_chat(messages, template=doubled)
+    # Half as far (a 1 MiB string) is an ordinary render.
+    half = doubled.replace("range(27)", "range(19)")
+    assert shared_ctx.format_chat(messages, template=half).prompt == str(2 << 19)
+
+
 def test_a_template_renders_without_holding_the_gil(shared_ctx: lloyal.Context) -> None:
     """A render that runs until its fuel is spent used to freeze every
     Python thread; now the others run meanwhile."""

@@ -93,10 +93,15 @@ pub mod limits {
     /// the chain, which minijinja compiles and frees recursively; the
     /// longest tag of a real chat template has a few dozen tokens.
     pub const MAX_TAG_TOKENS: usize = 2_000;
-    /// Instructions one render may run (minijinja's fuel). A 100-message
-    /// conversation through a large Hugging Face template takes about
-    /// 100,000.
-    pub const FUEL: u64 = 20_000_000;
+    /// What one render may spend (minijinja's fuel): an instruction costs
+    /// one, and a byte of every string it builds 1/64 (minijinja checks a
+    /// concatenation's size against what is left before it allocates). So
+    /// a render runs at most 4,000,000 instructions or builds at most
+    /// 256 MiB of strings in all, which bounds a string doubled in a loop
+    /// to about 128 MiB. A 100-message conversation through a large
+    /// Hugging Face template takes about 100,000 instructions; the largest
+    /// prompt (64 MiB) a quarter of the bytes.
+    pub const FUEL: u64 = 4_000_000;
     /// Largest rendered prompt, in bytes.
     pub const MAX_OUTPUT_BYTES: usize = 64 << 20;
     /// Wall-clock limit of one parse and render.
