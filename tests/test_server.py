@@ -615,6 +615,87 @@ def test_a_client_that_disconnects_frees_its_branch(server: str) -> None:
     assert m["lloyal_completion_tokens_total"] - before["lloyal_completion_tokens_total"] < 2000
 
 
+@contextlib.contextmanager
+def _serving(config: ServerConfig) -> Iterator[tuple[str, Any]]:
+    """The app under uvicorn in a thread of this process (real sockets, so
+    real disconnects), its URL and its state (to reach the context)."""
+    import threading
+
+    import uvicorn
+
+    app = create_app(config)
+    uv = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", loop="asyncio")
+    )
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    give_up = deadline()  # a hang guard: the model loads
+    while not uv.started and thread.is_alive() and time.monotonic() < give_up:
+        time.sleep(0.05)
+    assert uv.started
+    (sock,) = uv.servers[0].sockets
+    (state,) = app.state.lloyal.states().values()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", state
+    finally:
+        uv.should_exit = True
+        thread.join()
+
+
+def test_clients_that_leave_during_their_prefill_cost_no_decode(smollm2: Path) -> None:
+    """Six clients (three streaming) send 700-token prompts and leave while
+    their prefills wait on the worker (held, so on a machine of any speed).
+    Once the server has noticed them go, the worker is let go: it decodes
+    none of their prompts, and nothing stays active. It used to decode
+    every prompt for nobody and keep the requests active until it had
+    (issue 48, item 8)."""
+    config = ServerConfig(model_path=smollm2, n_seq_max=8, n_ctx=8192)
+    with _serving(config) as (url, state):
+        ctx = state.ctx
+        before = metrics(url)
+        hold = ctx._native.hold()
+        try:
+            for i in range(6):
+                body = {
+                    "prompt": _tokens(i, 700),
+                    "max_tokens": 4,
+                    "ignore_eos": True,
+                    "stream": i % 2 == 0,
+                }
+                # Meant to expire, not a hang guard: the client leaves.
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(
+                        f"{url}/v1/completions",
+                        json=body,
+                        timeout=httpx.Timeout(HANG_GUARD_S, read=0.5),
+                    )
+            give_up = deadline()  # a hang guard: each departure is seen in 0.1 s
+            while time.monotonic() < give_up:
+                m = metrics(url)
+                gone = (
+                    m["lloyal_client_disconnects_total"] - before["lloyal_client_disconnects_total"]
+                )
+                if gone >= 6:
+                    break
+                time.sleep(0.1)
+            assert gone == 6
+        finally:
+            hold.release()
+        give_up = deadline()  # a hang guard: the worker clears what was given up
+        while time.monotonic() < give_up and metrics(url)["lloyal_requests_active"]:
+            time.sleep(0.1)
+        after = metrics(url)
+        assert after["lloyal_requests_active"] == 0
+        assert after["lloyal_tokens_decoded_total"] == before["lloyal_tokens_decoded_total"]
+        # The server goes on as before.
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": _tokens(9, 50), "max_tokens": 2},
+            timeout=HANG_GUARD_S,
+        )
+        assert r.status_code == 200, r.text
+
+
 async def _running(
     c: httpx.AsyncClient, stack: contextlib.AsyncExitStack, path: str, body: dict[str, Any]
 ) -> AsyncIterator[str]:

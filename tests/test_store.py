@@ -171,6 +171,40 @@ async def test_cancelled_commits_leave_branches_before_or_after(smollm2: Path) -
         await store.commit([(k, (await k.produce()).token) for k in kids])
 
 
+async def test_a_prefill_given_up_is_not_decoded_and_leaves_the_branch_as_it_was(
+    smollm2: Path,
+) -> None:
+    """A prefill cancelled while it waits on the worker (held, so on a
+    machine of any speed) is given up: the worker decodes none of it, and
+    the branch is as it was, and usable. It used to decode the whole prompt
+    for nobody (issue 48, item 8)."""
+    async with await lloyal.create_context(smollm2, n_ctx=2048) as ctx:
+        b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await b.prefill(await ctx.tokenize("Once upon a time"))
+        start, logits = b.position, np.array(b.logits)
+        long = await ctx.tokenize(
+            "The quick brown fox jumps over the lazy dog. " * 40, add_special=False
+        )
+        before = ctx.stats.tokens_decoded
+        cells = ctx._native.branch_cells_held()
+        hold = ctx._native.hold()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(b.prefill, long)
+                await anyio.wait_all_tasks_blocked()  # sent, and waiting
+                tg.cancel_scope.cancel()
+        finally:
+            hold.release()
+        while b._busy:  # noqa: ASYNC110 - polling the worker (hang guard: the test's timeout)
+            await anyio.sleep(0.01)
+        assert ctx.stats.tokens_decoded == before
+        assert ctx._native.branch_cells_held() == cells
+        assert b.position == start
+        np.testing.assert_array_equal(b.logits, logits)
+        await b.prefill(long)
+        assert b.position == start + len(long)
+
+
 async def test_fork_prune_cycles_leak_no_lease(smollm2: Path) -> None:
     async with await lloyal.create_context(smollm2, n_ctx=512, n_seq_max=4) as ctx:
         store = lloyal.BranchStore(ctx)

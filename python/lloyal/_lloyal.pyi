@@ -14,6 +14,7 @@ __all__ = [
     "BranchBusyError",
     "BranchDisposedError",
     "BranchSeed",
+    "CancelFlag",
     "ChatTemplateError",
     "Completion",
     "ContextClosedError",
@@ -168,6 +169,14 @@ class Completion:
     def __new__(cls, target: Any, queue: ResultQueue) -> Completion: ...
 
 @final
+class CancelFlag:
+    """Set when a caller gives up on a step group: the worker undoes it."""
+
+    def __new__(cls) -> CancelFlag: ...
+    def set(self) -> None: ...
+    def is_set(self) -> bool: ...
+
+@final
 class ResultQueue:
     """Finished calls of one event loop, and the socket pair that wakes it."""
 
@@ -307,7 +316,12 @@ class NativeContext:
     def branch_step(
         self,
         groups: Sequence[
-            tuple[Sequence[tuple[NativeBranch, int | list[int]]], bool, _Done | Completion]
+            tuple[
+                Sequence[tuple[NativeBranch, int | list[int]]],
+                bool,
+                _Done | Completion,
+                CancelFlag,
+            ]
         ],
     ) -> None: ...
     def branch_produce_many(

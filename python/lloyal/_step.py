@@ -11,6 +11,11 @@ to it (other threads, other loops, the Rust API): one ``llama_decode`` per
 round, every commit plus prompt tokens up to ``n_batch``, a long prompt
 spread over several rounds. Each group is answered on its own, and groups
 never fail each other (see ``docs/batching.md``).
+
+A group whose caller is cancelled carries a set :class:`CancelFlag`: the
+worker stops it at its next round and undoes what it decoded, so a prompt
+nobody waits for any more does not keep the worker busy (a client that
+left the server). One that has finished by then stands.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from lloyal._bridge import _in_trio, call_native
+from lloyal._lloyal import CancelFlag
 
 if TYPE_CHECKING:
     from lloyal._lloyal import NativeBranch
@@ -29,9 +35,9 @@ if TYPE_CHECKING:
 __all__ = ["sent", "submit"]
 
 # An item: (branch, token) to commit or (branch, [tokens]) to prefill. A
-# group: (items, all_rows, done).
+# group: (items, all_rows, done, cancel).
 Item = tuple["NativeBranch", int | list[int]]
-Group = tuple[Sequence[Item], bool, Any]
+Group = tuple[Sequence[Item], bool, Any, CancelFlag]
 
 
 def _local(ctx: Context) -> threading.local:
@@ -56,28 +62,37 @@ async def submit(
     """Decode ``items`` as one group of this tick's step; the per-item
     errors (``None`` where an item succeeded; ``None`` for the list when
     none failed). Raises the group's error
-    (``KVCacheFullError``: nothing in the group happened). Once submitted,
-    cancelling the awaiting task does not stop the group: the worker runs
-    it to the end, so each branch is wholly before or wholly after it."""
+    (``KVCacheFullError``: nothing in the group happened). Cancelling the
+    awaiting task gives the group up: the worker stops it at its next
+    round and puts its branches back as they were, unless it has finished
+    by then; either way each branch is wholly before or wholly after it."""
     local = _local(ctx)
+    cancel = CancelFlag()
     joined: list[Group] | None = getattr(local, "tick", None)
-    if joined is not None:
-        tick = joined
-        errors: list[BaseException | None] | None = await call_native(
-            lambda done: tick.append((items, all_rows, done))
-        )
-        return errors
-    tick = local.tick = []
-    result = call_native(lambda done: tick.append((items, all_rows, done)))
     try:
-        await _checkpoint()
-    finally:
-        # Sent even when this task is cancelled: the other tasks' groups
-        # are in it, and this one's is submitted already.
-        local.tick = None
-        ctx._native.branch_step(tick)
-    errors = await result
-    return errors
+        if joined is not None:
+            tick = joined
+            errors: list[BaseException | None] | None = await call_native(
+                lambda done: tick.append((items, all_rows, done, cancel))
+            )
+            return errors
+        tick = local.tick = []
+        result = call_native(lambda done: tick.append((items, all_rows, done, cancel)))
+        try:
+            await _checkpoint()
+        except BaseException:
+            cancel.set()  # before the tick goes: the worker never decodes it
+            raise
+        finally:
+            # Sent even when this task is cancelled: the other tasks' groups
+            # are in it.
+            local.tick = None
+            ctx._native.branch_step(tick)
+        errors = await result
+        return errors
+    except BaseException:
+        cancel.set()
+        raise
 
 
 async def sent(ctx: Context) -> None:

@@ -69,6 +69,12 @@ pub enum Error {
     /// No KV sequence is free for a new branch.
     #[error("no KV lease free: {0}")]
     NoLease(String),
+    /// The caller gave up on the operation (see [`Reply::cancel_with`]) before
+    /// it finished: it was undone, as if never issued.
+    ///
+    /// [`Reply::cancel_with`]: crate::engine::Reply::cancel_with
+    #[error("cancelled by its caller before it finished; nothing of it happened")]
+    Cancelled,
     /// A panic inside the engine, caught before it could cross into Python.
     #[error("internal error (please report): {0}")]
     Internal(String),

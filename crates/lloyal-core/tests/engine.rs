@@ -217,3 +217,91 @@ fn a_branch_handle_frees_its_branch_on_drop_unless_given_up() {
     assert_eq!(ctx.leases_available(), 2);
     ctx.close_blocking();
 }
+
+#[test]
+fn a_cancelled_group_stops_at_its_next_round_and_is_undone() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use lloyal_core::{Reply, StepInput};
+
+    let ctx = Arc::new(
+        Context::open_blocking(
+            model_path(),
+            ContextParams {
+                n_ctx: 1024,
+                n_batch: 32,
+                n_seq_max: 2,
+                ..ContextParams::default()
+            },
+        )
+        .expect("the test model loads"),
+    );
+    let model = ctx.model().clone();
+    let short = model.tokenize("Once upon a time", None, false).unwrap();
+    let long: Vec<i32> = model
+        .tokenize(
+            &"The quick brown fox jumps over the lazy dog. ".repeat(30),
+            None,
+            false,
+        )
+        .unwrap();
+    assert!(long.len() > 200, "a prompt of many rounds");
+    let a = Branch::create(&ctx, SamplingParams::greedy()).unwrap();
+    let b = Branch::create(&ctx, SamplingParams::greedy()).unwrap();
+    let before = ctx.stats().tokens_decoded;
+
+    // A finishes in the first round (with B's first chunk) and its reply
+    // gives B up: B stops before its second round and is undone.
+    let give_up = Arc::new(AtomicBool::new(false));
+    let flag = Arc::clone(&give_up);
+    let (tx_a, rx_a) = std::sync::mpsc::channel();
+    let (tx_b, rx_b) = std::sync::mpsc::channel();
+    ctx.branch_step(vec![
+        (
+            vec![(a.id(), StepInput::Prefill(short.clone()))],
+            false,
+            Reply::new(move |r| {
+                flag.store(true, Ordering::Release);
+                tx_a.send(r).unwrap();
+            }),
+        ),
+        (
+            vec![(b.id(), StepInput::Prefill(long.clone()))],
+            false,
+            Reply::new(move |r| tx_b.send(r).unwrap()).cancel_with(give_up),
+        ),
+    ]);
+    assert!(rx_a.recv().unwrap().unwrap().iter().all(Result::is_ok));
+    let got_b = rx_b.recv().unwrap();
+    assert!(matches!(got_b, Err(Error::Cancelled)));
+    assert_eq!(
+        ctx.stats().tokens_decoded - before,
+        32,
+        "one round: A's tokens and B's first chunk"
+    );
+    assert_eq!(ctx.read_branch(b.id(), |s| s.position).unwrap(), 0);
+    assert_eq!(
+        ctx.read_branch(a.id(), |s| s.position).unwrap(),
+        short.len() as i32
+    );
+    assert_eq!(
+        ctx.branch_cells_held(),
+        short.len() as u64,
+        "B's cells are gone"
+    );
+
+    // B is as it was: the same prefill now lands whole.
+    let (tx, rx) = std::sync::mpsc::channel();
+    ctx.branch_prefill(
+        vec![(b.id(), long.clone())],
+        false,
+        Reply::new(move |r| tx.send(r).unwrap()),
+    );
+    assert!(rx.recv().unwrap().unwrap().iter().all(Result::is_ok));
+    assert_eq!(
+        ctx.read_branch(b.id(), |s| s.position).unwrap(),
+        long.len() as i32
+    );
+    drop((a, b));
+    ctx.close_blocking();
+}

@@ -117,6 +117,8 @@ pub fn to_pyerr(error: Error) -> PyErr {
         Error::BranchDisposed => BranchDisposedError::new_err(message),
         Error::BranchBusy => BranchBusyError::new_err(message),
         Error::NoLease(_) => NoLeaseError::new_err(message),
+        // Answers a wait that was cancelled: nobody reads it.
+        Error::Cancelled => pyo3::exceptions::asyncio::CancelledError::new_err(message),
         Error::Grammar(_) => GrammarError::new_err(message),
     }
 }

@@ -31,6 +31,7 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sampling::PySamplingParams>()?;
     m.add_class::<reply::Completion>()?;
     m.add_class::<reply::ResultQueue>()?;
+    m.add_class::<store::CancelFlag>()?;
     m.add_class::<grammar::PyGrammar>()?;
     m.add_function(wrap_pyfunction!(grammar::json_schema_to_grammar, m)?)?;
     m.add_function(wrap_pyfunction!(context::validate_chat_template, m)?)?;

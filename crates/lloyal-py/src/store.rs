@@ -3,6 +3,7 @@
 //! logprobs for many, a token tree) and the ones that make branches.
 //! Branches come in as `NativeBranch` objects and out as seeds.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use lloyal_core::{Branch, BranchId, ItemResults, Reply, StepInput, TreeOutcome};
@@ -19,8 +20,36 @@ use crate::sampling::params_from_py;
 /// `(logprob, top tokens, their logprobs)` of one branch's token.
 type LogprobEntry = (f64, Vec<i32>, Vec<f64>);
 
-/// A group of `branch_step`: `(items, all_rows, done)`.
-type PyStepGroup<'py> = (Vec<(Bound<'py, PyBranch>, PyStepInput)>, bool, Py<PyAny>);
+/// A group of `branch_step`: `(items, all_rows, done, cancel)`.
+type PyStepGroup<'py> = (
+    Vec<(Bound<'py, PyBranch>, PyStepInput)>,
+    bool,
+    Py<PyAny>,
+    Bound<'py, CancelFlag>,
+);
+
+/// What a caller sets when it gives up on an operation (its wait was
+/// cancelled): the worker stops the operation at its next round and undoes
+/// it (``lloyal_core::Reply::cancel_with``).
+#[pyclass(module = "lloyal._lloyal", frozen)]
+#[derive(Default)]
+pub struct CancelFlag(Arc<AtomicBool>);
+
+#[pymethods]
+impl CancelFlag {
+    #[new]
+    fn new() -> Self {
+        Self::default()
+    }
+
+    fn set(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    fn is_set(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
 
 /// An item of `branch_step`: a token to commit or tokens to prefill.
 #[derive(FromPyObject)]
@@ -137,18 +166,24 @@ impl PyContext {
     }
 
     /// One step of several groups (``lloyal_core::Context::branch_step``):
-    /// each group is ``(items, all_rows, done)``, an item ``(branch,
-    /// token)`` to commit or ``(branch, [tokens])`` to prefill; each
-    /// ``done`` gets its group's per-item errors.
+    /// each group is ``(items, all_rows, done, cancel)``, an item
+    /// ``(branch, token)`` to commit or ``(branch, [tokens])`` to prefill;
+    /// each ``done`` gets its group's per-item errors. A group whose
+    /// ``cancel`` is set before it finishes is undone.
     fn branch_step(&self, groups: Vec<PyStepGroup<'_>>) {
         let groups = groups
             .into_iter()
-            .map(|(items, all_rows, done)| {
+            .map(|(items, all_rows, done, cancel)| {
                 let items = items
                     .into_iter()
                     .map(|(b, input)| (b.get().id(), input.into()))
                     .collect();
-                (items, all_rows, py_reply(done, item_errors))
+                let flag = Arc::clone(&cancel.get().0);
+                (
+                    items,
+                    all_rows,
+                    py_reply(done, item_errors).cancel_with(flag),
+                )
             })
             .collect();
         self.inner.branch_step(groups);

@@ -177,9 +177,11 @@ async def primed(events: AsyncGenerator[ChoiceEvent, None], request: Request) ->
             done, _ = await asyncio.wait({first_item}, timeout=0.1)
             if not done and await request.is_disconnected():
                 first_item.cancel()
-                await asyncio.gather(first_item, return_exceptions=True)
+                # Counted when seen, as for a whole response: the cleanup
+                # that follows may wait for the worker.
                 state: State = request.state.lloyal
                 state.engine.metrics.disconnects += 1
+                await asyncio.gather(first_item, return_exceptions=True)
                 raise ClientGone()
         first: ChoiceEvent | None = first_item.result()
     except StopAsyncIteration:

@@ -64,7 +64,8 @@ impl Context {
             reply.send(Ok(early.into_iter().flatten().map(Err).collect()));
             return None;
         }
-        let merge: Reply<ItemResults> = Reply::new(move |result: Result<ItemResults>| {
+        let cancel = reply.cancel_flag();
+        let mut merge: Reply<ItemResults> = Reply::new(move |result: Result<ItemResults>| {
             reply.send(result.map(|ran| {
                 let mut ran = ran.into_iter();
                 early
@@ -76,6 +77,9 @@ impl Context {
                     .collect()
             }))
         });
+        if let Some(flag) = cancel {
+            merge = merge.cancel_with(flag);
+        }
         Some(Group::new(runnable, all_rows, merge))
     }
 

@@ -1,5 +1,8 @@
 //! Replies: how a job's result goes back to its caller, never lost.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use crate::error::{Error, Result};
 
 /// How a job's result is handed back: [`Reply::send`] calls the function
@@ -7,16 +10,44 @@ use crate::error::{Error, Result};
 /// completes a future). A reply dropped unsent (a job that panicked, a
 /// worker that never started) answers [`Error::Internal`] instead, so no
 /// caller waits forever.
-pub struct Reply<T: 'static>(Option<Box<dyn FnOnce(Result<T>) + Send + 'static>>);
+pub struct Reply<T: 'static> {
+    answer: Option<Box<dyn FnOnce(Result<T>) + Send + 'static>>,
+    cancel: Option<Arc<AtomicBool>>,
+}
 
 impl<T: 'static> Reply<T> {
     pub fn new(f: impl FnOnce(Result<T>) + Send + 'static) -> Self {
-        Reply(Some(Box::new(f)))
+        Reply {
+            answer: Some(Box::new(f)),
+            cancel: None,
+        }
+    }
+
+    /// The caller may give up: once `flag` is set, a job that honours it
+    /// (a step group, between its rounds) stops, undoes what it did and
+    /// answers [`Error::Cancelled`]. A job that has finished is answered as
+    /// usual.
+    #[must_use]
+    pub fn cancel_with(mut self, flag: Arc<AtomicBool>) -> Self {
+        self.cancel = Some(flag);
+        self
+    }
+
+    /// The flag of [`Reply::cancel_with`], for a reply that wraps this one.
+    pub(crate) fn cancel_flag(&self) -> Option<Arc<AtomicBool>> {
+        self.cancel.clone()
+    }
+
+    /// Whether the caller gave up on this reply.
+    pub fn cancelled(&self) -> bool {
+        self.cancel
+            .as_ref()
+            .is_some_and(|flag| flag.load(Ordering::Acquire))
     }
 
     /// Answer with `result`.
     pub fn send(mut self, result: Result<T>) {
-        if let Some(f) = self.0.take() {
+        if let Some(f) = self.answer.take() {
             f(result);
         }
     }
@@ -24,7 +55,7 @@ impl<T: 'static> Reply<T> {
 
 impl<T: 'static> Drop for Reply<T> {
     fn drop(&mut self) {
-        if let Some(f) = self.0.take() {
+        if let Some(f) = self.answer.take() {
             let panicking = std::thread::panicking();
             // After the job (on the worker): once the worker has freed the
             // job's branches, so the caller finds them usable, and knows

@@ -133,6 +133,13 @@ impl Worker<'_> {
             if g.progress.is_none() {
                 g.progress = Some(self.start_group(g));
             }
+            // A caller that gave up: what its group decoded is undone when
+            // it finishes (below), as for a group that did not fit.
+            if g.reply.cancelled() {
+                if let Some(p) = g.progress.as_mut().filter(|p| !p.finished()) {
+                    p.failed = Some(Error::Cancelled);
+                }
+            }
         }
         let mut parts = self.plan(step);
         by_adapters(step, &mut parts, &self.adapters);

@@ -18,7 +18,10 @@
 //! - groups are isolated: when a round does not fit, its groups are split
 //!   in halves and retried, so the groups that fit land and only the others
 //!   fail. An item that fails on its own before decoding (a branch pruned
-//!   meanwhile, a token its grammar refuses) fails alone.
+//!   meanwhile, a token its grammar refuses) fails alone;
+//! - a group whose caller gave up (`Reply::cancel_with`) and that has not
+//!   finished is failed at the start of the next round with `Cancelled`,
+//!   and undone like a group that did not fit.
 
 use std::sync::Arc;
 
