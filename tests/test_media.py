@@ -17,6 +17,7 @@ import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import lloyal
 import numpy as np
 import pytest
@@ -110,6 +111,40 @@ async def test_an_image_is_encoded_once_and_its_forks_share_its_cells(
     await store.commit([(b, p.token) for b, p in zip(forks, produced, strict=True)])
     assert store.cells_held == held + 4
     await root.prune_subtree()
+
+
+async def test_a_cancelled_media_prefill_leaves_the_branch_wholly_before_or_after(
+    ctx: lloyal.Context,
+) -> None:
+    """A prefill of text, an image and text, cancelled after 0, 1, 2, ...
+    checkpoints (so at every stage the machine's speed lands it on): the
+    branch is where it was (position, cells, logits) or past the whole
+    prompt, never part-way (issue 48, item 4)."""
+    tokens = await prompt_tokens(ctx, picture(3))
+    store = lloyal.BranchStore(ctx)
+    root = lloyal.Branch.create(ctx, lloyal.GREEDY)
+    await root.prefill(await ctx.tokenize("Look at this."))
+    start, logits, cells = root.position, np.array(root.logits), store.cells_held
+    outcomes = set()
+    for k in range(40):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(root.prefill, tokens)
+            for _ in range(k):
+                await anyio.lowlevel.checkpoint()
+            tg.cancel_scope.cancel()
+        while root._busy:  # noqa: ASYNC110 - polling the worker (hang guard: the test's timeout)
+            await anyio.sleep(0.01)
+        assert root.position in (start, start + len(tokens)), k
+        if root.position == start:
+            outcomes.add("before")
+            assert store.cells_held == cells, k
+            np.testing.assert_array_equal(root.logits, logits)
+        else:
+            outcomes.add("after")
+            await root.truncate(start, logits)
+    assert "before" in outcomes
+    await root.prefill(tokens)
+    assert root.position == start + len(tokens)
 
 
 async def test_the_same_image_gives_the_same_logits_another_image_others(

@@ -200,12 +200,23 @@ class Branch(NativeBranch):
                 else:
                     _raise_first(await _step.submit(self._ctx, [(self, part)], False))
         except BaseException:
-            # Always, not only when the position moved: a cancelled await
-            # leaves its job running, and the truncate queues behind it.
+            # Always, not only when the position moved. A cancelled await
+            # leaves its job to the worker (an encode runs to its end, a
+            # text part is given up): the truncate waits until it is done,
+            # or it would find the branch busy, fail, and leave it part-way.
             if not self.disposed:
                 with anyio.CancelScope(shield=True), contextlib.suppress(LloyalError, ValueError):
+                    await self._settled()
                     await self.truncate(start, before)
             raise
+
+    async def _settled(self) -> None:
+        """Return once no operation is in flight on this branch: the tick
+        that holds its last one has gone to the worker, and the worker is
+        done with it (a cleanup path: it polls)."""
+        await _step.sent(self._ctx)
+        while self._busy and not self.disposed:  # noqa: ASYNC110 - the flag is the worker's
+            await anyio.sleep(0.001)
 
     async def _encode(self, medium: Media) -> None:
         await call_native(lambda done: self._prefill_media(medium.data, medium.size, done))
