@@ -337,3 +337,74 @@ async def test_audio_through_an_audio_projector(smollm2: Path) -> None:
         assert len(slow) >= 750
         with pytest.raises(lloyal.MediaError, match="does not take images"):
             await ctx.tokenize(lloyal.MEDIA_MARKER, media=[png(picture(1))])
+
+
+async def test_placeholders_outlive_other_media_and_a_prompt_may_hold_many(
+    smollm2: Path,
+) -> None:
+    """A prompt tokenized before 260 other pictures still prefills (the
+    context kept the bytes of the last 256 media only, so it used to fail),
+    and one prompt of 260 distinct pictures keeps them all (it used to lose
+    its own first four, so it could not be prefilled); issue 48, item 2."""
+    async with await lloyal.create_context(
+        smollm2, n_ctx=8192, n_seq_max=2, deterministic=True, mmproj=fixtures.mmproj("smollm2")
+    ) as ctx:
+        first = await prompt_tokens(ctx, picture(1000))
+        for seed in range(260):
+            await ctx.tokenize(f"x {lloyal.MEDIA_MARKER}", media=[picture(seed)])
+        b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+        await b.prefill(first)
+        assert b.position == len(first)
+        await b.prune()
+        many = [lloyal.Media.from_array(picture(2000 + i, side=16)) for i in range(260)]
+        tokens = await ctx.tokenize(lloyal.MEDIA_MARKER * 260 + " Which?", media=many)
+        # What a prefill checks before it decodes anything (decoding 260
+        # pictures takes the test projector half a minute).
+        parts = ctx._media.split(tokens)
+        assert [p for p in parts if isinstance(p, lloyal.Media)] == many
+
+
+async def test_media_let_go_are_a_typed_error_that_changes_nothing(
+    ctx: lloyal.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The context keeps the bytes of the media it tokenized last, up to a
+    budget: a prompt whose medium was let go is refused with a MediaError
+    before anything is decoded, and a prompt whose own media pass the
+    budget is refused when it is tokenized, not when it is prefilled."""
+    from lloyal import media
+
+    size = len(lloyal.Media.from_array(picture(0)).data)
+    monkeypatch.setattr(media, "_KEEP_BYTES", 3 * size)
+    old = await prompt_tokens(ctx, picture(50))
+    for seed in range(51, 54):
+        await prompt_tokens(ctx, picture(seed))
+    b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+    await b.prefill(await ctx.tokenize("Look."))
+    start = b.position
+    with pytest.raises(lloyal.MediaError, match="let go"):
+        await b.prefill(old)
+    assert b.position == start
+    with pytest.raises(lloyal.MediaError, match="take more than"):
+        await ctx.tokenize(lloyal.MEDIA_MARKER * 4, media=[picture(60 + i) for i in range(4)])
+    await b.prefill(await prompt_tokens(ctx, picture(50)))
+    await b.prune()
+
+
+async def test_tokens_made_under_another_projector_are_refused(
+    ctx: lloyal.Context, model_name: str
+) -> None:
+    """After load_projector, a medium's positions and encoding are the new
+    projector's: tokens made before are refused with a typed error (they
+    used to be decoded with the new projector's position count), and the
+    branch is untouched; tokenizing again works."""
+    old = await prompt_tokens(ctx, picture(5))
+    await ctx.load_projector(fixtures.mmproj(model_name))
+    b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+    with pytest.raises(lloyal.MediaError, match="projector loaded before"):
+        await b.prefill(old)
+    assert b.position == 0
+    new = await prompt_tokens(ctx, picture(5))
+    assert set(new) != set(old)
+    await b.prefill(new)
+    assert b.position == len(new)
+    await b.prune()

@@ -445,6 +445,7 @@ class Context:
             out += await self._media.placeholders(medium)
             if piece:
                 out += await self.tokenize(piece, False, parse_special)
+        self._media.check_held(out)
         return out
 
     async def detokenize(self, tokens: Sequence[int], *, render_special: bool = False) -> str:
@@ -1295,6 +1296,7 @@ class Context:
         p = Path(os.fspath(path))
         info = await call_native(lambda done: self._native.load_projector(p, done))
         self._projector = ProjectorInfo(**info)
+        self._media.reset()  # positions and encodings are the projector's
         return self._projector
 
     @property

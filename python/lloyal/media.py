@@ -55,7 +55,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -68,9 +68,9 @@ __all__ = ["MEDIA_MARKER", "Media", "ProjectorInfo"]
 MEDIA_MARKER: str = _lloyal.NativeContext.media_marker()
 """The text that stands for one medium in a prompt (``"<__media__>"``)."""
 
-# The most media a context remembers the bytes of (for prefills of their
-# placeholders); their placeholder ids are kept for good.
-_KEEP = 256
+# The bytes of media a context keeps for prefills of their placeholders,
+# the least recently tokenized let go first (their ids are not reused).
+_KEEP_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -294,17 +294,34 @@ def flatten_media(
 class MediaTable:
     """A context's media placeholders: the same picture or clip (its
     decoded pixels or samples, whatever the file format) always gets the
-    same id, so the prefix cache matches it by content; the bytes of the
-    last :data:`_KEEP` media are kept for prefills."""
+    same id under one projector, so the prefix cache matches it by
+    content. The bytes of the most recently tokenized media, up to
+    :data:`_KEEP_BYTES`, are kept for prefills. Ids are never given out
+    twice: a projector swap (:meth:`reset`) starts new ones, so tokens made
+    under the old projector are refused, not decoded at the wrong
+    positions."""
 
     def __init__(self, native: _lloyal.NativeContext) -> None:
         self._native = native
+        self._next = -1  # the next new id
+        self._first = -1  # the first id under the loaded projector
         # The bytes' digest -> (placeholder, positions); a decoded content
         # hash -> placeholder (the same picture as PNG or raw pixels).
         self._ids: dict[str, tuple[int, int]] = {}
         self._by_content: dict[int, int] = {}
         self._positions: dict[int, int] = {}  # placeholder -> positions
         self._media: OrderedDict[int, Media] = OrderedDict()
+        self._bytes = 0
+
+    def reset(self) -> None:
+        """Forget every medium: another projector is loaded (a medium's
+        positions and encoding are the projector's)."""
+        self._ids.clear()
+        self._by_content.clear()
+        self._positions.clear()
+        self._media.clear()
+        self._bytes = 0
+        self._first = self._next
 
     async def placeholders(self, medium: Media) -> list[int]:
         """The run of ids that stands for ``medium`` (one per position)."""
@@ -313,15 +330,31 @@ class MediaTable:
             n, content = await call_native(
                 lambda done: self._native.media_positions(medium.data, medium.size, done)
             )
-            placeholder = self._by_content.setdefault(content, -1 - len(self._by_content))
+            placeholder = self._by_content.get(content)
+            if placeholder is None:
+                placeholder = self._by_content[content] = self._next
+                self._next -= 1
             known = (placeholder, int(n))
             self._ids[medium.digest] = known
             self._positions[placeholder] = known[1]
+        if known[0] not in self._media:
+            self._bytes += len(medium.data)
         self._media[known[0]] = medium
         self._media.move_to_end(known[0])
-        while len(self._media) > _KEEP:
-            self._media.popitem(last=False)
+        while self._bytes > _KEEP_BYTES and len(self._media) > 1:
+            _, dropped = self._media.popitem(last=False)
+            self._bytes -= len(dropped.data)
         return [known[0]] * known[1]
+
+    def check_held(self, ids: Sequence[int]) -> None:
+        """Raise if a medium of ``ids`` (just tokenized) is let go already:
+        its prompt's media alone pass :data:`_KEEP_BYTES`."""
+        for t in set(ids):
+            if t < 0 and t not in self._media:
+                raise MediaError(
+                    f"the prompt's media take more than the {_KEEP_BYTES >> 20} MiB "
+                    "of media a context keeps for a prefill"
+                )
 
     def split(self, ids: Sequence[int]) -> list[list[int] | Media]:
         """``ids`` as runs of tokens and media, checked before anything is
@@ -340,15 +373,26 @@ class MediaTable:
             medium = self._media.get(t)
             n = self._positions.get(t)
             if medium is None or n is None:
-                raise ValueError(
-                    f"placeholder id {t} stands for no medium this context holds "
-                    "(tokenize the prompt again with media=)"
-                )
+                self._refuse_unknown(t)
             if ids[i : i + n] != [t] * n:
                 raise ValueError(f"a medium's placeholders are cut (id {t} needs a run of {n})")
             parts.append(medium)
             i += n
         return parts
+
+    def _refuse_unknown(self, t: int) -> NoReturn:
+        again = "tokenize the prompt again with media="
+        if t > self._first:
+            raise MediaError(
+                f"placeholder id {t} was made under a projector loaded before the one "
+                f"now loaded: {again}"
+            )
+        if t in self._positions:
+            raise MediaError(
+                f"placeholder id {t} stands for a medium this context let go (it keeps "
+                f"the last {_KEEP_BYTES >> 20} MiB of media): {again}"
+            )
+        raise ValueError(f"placeholder id {t} stands for no medium this context holds: {again}")
 
 
 def has_media(tokens: Sequence[int]) -> bool:
