@@ -408,3 +408,48 @@ async def test_tokens_made_under_another_projector_are_refused(
     await b.prefill(new)
     assert b.position == len(new)
     await b.prune()
+
+
+@pytest.mark.parametrize("kind", ["vision", "audio"])
+async def test_damaged_projectors_are_refused_not_a_crash(
+    smollm2: Path, tmp_path: Path, kind: str
+) -> None:
+    """Each tensor of the test projector left out in turn, and each size
+    libmtmd reads set to 0 or to a huge value: every file loads or is
+    refused with ProjectorLoadError, and the context goes on. A missing
+    tensor libmtmd's graph uses killed the process (SIGSEGV), and an
+    image size of 0 aborted it (issue 48, item 1): such files are now
+    loaded in a probe process first (lloyal._probe)."""
+    modality = kind
+    sizes = [
+        f"clip.{modality}.{key}"
+        for key in ("embedding_length", "feed_forward_length", "block_count", "projection_dim")
+    ] + (
+        ["clip.vision.image_size", "clip.vision.patch_size"]
+        if kind == "vision"
+        else ["clip.audio.num_mel_bins"]
+    )
+    cases: list[tuple[str, dict[str, object]]] = [
+        (f"drop-{name}", {"drop": [name]}) for name in fixtures.mmproj_tensors("smollm2", kind)
+    ]
+    cases += [(f"{key}={v}", {"values": {key: v}}) for key in sizes for v in (0, 1 << 30)]
+    outcomes: dict[str, str] = {}
+    async with await lloyal.create_context(smollm2, n_ctx=256, deterministic=True) as ctx:
+        for name, damage in cases:
+            path = fixtures.mmproj_damaged(tmp_path / f"{name}.gguf", "smollm2", kind, **damage)
+            try:
+                await ctx.load_projector(path)
+                outcomes[name] = "loaded"
+            except lloyal.ProjectorLoadError as e:
+                outcomes[name] = "crash" if "probe process" in str(e) else "refused"
+        # The context goes on with the good projector.
+        info = await ctx.load_projector(fixtures.mmproj("smollm2", kind))
+        assert getattr(info, kind)
+    crashed = sorted(n for n, o in outcomes.items() if o == "crash")
+    # The cases that used to kill the process are among those refused.
+    if kind == "vision":
+        assert (
+            "clip.vision.image_size=0" in crashed
+            or outcomes["clip.vision.image_size=0"] == "refused"
+        )
+    print(f"{kind}: {len(crashed)} of {len(cases)} would have crashed: {crashed}")

@@ -43,6 +43,7 @@ __all__ = [
     "fit_gpu_layers",
     "join_workers",
     "json_schema_to_grammar",
+    "probe_projector",
     "supports_gpu_offload",
     "validate_chat_template",
 ]
@@ -355,6 +356,9 @@ class NativeContext:
     ) -> None: ...
 
 def validate_chat_template(source: str) -> bool: ...
+def probe_projector(
+    model_path: os.PathLike[str] | str, mmproj: os.PathLike[str] | str
+) -> dict[str, Any]: ...
 def builtin_chat_templates() -> list[str]: ...
 def supports_gpu_offload() -> bool: ...
 def fit_gpu_layers(

@@ -25,7 +25,7 @@ import anyio
 import numpy as np
 import numpy.typing as npt
 
-from lloyal import _check, _lloyal
+from lloyal import _check, _lloyal, _probe
 from lloyal import adapters as _adapters
 from lloyal._bridge import call_native
 from lloyal.adapters import Adapters, ControlVector, Lora, LoraSpec
@@ -1294,6 +1294,9 @@ class Context:
         """
         self._check_open()
         p = Path(os.fspath(path))
+        # In a probe process first: a projector libmtmd crashes on kills
+        # the probe, not this process (lloyal._probe).
+        await anyio.to_thread.run_sync(_probe.check_projector, self.model_info.path, p)
         info = await call_native(lambda done: self._native.load_projector(p, done))
         self._projector = ProjectorInfo(**info)
         self._media.reset()  # positions and encodings are the projector's

@@ -13,6 +13,8 @@ in :func:`lloyal.models.cache_dir` like the test models.
   model: SmolLM2 (or Gemma 3) becomes a tiny vision-language model.
   ``kind="audio"`` is an audio one instead (Qwen2-Audio's kind: a random
   two-layer Whisper encoder), 750 positions for each 30 s of sound.
+  :func:`mmproj_damaged` writes one without some of its tensors or with
+  other sizes, for tests that such a file is refused, not a crash.
 
 ``python -m lloyal.fixtures`` (``make fixtures``) writes them all and
 prints their paths; each is written once, then found in the cache.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -138,6 +141,56 @@ def mmproj(model: str = "smollm2", kind: Literal["vision", "audio"] = "vision") 
     target = cache_dir() / f"{model}-mmproj{suffix}.gguf"
     if target.is_file():
         return target
+    return _write(target, "clip", _mmproj_fill(model, kind))
+
+
+def mmproj_damaged(
+    target: Path,
+    model: str = "smollm2",
+    kind: Literal["vision", "audio"] = "vision",
+    *,
+    drop: Sequence[str] = (),
+    values: Mapping[str, int] | None = None,
+) -> Path:
+    """:func:`mmproj` written to ``target`` without the tensors ``drop``
+    and with the uint32 keys ``values`` set to theirs: a damaged projector,
+    for tests that it is refused and not a crash. :func:`mmproj_tensors`
+    lists what there is to drop."""
+    fill = _mmproj_fill(model, kind)
+    left: dict[str, int] = dict(values or {})
+
+    class Damaging:
+        def __init__(self, writer: Any) -> None:
+            self._writer = writer
+
+        def add_tensor(self, name: str, data: Any) -> None:
+            if name not in drop:
+                self._writer.add_tensor(name, data)
+
+        def add_uint32(self, key: str, value: int) -> None:
+            self._writer.add_uint32(key, left.pop(key, value))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._writer, name)
+
+    def damaged(writer: Any) -> None:
+        fill(Damaging(writer))
+        for key, value in left.items():  # keys the projector did not have
+            writer.add_uint32(key, value)
+
+    return _write(Path(target), "clip", damaged)
+
+
+def mmproj_tensors(
+    model: str = "smollm2", kind: Literal["vision", "audio"] = "vision"
+) -> list[str]:
+    """The names of the tensors of :func:`mmproj`."""
+    reader = _gguf().GGUFReader(mmproj(model, kind))
+    return [t.name for t in reader.tensors]
+
+
+def _mmproj_fill(model: str, kind: str) -> Any:
+    """What :func:`mmproj` writes, as a function of a GGUF writer."""
     _, shapes = _shapes(model)
     n_text = shapes["token_embd.weight"][0]
     size, patch, width, hidden, blocks = MMPROJ_IMAGE_SIZE, MMPROJ_PATCH, 32, 64, 2
@@ -197,7 +250,7 @@ def mmproj(model: str = "smollm2", kind: Literal["vision", "audio"] = "vision") 
             w.add_tensor("mm.a.fc.weight", rand(n_text, width, sd=0.5))
             w.add_tensor("mm.a.fc.bias", rand(n_text))
 
-    return _write(target, "clip", fill)
+    return fill
 
 
 def build_all() -> list[Path]:

@@ -39,6 +39,7 @@ fn _lloyal(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(context::supports_gpu_offload, m)?)?;
     m.add_function(wrap_pyfunction!(context::fit_gpu_layers, m)?)?;
     m.add_function(wrap_pyfunction!(backend::backend_info, m)?)?;
+    m.add_function(wrap_pyfunction!(media::probe_projector, m)?)?;
     m.add_function(wrap_pyfunction!(context::join_workers, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("LLAMA_CPP_2_VERSION", lloyal_core::LLAMA_CPP_2_VERSION)?;

@@ -32,6 +32,21 @@ fn info_object(py: Python<'_>, info: ProjectorInfo) -> PyResult<Py<PyAny>> {
     Ok(d.into_any().unbind())
 }
 
+/// ``lloyal._probe``'s work, in the probe process: load the projector
+/// ``mmproj`` for the model at ``model_path`` as a context would (the GIL
+/// released); its info dict, or the typed error.
+#[pyfunction]
+pub fn probe_projector(
+    py: Python<'_>,
+    model_path: PathBuf,
+    mmproj: PathBuf,
+) -> PyResult<Py<PyAny>> {
+    let info = py
+        .detach(|| lloyal_core::media::probe_projector(&model_path, &mmproj))
+        .map_err(crate::errors::to_pyerr)?;
+    info_object(py, info)
+}
+
 fn layout_object(py: Python<'_>, layout: MediaLayout) -> PyResult<Py<PyAny>> {
     Ok((layout.positions, layout.content)
         .into_pyobject(py)?

@@ -11,7 +11,7 @@
 
 mod check;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use llama_cpp_2::mtmd::{
@@ -123,6 +123,42 @@ impl Task for PrefillMedia {
     fn fail(self: Box<Self>, error: Error) {
         self.reply.send(Err(error));
     }
+}
+
+/// Load `mmproj` for the model at `model_path` (its vocabulary and sizes
+/// only) with libmtmd, as a context would, and let it go: what a probe
+/// process runs, so that a projector libmtmd crashes on (a tensor its graph
+/// needs missing, a size it asserts on) kills the probe, not the caller.
+/// See `lloyal._probe`.
+pub fn probe_projector(model_path: &Path, mmproj: &Path) -> Result<ProjectorInfo> {
+    check::check_projector(mmproj)?;
+    let refuse = |reason: String| Error::ProjectorLoad {
+        path: mmproj.to_path_buf(),
+        reason,
+    };
+    let backend = crate::backend::backend()?;
+    let params = llama_cpp_2::model::params::LlamaModelParams::default().with_vocab_only(true);
+    let model = llama_cpp_2::model::LlamaModel::load_from_file(backend, model_path, &params)
+        .map_err(|e| Error::ModelLoad {
+            path: model_path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+    let utf8 = mmproj
+        .to_str()
+        .ok_or_else(|| refuse("the path is not valid UTF-8".into()))?;
+    let params = MtmdContextParams {
+        n_threads: 1,
+        use_gpu: false,
+        print_timings: false,
+        ..MtmdContextParams::default()
+    };
+    let loaded = MtmdContext::init_from_file(utf8, &model, &params)
+        .map_err(|e| refuse(format!("libmtmd refused it ({e})")))?;
+    Ok(ProjectorInfo {
+        vision: loaded.support_vision(),
+        audio: loaded.support_audio(),
+        audio_sample_rate: loaded.get_audio_sample_rate(),
+    })
 }
 
 impl Worker<'_> {
