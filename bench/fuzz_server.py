@@ -1,14 +1,16 @@
-"""Fuzz `lloyal serve`'s request schema for a while (default 600 s).
+"""Fuzz `lloyal serve`'s request schemas for a while (default 600 s).
 
-Starts a server and sends it random bodies for /v1/chat/completions and
-/v1/completions, built field by field from the OpenAI schema with any JSON
-value in any field (tests/server_fuzz.py; the test suite runs the same
-fuzzer for about a minute), each followed by a good request that must
-succeed. Every response must be a success or a 4xx with OpenAI's JSON
-error body, and every KV lease must be back after each. Prints the
-responses counted by status after each batch of examples.
+Starts a server and sends it random bodies built field by field from each
+API's schema with any JSON value in any field (tests/server_fuzz.py; the
+test suite runs the same fuzzers for about a minute each), each followed by
+a good request that must succeed. Every response must be a success or a 4xx
+with the API's JSON error body, and every KV lease must be back after each.
+Prints the responses counted by status after each batch of examples.
+``--surface``: ``openai`` (/v1/chat/completions and /v1/completions, the
+default), ``responses``, ``ollama``, ``anthropic``, ``llama``
+(llama-server's /completion) or ``all``.
 
-    python bench/fuzz_server.py [--duration 600] [--model smollm2] [--n-seq-max 8]
+    python bench/fuzz_server.py [--duration 600] [--surface all] [--model smollm2]
 
 Exits 1, with the (shrunk) body that broke the contract, on any 5xx, any
 good request that failed, or a lease that did not come back.
@@ -30,14 +32,23 @@ from lloyal.models import KNOWN_MODELS, model_path
 
 from tests import server_fuzz
 
+SURFACES = {
+    "openai": server_fuzz.requests,
+    "responses": server_fuzz.responses_requests,
+    "ollama": server_fuzz.ollama_requests,
+    "anthropic": server_fuzz.anthropic_requests,
+    "llama": server_fuzz.llama_requests,
+    "all": server_fuzz.every_surface,
+}
 
-def batch(fuzzer: server_fuzz.Fuzzer, examples: int) -> None:
+
+def batch(fuzzer: server_fuzz.Fuzzer, examples: int, surface: str) -> None:
     """One hypothesis run of ``examples`` bodies (a fresh random seed each)."""
 
     @settings(
         max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck)
     )
-    @given(sent=server_fuzz.requests())
+    @given(sent=SURFACES[surface]())
     def run(sent: tuple[str, bytes]) -> None:
         fuzzer.round(sent)
 
@@ -57,6 +68,7 @@ def main() -> int:
     parser.add_argument("--n-seq-max", type=int, default=8)
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=100, help="examples per hypothesis run")
+    parser.add_argument("--surface", choices=sorted(SURFACES), default="openai")
     args = parser.parse_args()
     path = model_path(args.model) if args.model in KNOWN_MODELS else Path(args.model)
     proc, url = server_fuzz.start_server(
@@ -69,7 +81,7 @@ def main() -> int:
         with fuzzer:
             while time.monotonic() - started < args.duration:
                 try:
-                    batch(fuzzer, args.batch)
+                    batch(fuzzer, args.batch, args.surface)
                 except Exception as e:  # the contract broken: report it below
                     failure = e
                     break

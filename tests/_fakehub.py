@@ -20,7 +20,8 @@ CDN is; the hub's client follows a redirect to its own host itself), and
 for a hostile hub: ``commit`` and ``etag`` (the ``X-Repo-Commit`` and
 ``X-Linked-Etag`` sent), ``endless`` (a CDN body without a length that never
 ends), ``self_link`` (each page of the file list links to itself as the
-next), ``empty_pages`` (empty pages, each linking to another, for ever).
+next), ``empty_pages`` (empty pages, each linking to another, for ever),
+``tree_body`` (these bytes as the whole file list, for a fuzz).
 ``requests`` records ``(method, path, headers)`` of every request.
 """
 
@@ -51,6 +52,7 @@ class FakeHub:
         self.endless = False
         self.self_link = False
         self.empty_pages = False
+        self.tree_body: bytes | None = None
         self.sent = 0  # bytes of the last endless body
         hub = self
 
@@ -108,6 +110,9 @@ class FakeHub:
     def _tree(
         self, h: BaseHTTPRequestHandler, repo: str, query: dict[str, list[str]], at: str
     ) -> None:
+        if self.tree_body is not None:
+            self._reply(h, 200, self.tree_body, {"Content-Type": "application/json"})
+            return
         folder = self.root / repo
         if not folder.is_dir():
             self._reply(h, 404, b'{"error": "Repository not found"}', {})

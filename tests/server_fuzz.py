@@ -30,6 +30,8 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
 OLLAMA_CHAT = "/api/chat"
+MESSAGES = "/v1/messages"
+LLAMA_COMPLETION = "/completion"
 GOOD: dict[str, dict[str, Any]] = {
     OLLAMA_CHAT: {
         "model": "m",
@@ -40,6 +42,8 @@ GOOD: dict[str, dict[str, Any]] = {
     CHAT: {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
     COMPLETIONS: {"prompt": "Hi", "max_tokens": 2},
     RESPONSES: {"input": "Hi", "max_output_tokens": 2},
+    MESSAGES: {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    LLAMA_COMPLETION: {"prompt": "Hi", "n_predict": 2},
 }
 VOCAB = 49152  # SmolLM2's: token ids on both sides of its end are tried
 
@@ -395,6 +399,108 @@ OLLAMA_FIELDS: dict[str, Field] = {
 }
 
 
+_BLOCK: dict[str, Field] = {
+    "type": (
+        st.sampled_from(["text", "image", "tool_use", "tool_result", "document", "thinking"]),
+        JSON,
+    ),
+    "text": (TEXT, JSON),
+    "id": (TEXT, JSON),
+    "name": (st.sampled_from(_NAMES), JSON),
+    "input": (st.dictionaries(TEXT, JSON, max_size=2), JSON),
+    "tool_use_id": (TEXT, JSON),
+    "content": (TEXT, JSON),
+    "thinking": (TEXT, JSON),
+    "source": (
+        st.fixed_dictionaries({"type": st.just("text"), "data": TEXT, "media_type": TEXT}),
+        JSON,
+    ),
+}
+_ANTHROPIC_MESSAGE: dict[str, Field] = {
+    "role": (st.sampled_from(["user", "assistant"]), JSON | st.just(ABSENT)),
+    "content": (
+        TEXT | st.lists(_whole(_BLOCK, ("type",)), max_size=2),
+        JSON | st.lists(_broken(_BLOCK, ("type",)), min_size=1, max_size=2),
+    ),
+}
+ANTHROPIC_FIELDS: dict[str, Field] = {
+    "model": (TEXT, JSON),
+    "max_tokens": (st.integers(1, 4), _BAD_COUNT),
+    "messages": (
+        st.lists(_whole(_ANTHROPIC_MESSAGE, ("role", "content")), min_size=1, max_size=3),
+        JSON | st.lists(_broken(_ANTHROPIC_MESSAGE, ("role", "content")), min_size=1, max_size=3),
+    ),
+    "system": (
+        TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2),
+        JSON,
+    ),
+    "temperature": _number(0, 1),
+    "top_p": _number(0, 1),
+    "top_k": (st.integers(0, 100), JSON),
+    "stop_sequences": (
+        st.lists(st.text(min_size=1, max_size=4), max_size=4),
+        JSON | st.lists(TEXT, min_size=65, max_size=66),
+    ),
+    "stream": _flag(),
+    "tools": (
+        st.lists(
+            st.builds(
+                lambda name, schema: {"name": name, "input_schema": schema},
+                st.sampled_from(_NAMES),
+                SCHEMA[0],
+            ),
+            max_size=2,
+            unique_by=lambda t: t["name"],
+        ),
+        JSON | st.lists(JSON, min_size=1, max_size=2),
+    ),
+    "tool_choice": (
+        st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"}])
+        | st.builds(lambda name: {"type": "tool", "name": name}, st.sampled_from(_NAMES)),
+        JSON,
+    ),
+    "thinking": (
+        st.sampled_from([{"type": "disabled"}])
+        | st.builds(lambda n: {"type": "enabled", "budget_tokens": n}, st.integers(1, 4)),
+        JSON,
+    ),
+    "output_config": (
+        st.builds(lambda s: {"format": {"type": "json_schema", "schema": s}}, SCHEMA[0]),
+        JSON | st.builds(lambda s: {"format": {"type": "json_schema", "schema": s}}, SCHEMA[1]),
+    ),
+    "metadata": (st.fixed_dictionaries({}, optional={"user_id": TEXT}), JSON),
+}
+LLAMA_FIELDS: dict[str, Field] = {
+    **SAMPLING,
+    "prompt": COMPLETION_FIELDS["prompt"],
+    "grammar": CHAT_FIELDS["grammar"],
+    "json_schema": SCHEMA,
+}
+
+
+def anthropic_requests() -> st.SearchStrategy[tuple[str, bytes]]:
+    """``(path, body)`` for Anthropic's ``/v1/messages``."""
+    body = _record(ANTHROPIC_FIELDS, ("messages", "max_tokens"))
+    return st.tuples(st.just(MESSAGES), body.map(_dumps) | ODD_BODIES)
+
+
+def llama_requests() -> st.SearchStrategy[tuple[str, bytes]]:
+    """``(path, body)`` for llama-server's ``/completion``."""
+    body = _record(LLAMA_FIELDS, ("prompt", "n_predict"))
+    return st.tuples(st.just(LLAMA_COMPLETION), body.map(_dumps) | ODD_BODIES)
+
+
+def every_surface() -> st.SearchStrategy[tuple[str, bytes]]:
+    """Requests of every API the server speaks (bench/fuzz_server.py)."""
+    return st.one_of(
+        requests(),
+        responses_requests(),
+        ollama_requests(),
+        anthropic_requests(),
+        llama_requests(),
+    )
+
+
 def ollama_requests() -> st.SearchStrategy[tuple[str, bytes]]:
     """``(path, body)`` for Ollama's ``/api/chat`` (bounded by
     ``options.num_predict``)."""
@@ -453,6 +559,10 @@ def check(r: httpx.Response) -> None:
         assert isinstance(error["type"], str)
         return
     assert r.status_code == 200, f"{r.status_code}: {r.text[:2000]}"
+    path = r.request.url.path
+    if path in (MESSAGES, LLAMA_COMPLETION):
+        _check_other(r, path)
+        return
     responses = r.request.url.path == RESPONSES
     if ollama:
         lines = [json.loads(x) for x in r.text.splitlines() if x.strip()]
@@ -497,3 +607,21 @@ class Fuzzer:
         good = self.client.post(path, json=GOOD[path])
         assert good.status_code == 200, f"the good request after this one: {good.text}"
         leases_back(self.url, self.n_seq_max)
+
+
+def _check_other(r: httpx.Response, path: str) -> None:
+    """A success of Anthropic's API or llama-server's ``/completion``."""
+    if not r.headers["content-type"].startswith("text/event-stream"):
+        body = r.json()
+        if path == MESSAGES:
+            assert body["type"] == "message", r.text[:2000]
+            assert isinstance(body["content"], list), r.text[:2000]
+        else:
+            assert isinstance(body["content"], str), r.text[:2000]
+        return
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    last = events[-1]
+    if path == MESSAGES:
+        assert last["type"] == "message_stop", r.text[-2000:]
+    else:
+        assert last["stop"] is True, r.text[-2000:]

@@ -9,12 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from lloyal import cli
 from lloyal import hub as lloyal_hub
 from lloyal.errors import ChecksumMismatchError, PullError, PullNotFoundError
@@ -450,3 +453,74 @@ def test_cli_models_take_hub_specs(hub: FakeHub, files: dict[str, bytes]) -> Non
     path = cli._model(f"hf:{REPO}:Q8_0")
     assert path.read_bytes() == files["tiny-Q8_0.gguf"]
     assert cli._model("local.gguf") == Path("local.gguf")
+
+
+_PATHS = [
+    "m-Q4_K_M.gguf",
+    "sub/m-Q8_0.gguf",
+    "../m-Q4_K_M.gguf",
+    "a/../../m-Q4_K_M.gguf",
+    "/abs-Q4_K_M.gguf",
+    "x\\y-Q4_K_M.gguf",
+    "",
+    ".",
+    "m-Q4_K_M-00001-of-00002.gguf",
+    "n" * 300 + "-Q4_K_M.gguf",
+]
+_JUNK = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.text(max_size=8)
+    | st.lists(st.integers(), max_size=2)
+)
+_ENTRY = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["file", "directory"]) | _JUNK,
+        "path": st.sampled_from(_PATHS) | _JUNK,
+        "size": st.integers(-5, 10**12) | _JUNK,
+        "lfs": st.fixed_dictionaries(
+            {},
+            optional={
+                "oid": st.text("0123456789abcdef", min_size=64, max_size=64) | _JUNK,
+                "size": st.integers(-5, 10**12) | _JUNK,
+            },
+        )
+        | _JUNK,
+    },
+)
+
+
+@settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    tree=st.lists(_ENTRY, max_size=6).map(json.dumps).map(str.encode)
+    | st.binary(max_size=40)
+    | st.just(b'{"not": "a list"}'),
+    commit=st.sampled_from([COMMIT, "../../x", "", "0" * 39, "g" * 40]),
+    etag=st.sampled_from([None, "../../y", "a b", "W/" + "1" * 64]),
+)
+def test_fuzzed_hub_answers_give_a_file_in_the_cache_or_a_pull_error(
+    hub: FakeHub, cache: Path, tmp_path: Path, tree: bytes, commit: str, etag: str | None
+) -> None:
+    """Any file list, commit and ETag the hub sends (issue 48's fuzz of hub
+    responses): the pull gives a file inside the cache or raises a
+    PullError, and writes nothing outside the cache."""
+    shutil.rmtree(cache, ignore_errors=True)  # each example from an empty cache
+    hub.add("org/fuzz", "m-Q4_K_M.gguf", b"model bytes")
+    hub.tree_body, hub.commit, hub.etag = tree, commit, etag
+    outside = tmp_path / "outside"
+    before = sorted(p for p in tmp_path.rglob("*") if cache not in p.parents and p != cache)
+    try:
+        path = pull("hf:org/fuzz")
+    except PullError:
+        pass
+    else:
+        assert (cache / "hf").resolve() in path.resolve().parents
+    after = sorted(p for p in tmp_path.rglob("*") if cache not in p.parents and p != cache)
+    assert after == before
+    assert not outside.exists()

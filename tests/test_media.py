@@ -21,6 +21,8 @@ import anyio
 import lloyal
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from lloyal import fixtures
 
 # deterministic_first: this module's contexts are deterministic (see
@@ -453,3 +455,50 @@ async def test_damaged_projectors_are_refused_not_a_crash(
             or outcomes["clip.vision.image_size=0"] == "refused"
         )
     print(f"{kind}: {len(crashed)} of {len(cases)} would have crashed: {crashed}")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    kind=st.sampled_from(["png", "random", "pixels"]),
+    cuts=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=6),
+    keep=st.integers(0, 10_000),
+)
+def test_fuzzed_media_bytes_tokenize_or_are_a_media_error(
+    smollm2: Path, seed: int, kind: str, cuts: list[tuple[int, int]], keep: int
+) -> None:
+    """A PNG with bytes changed and cut short, random bytes, or RGB pixels
+    of any length: tokenized and prefilled whole, or refused with a typed
+    error before anything changes (issue 48's fuzz of media bytes)."""
+    if kind == "png":
+        data = bytearray(png(picture(seed % 1000)))
+        for at, value in cuts:
+            data[at % len(data)] = value
+        data = data[: max(1, keep % (len(data) + 1))]
+        medium: object = bytes(data)
+    elif kind == "random":
+        medium = np.random.default_rng(seed).bytes(keep % 2000)
+    else:
+        medium = (np.random.default_rng(seed).bytes(keep % 4000), (16, 16))
+
+    async def main() -> None:
+        async with await lloyal.create_context(
+            smollm2, n_ctx=512, n_seq_max=2, deterministic=True, mmproj=fixtures.mmproj("smollm2")
+        ) as ctx:
+            b = lloyal.Branch.create(ctx, lloyal.GREEDY)
+            await b.prefill(await ctx.tokenize("Look."))
+            start = b.position
+            try:
+                if isinstance(medium, tuple):
+                    item: object = lloyal.Media(medium[0], size=medium[1])
+                else:
+                    item = medium
+                tokens = await ctx.tokenize(f"{lloyal.MEDIA_MARKER} What?", media=[item])
+            except (lloyal.MediaError, ValueError, TypeError):
+                tokens = None
+            if tokens is not None:
+                await b.prefill(tokens)
+                assert b.position == start + len(tokens)
+            await b.prefill(await prompt_tokens(ctx, picture(1)))
+
+    anyio.run(main)

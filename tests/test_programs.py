@@ -11,6 +11,8 @@ from pathlib import Path
 import lloyal
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from lloyal.programs import choice_logprobs
 
 from tests.conftest import ROUTE_NOISE, route_distance
@@ -467,5 +469,65 @@ def test_forks_a_program_leaves_open_are_closed_with_it(smollm2: Path) -> None:
             states = await lloyal.run_batch(leaky, ctx, ["a", "b", "c"], concurrency=1)
             assert [s.result for s in states] == ["Say a:", "Say b:", "Say c:"]
             assert lloyal.BranchStore(ctx).available == 3
+
+    run(main)
+
+
+_REGEXES = [None, "[0-9]{1,3}", "(yes|no)", ".{0,4}", "(", "a\\", "[z-a]", "a{2,1}", "\\p{Zz}"]
+_SCHEMAS = [
+    None,
+    {"type": "string", "maxLength": 4},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    True,
+    False,
+    {"type": "nothing"},
+    {"enum": []},
+    {"$ref": "#/missing"},
+    "not json",
+]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    calls=st.lists(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "max_tokens": st.sampled_from([1, 3, 0, -1, "2", 2.5]),
+                "stop": st.sampled_from([None, "", ".", ["a", "b"], [""], 5]),
+                "regex": st.sampled_from(_REGEXES),
+                "json_schema": st.sampled_from(_SCHEMAS),
+                "temperature": st.sampled_from([None, 0, 0.7, 2.0, -1.0, float("nan"), "x"]),
+                "top_p": st.sampled_from([None, 0.5, 1.0, 1.5, -0.1]),
+            },
+        ),
+        min_size=4,
+        max_size=10,
+    )
+)
+def test_random_gen_calls_generate_or_are_refused_and_change_nothing(
+    smollm2: Path, calls: list[dict[str, object]]
+) -> None:
+    """Random ``gen`` calls on one program state (issue 48's fuzz of
+    program calls): each generates at most ``max_tokens`` tokens and
+    appends its text, or is refused with a typed error and leaves the
+    text and the state's sampling as they were; the state works after."""
+
+    async def main() -> None:
+        async with await lloyal.create_context(smollm2, n_ctx=1024, n_seq_max=2) as ctx:
+            s = await lloyal.ProgramState.open(ctx, params=lloyal.GREEDY)
+            s += "Answer:"
+            for call in calls:
+                text, params = s.text, s.branch.sampler_params
+                try:
+                    got = await s.gen(**call)  # type: ignore[arg-type]
+                except (ValueError, TypeError, lloyal.LloyalError):
+                    assert s.text == text, call
+                    assert s.branch.sampler_params == params, call
+                    continue
+                assert s.text == text + got, call
+                assert s.branch.sampler_params == params, call
+            assert isinstance(await s.gen(max_tokens=2), str)
+            await s.close()
 
     run(main)

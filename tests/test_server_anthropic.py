@@ -11,8 +11,10 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
 from lloyal.models import model_path
 
+from tests import server_fuzz
 from tests._hang import HANG_GUARD_S
 from tests.conftest import open_sync
 from tests.server_fuzz import start_server, stop_server
@@ -314,3 +316,31 @@ def test_documents_and_many_stop_sequences(client: anthropic.Anthropic) -> None:
         model="m", max_tokens=4, extra_body=GREEDY, messages=ASK, stop_sequences=stops
     )
     assert r.stop_reason in ("end_turn", "max_tokens", "stop_sequence")
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(sent=server_fuzz.anthropic_requests())
+def test_fuzzed_requests_get_a_message_or_a_4xx(server: str, sent: tuple[str, bytes]) -> None:
+    """Random ``/v1/messages`` bodies (tests/server_fuzz.py): a message or a
+    4xx with Anthropic's error body, never a 500; a good request right
+    after each succeeds, and then every lease is back."""
+    with server_fuzz.Fuzzer(server, 4) as fuzzer:
+        fuzzer.round(sent)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(sent=server_fuzz.llama_requests())
+def test_fuzzed_llama_completions_get_a_reply_or_a_4xx(
+    server: str, sent: tuple[str, bytes]
+) -> None:
+    """Random bodies for llama-server's ``/completion`` (tests/server_fuzz.py)."""
+    with server_fuzz.Fuzzer(server, 4) as fuzzer:
+        fuzzer.round(sent)
