@@ -220,6 +220,68 @@ def test_a_schema_that_says_nothing_of_other_keys_is_closed(client: openai.OpenA
     assert set(json.loads(r.choices[0].message.content or "")) == {"answer"}
 
 
+def test_langchain_bind_tools_any_gets_a_call_with_its_own_keys(server: str) -> None:
+    """LangChain's ``bind_tools(..., tool_choice="any")`` (a ``@tool``'s
+    schema has no ``additionalProperties``): the call it gets back parses,
+    with the tool's keys only. Before tool schemas were closed, the model
+    added keys until ``max_tokens`` cut the call, which LangChain then
+    listed as an invalid tool call (issue 47, item 5)."""
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    llm = ChatOpenAI(
+        base_url=f"{server}/v1",
+        api_key="unused",  # type: ignore[arg-type]
+        model="m",
+        temperature=0,
+        max_tokens=80,  # type: ignore[call-arg]
+        max_retries=0,
+        timeout=HANG_GUARD_S,
+    )
+    tools = llm.bind_tools([get_weather], tool_choice="any")
+    msg = tools.invoke("Weather for Tokyo and Lima, in detail?")
+    assert not msg.invalid_tool_calls, msg.invalid_tool_calls  # type: ignore[attr-defined]
+    assert msg.tool_calls  # type: ignore[attr-defined]
+    for call in msg.tool_calls:  # type: ignore[attr-defined]
+        assert call["name"] == "get_weather"
+        assert set(call["args"]) == {"city"}
+
+
+def test_instructor_create_iterable_gets_whole_objects(server: str) -> None:
+    """instructor's ``create_iterable`` (tool mode: a schema of a list of
+    the model's objects, none with ``additionalProperties``) yields whole
+    objects. It failed while such schemas were open: the model's invented
+    keys ran into ``max_tokens`` (issue 47, item 5)."""
+    import instructor
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+
+    raw = openai.OpenAI(
+        base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=HANG_GUARD_S
+    )
+    client = instructor.from_openai(raw, mode=instructor.Mode.TOOLS)
+    cities = list(
+        client.chat.completions.create_iterable(
+            model="m",
+            response_model=City,
+            messages=[{"role": "user", "content": "Name two cities in France."}],
+            max_tokens=80,
+            temperature=0,
+            max_retries=0,
+        )
+    )
+    assert cities
+    assert all(isinstance(c, City) and c.name for c in cities)
+    raw.close()
+
+
 def test_llama_servers_own_chat_fields_are_applied_or_refused(client: openai.OpenAI) -> None:
     """``n_predict``, ``json_schema`` and a GBNF ``grammar`` on a chat request
     (llama-server's fields) are applied, and what cannot go together is a
