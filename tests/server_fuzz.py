@@ -315,6 +315,16 @@ COMPLETION_FIELDS: dict[str, Field] = {
 }
 
 
+def _named_tools(make: Any) -> Field:
+    """A list of tools, each ``make(name, schema)`` (a top-level ``name``,
+    as the Responses and Anthropic APIs have them), and junk."""
+    tool = st.builds(make, st.sampled_from(_NAMES), SCHEMA[0])
+    return (
+        st.lists(tool, max_size=2, unique_by=lambda t: t["name"]),
+        JSON | st.lists(JSON, min_size=1, max_size=2),
+    )
+
+
 _ITEM: dict[str, Field] = {
     "type": (
         st.sampled_from(["message", "function_call", "function_call_output", "reasoning"]),
@@ -343,17 +353,8 @@ RESPONSES_FIELDS: dict[str, Field] = {
     "top_p": _number(0, 1),
     "stream": _flag(),
     "store": _flag(),
-    "tools": (
-        st.lists(
-            st.builds(
-                lambda name, schema: {"type": "function", "name": name, "parameters": schema},
-                st.sampled_from(_NAMES),
-                SCHEMA[0],
-            ),
-            max_size=2,
-            unique_by=lambda t: t["name"],
-        ),
-        JSON | st.lists(JSON, min_size=1, max_size=2),
+    "tools": _named_tools(
+        lambda name, schema: {"type": "function", "name": name, "parameters": schema}
     ),
     "tool_choice": (
         st.sampled_from(["auto", "none"])
@@ -442,18 +443,7 @@ ANTHROPIC_FIELDS: dict[str, Field] = {
         JSON | st.lists(TEXT, min_size=65, max_size=66),
     ),
     "stream": _flag(),
-    "tools": (
-        st.lists(
-            st.builds(
-                lambda name, schema: {"name": name, "input_schema": schema},
-                st.sampled_from(_NAMES),
-                SCHEMA[0],
-            ),
-            max_size=2,
-            unique_by=lambda t: t["name"],
-        ),
-        JSON | st.lists(JSON, min_size=1, max_size=2),
-    ),
+    "tools": _named_tools(lambda name, schema: {"name": name, "input_schema": schema}),
     "tool_choice": (
         st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"}])
         | st.builds(lambda name: {"type": "tool", "name": name}, st.sampled_from(_NAMES)),
