@@ -190,3 +190,29 @@ def test_fuzzed_requests_get_a_reply_or_a_4xx(server: str, sent: tuple[str, byte
     succeeds, and then every lease is back."""
     with server_fuzz.Fuzzer(server, 4) as fuzzer:
         fuzzer.round(sent)
+
+
+@pytest.fixture(scope="module")
+def gemma3_server() -> Iterator[str]:
+    """``lloyal serve`` on the other test model (Gemma 3, its template)."""
+    from lloyal.models import model_path
+
+    proc, url = start_server(
+        "--model", str(model_path("gemma3")), "--template", "gemma",
+        "--n-seq-max", "4", "--n-ctx", "2048", "--deterministic",
+    )  # fmt: skip
+    yield url
+    stop_server(proc)
+
+
+@pytest.mark.parametrize(
+    "check",
+    [test_chat_whole_and_streamed, test_structured_output_and_tools],
+    ids=lambda f: f.__name__.removeprefix("test_"),
+)
+def test_the_same_on_gemma3(gemma3_server: str, check: Any) -> None:
+    with ollama.Client(host=gemma3_server, timeout=HANG_GUARD_S) as c:
+        if "server" in check.__code__.co_varnames[: check.__code__.co_argcount]:
+            check(c, gemma3_server)
+        else:
+            check(c)
