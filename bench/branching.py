@@ -20,7 +20,8 @@ own KV sequence copy of the same prefix in the same context configuration
     python bench/branching.py [--model smollm2|gemma3|PATH] [--steps 64] [--runs 3] [--chunk 16]
                               [--loop asyncio|uvloop] [--widths 1,2,4,8,16] [--fork-contexts 7]
 
-``--widths ''`` skips the lockstep runs (fork latency only).
+``--widths ''`` skips the lockstep runs (fork latency only);
+``--fork-contexts 0`` skips fork latency.
 
 ``--loop uvloop`` runs the Python side on uvloop instead of asyncio's own
 event loop (whose round trip costs the loop thread about 0.08 ms more CPU
@@ -220,7 +221,7 @@ def main() -> None:
         "--fork-contexts",
         type=int,
         default=FORK_CONTEXTS,
-        help="contexts per side and prefix for fork latency",
+        help="contexts per side and prefix for fork latency (0: skip it)",
     )
     parser.add_argument(
         "--llama-cpp-python", action="store_true", help="also time best-of-N in llama-cpp-python"
@@ -321,6 +322,7 @@ def main() -> None:
                 row["lcp"] = lcp_tps
                 line += f" {lcp_tps:>17.1f} {p_med / lcp_tps:>8.2f}x"
             print(line)
+        prefixes = FORK_PREFIXES if args.fork_contexts > 0 else ()
         print(
             f"\n{name}: fork latency (median of {FORK_REPEATS} forks in a context;"
             f" {args.fork_contexts} contexts a side; target: fastest <= seq_cp + 50 us)"
@@ -329,7 +331,7 @@ def main() -> None:
             f"{'prefix':>7} {'seq_cp fastest':>15} {'fork fastest':>13} {'difference':>11}"
             f" {'seq_cp median':>14} {'fork median':>12} {'slow contexts':>14}"
         )
-        for prefix in FORK_PREFIXES:
+        for prefix in prefixes:
             tokens = text_tokens[:prefix]
             Path(tokens_file).write_text(json.dumps(tokens))
             raw_us, ours_us = [], []
